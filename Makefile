@@ -1,0 +1,77 @@
+# Branchwise: make install && make apply && make test
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+SGLANG := sglang==0.5.23
+TORCH := torch==2.14.1
+TORCHVISION := torchvision==0.29.1
+MODEL ?= models/tiny
+HOST ?= 127.0.0.1
+PORT ?= 30000
+POLICY ?= taper
+GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+STAMP := $(VENV)/.branchwise-installed
+CPU_ENV := SGLANG_USE_CPU_ENGINE=1 TORCHDYNAMO_DISABLE=1
+SERVE_ARGS := --model-path $(MODEL) --host $(HOST) --port $(PORT) --branch-policy $(POLICY)
+
+.PHONY: install apply revert check-apply tiny-model serve demo test test-unit bench lint clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml overlay/branchwise/cpu_compat/requirements-cpu.txt
+	test -x $(PY) || python3.11 -m venv $(VENV)
+ifeq ($(GPU),1)
+	@echo "== NVIDIA GPU found: normal sglang install (flashinfer included)"
+	$(PIP) install -q -e '.[dev]'
+else
+	@echo "== no GPU: CPU recipe (torch, sglang --no-deps, import closure, sgl_kernel stand-in)"
+	$(PIP) install -q $(TORCH)
+	$(PIP) install -q --no-deps $(SGLANG) $(TORCHVISION)
+	$(PIP) install -q -r overlay/branchwise/cpu_compat/requirements-cpu.txt
+	$(PIP) install -q --no-deps -e .
+	$(PIP) install -q pytest hypothesis ruff matplotlib tqdm
+	echo "$(CURDIR)/overlay/branchwise/cpu_compat" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_cpu_compat.pth"
+endif
+	touch $(STAMP)
+
+apply: install
+	$(PY) -m branchwise.patcher apply --patches patches/sglang-0.5.23
+
+revert: install
+	$(PY) -m branchwise.patcher revert --patches patches/sglang-0.5.23
+
+check-apply: install
+	$(PY) -m branchwise.patcher check --patches patches/sglang-0.5.23
+
+tiny-model: $(MODEL)/config.json
+
+$(MODEL)/config.json: overlay/branchwise/tiny_model.py
+	$(PY) -m branchwise.tiny_model $(MODEL)
+
+ifeq ($(GPU),1)
+serve: apply
+	$(PY) -m sglang.launch_server $(SERVE_ARGS)
+else
+serve: apply tiny-model
+	$(CPU_ENV) $(PY) -m sglang.launch_server $(SERVE_ARGS) --device cpu --attention-backend torch_native \
+		--dtype float32 --max-total-tokens 16384 --sleep-on-idle
+endif
+
+demo: apply tiny-model
+	$(PY) -m bench.demo --model $(MODEL)
+
+test: apply
+	$(PY) -m pytest tests -q
+
+test-unit:
+	$(PY) -m pytest tests/unit -q
+
+bench: apply tiny-model
+	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench
+
+lint:
+	$(VENV)/bin/ruff check overlay bench frontends tests
+
+clean:
+	rm -rf $(VENV) models runs

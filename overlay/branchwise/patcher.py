@@ -1,0 +1,176 @@
+"""Apply, revert and check Branchwise's patch series on the installed SGLang.
+
+    python -m branchwise.patcher apply|revert|check [--patches DIR]
+
+Pristine means "byte-identical to the wheel": each file's sha256 is checked against sglang's own
+dist-info RECORD, so no manifest of ours can drift. Applying keeps a pristine copy of every touched
+file next to the environment; `revert` restores those bytes and verifies them against RECORD.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import hashlib
+import json
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+SGLANG_VERSION = "0.5.23"
+DEFAULT_PATCHES = Path(__file__).resolve().parents[2] / "patches" / f"sglang-{SGLANG_VERSION}"
+STATE_NAME = "branchwise-patches"
+
+
+class PatchError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    site: Path  # site-packages holding sglang
+    record: dict[str, str]  # relative path -> urlsafe-b64 sha256 from the wheel's RECORD
+    state_dir: Path  # where pristine copies and the applied manifest live
+
+
+def _sha(path: Path) -> str:
+    digest = hashlib.sha256(path.read_bytes()).digest()
+    return base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+def find_target() -> Target:
+    try:
+        dist = metadata.distribution("sglang")
+    except metadata.PackageNotFoundError:
+        raise PatchError("sglang is not installed in this environment; run `make install` first") from None
+    if dist.version != SGLANG_VERSION:
+        raise PatchError(f"installed sglang is {dist.version}; these patches are for {SGLANG_VERSION} only")
+    site = Path(str(dist.locate_file("")))
+    record = {}
+    for line in (dist.read_text("RECORD") or "").splitlines():
+        parts = line.rsplit(",", 2)
+        if len(parts) == 3 and parts[1].startswith("sha256="):
+            record[parts[0]] = parts[1].removeprefix("sha256=")
+    return Target(site, record, Path(sys.prefix) / STATE_NAME)
+
+
+def series(patch_dir: Path) -> list[Path]:
+    names = [ln.strip() for ln in (patch_dir / "series").read_text().splitlines()]
+    return [patch_dir / n for n in names if n and not n.startswith("#")]
+
+
+def touched_files(patch: Path) -> list[str]:
+    return re.findall(r"^\+\+\+ b/(\S+)", patch.read_text(), flags=re.M)
+
+
+def file_states(target: Target, patch_dir: Path) -> dict[str, str]:
+    """Per touched file: 'pristine', 'applied' (matches what we wrote) or 'modified'."""
+    applied = _applied_manifest(target)
+    states = {}
+    for patch in series(patch_dir):
+        for rel in touched_files(patch):
+            if rel not in target.record:
+                raise PatchError(f"{patch.name} touches {rel}, which sglang {SGLANG_VERSION} does not ship")
+            sha = _sha(target.site / rel)
+            if sha == target.record[rel]:
+                states[rel] = "pristine"
+            elif applied.get(rel) == sha:
+                states[rel] = "applied"
+            else:
+                states[rel] = "modified"
+    return states
+
+
+def _applied_manifest(target: Target) -> dict[str, str]:
+    path = target.state_dir / "applied.json"
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _run_patch(site: Path, patch: Path, *extra: str) -> None:
+    if shutil.which("patch") is None:
+        raise PatchError("the `patch` program is missing (apt-get install patch)")
+    cmd = ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", "-d", str(site), "-i", str(patch)]
+    proc = subprocess.run([*cmd, *extra], capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise PatchError(f"{patch.name} does not apply cleanly:\n{proc.stdout}{proc.stderr}")
+
+
+def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
+    target = find_target()
+    states = file_states(target, patch_dir)
+    if states and all(s == "applied" for s in states.values()):
+        return f"already applied ({len(states)} files): nothing to do"
+    bad = {f: s for f, s in states.items() if s != "pristine"}
+    if bad:
+        raise PatchError(f"refusing to patch: files are not pristine sglang {SGLANG_VERSION}: {bad}")
+    for patch in series(patch_dir):  # dry-run everything first so a failure changes nothing
+        _run_patch(target.site, patch, "--dry-run")
+    backup = target.state_dir / "pristine"
+    for rel in states:
+        dst = backup / rel
+        dst.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(target.site / rel, dst)
+    for patch in series(patch_dir):
+        _run_patch(target.site, patch)
+    manifest = {rel: _sha(target.site / rel) for rel in states}
+    (target.state_dir / "applied.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
+    return f"applied {len(series(patch_dir))} patch(es) to {len(states)} file(s) in {target.site}"
+
+
+def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
+    target = find_target()
+    states = file_states(target, patch_dir)
+    if all(s == "pristine" for s in states.values()):
+        return "not applied: sglang is already pristine"
+    backup = target.state_dir / "pristine"
+    for rel, state in states.items():
+        if state == "pristine":
+            continue
+        src = backup / rel
+        if not src.exists():
+            raise PatchError(f"no pristine copy of {rel}; reinstall sglang=={SGLANG_VERSION}")
+        shutil.copy2(src, target.site / rel)
+        if _sha(target.site / rel) != target.record[rel]:
+            raise PatchError(f"restored {rel} does not match sglang's RECORD checksum")
+    shutil.rmtree(target.state_dir, ignore_errors=True)
+    return f"reverted {len(states)} file(s); checksums match sglang {SGLANG_VERSION}'s RECORD"
+
+
+def check(patch_dir: Path = DEFAULT_PATCHES) -> tuple[str, int]:
+    target = find_target()
+    states = file_states(target, patch_dir)
+    kinds = set(states.values())
+    lines = [f"  {s:9s} {rel}" for rel, s in sorted(states.items())]
+    if kinds == {"applied"}:
+        head, rc = "state: applied", 0
+    elif kinds == {"pristine"}:
+        head, rc = "state: not applied (pristine)", 0
+    else:
+        head, rc = "state: inconsistent (some files modified or partly applied)", 2
+    return "\n".join([head, *lines]), rc
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Branchwise patch series for sglang " + SGLANG_VERSION)
+    ap.add_argument("action", choices=["apply", "revert", "check"])
+    ap.add_argument("--patches", type=Path, default=DEFAULT_PATCHES)
+    args = ap.parse_args(argv)
+    args.patches = args.patches.resolve()
+    try:
+        if args.action == "check":
+            text, rc = check(args.patches)
+            print(text)
+            return rc
+        print((apply if args.action == "apply" else revert)(args.patches))
+        return 0
+    except PatchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
