@@ -1,0 +1,65 @@
+"""Incremental branch-structure detectors (pure; no SGLang import).
+
+Server-side use, one detector per sequence:
+  det = get_detector("multiverse")              # parent stream, Mode.PARENT
+  for ev in det.feed(new_text): ...              # PhaseOpened -> fork; det pauses
+  bdet = det.branch(i, ev.labels[i], ev.depth)   # branch stream, starts after ev.headers[i]
+  bdet.feed(...)                                 # BranchClosed -> branch done (output = bdet.text)
+  det.join(phases.reduce_text(phase))            # parent resumes (Multiverse: at <Conclusion>)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from branchwise.grammars.base import (
+    BranchClosed,
+    Detector,
+    Event,
+    GrammarError,
+    Mode,
+    Node,
+    PhaseClosed,
+    PhaseOpened,
+    fill_text,
+)
+from branchwise.grammars.multiverse import MultiverseDetector, MultiverseTags
+from branchwise.grammars.sprint import SprintDetector, SprintTags
+
+DETECTORS: dict[str, type[Detector]] = {"multiverse": MultiverseDetector, "sprint": SprintDetector}
+
+
+def get_detector(name: str, **kw: Any) -> Detector:
+    """Build a detector by grammar name; kwargs go to its constructor (mode, tags, limits)."""
+    try:
+        cls = DETECTORS[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown grammar {name!r}; valid: {', '.join(sorted(DETECTORS))}") from None
+    return cls(**kw)
+
+
+def parse(name: str, text: str, **kw: Any) -> Node:
+    """Whole-text parse of a complete serial output (observe mode)."""
+    det = get_detector(name, mode=Mode.OBSERVE, **kw)
+    det.feed(text)
+    det.finish()
+    return fill_text(det.root, text)
+
+
+__all__ = [
+    "DETECTORS",
+    "BranchClosed",
+    "Detector",
+    "Event",
+    "GrammarError",
+    "Mode",
+    "MultiverseDetector",
+    "MultiverseTags",
+    "Node",
+    "PhaseClosed",
+    "PhaseOpened",
+    "SprintDetector",
+    "SprintTags",
+    "get_detector",
+    "parse",
+]
