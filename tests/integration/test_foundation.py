@@ -1,0 +1,77 @@
+"""Foundation: flags, patch series, plugin inside the scheduler process, pass-through equality."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+from branchwise import patcher
+from branchwise.launch import branchwise_report, cpu_env, get_json, post_json
+
+PROMPTS = ["the plan is", "first compute the sum of", "check the cache prefix and then", "a b c d e f"]
+
+
+def greedy(url: str, prompt: str, n: int = 24) -> list[int]:
+    out = post_json(url + "/generate", {"text": prompt, "sampling_params": {
+        "max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    return out["output_ids"]
+
+
+def test_help_lists_branchwise_flags():
+    env = os.environ | cpu_env()
+    out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--help"], env=env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0
+    for flag in ("--branch-policy", "--branch-slo-tpot-ms", "--taper-rho", "--taper-utility",
+                 "--latency-model", "--async-output", "--parallel-sampling"):
+        assert flag in out.stdout
+
+
+def test_bad_flag_values_fail_at_parse_time(tiny_model):
+    env = os.environ | cpu_env()
+    for bad, needle in ((["--branch-policy", "bogus"], "valid: off, cap:K"),
+                        (["--branch-policy", "cap:0"], "valid: off, cap:K"),
+                        (["--taper-rho", "1.5"], "(0, 1]")):
+        out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model, *bad],
+                             env=env, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert needle in out.stderr, out.stderr[-2000:]
+        assert "Load weight" not in out.stderr + out.stdout  # failed before any model was loaded
+
+
+def test_patch_series_apply_revert_check():
+    target = patcher.find_target()
+    files = list(patcher.file_states(target, patcher.DEFAULT_PATCHES))
+    assert patcher.check()[0].startswith("state: applied")
+    assert "already applied" in patcher.apply()  # second apply is a no-op
+    try:
+        assert "reverted" in patcher.revert()
+        for rel in files:  # byte-identical to the wheel, by sglang's own RECORD
+            assert patcher._sha(target.site / rel) == target.record[rel]
+        assert patcher.check()[0].startswith("state: not applied")
+    finally:
+        assert "applied" in patcher.apply()
+    assert patcher.check()[0].startswith("state: applied")
+
+
+def test_plugin_runs_inside_scheduler_process(servers):
+    srv = servers.get("--branch-policy", "off")
+    rep = branchwise_report(srv.url)
+    assert rep["proctitle"] == "sglang::scheduler"
+    assert rep["pid"] != srv.proc.pid  # not the launcher/HTTP process
+    assert rep["config"]["branch_policy"] == "off"
+    before = rep["counters"].get("requests_created", 0)
+    greedy(srv.url, PROMPTS[0], 4)
+    after = branchwise_report(srv.url)["counters"]
+    assert after["requests_created"] == before + 1 and after["decode_updates"] > 0
+    assert "Branchwise active: branch_policy=off" in srv.log_path.read_text()
+
+
+def test_policy_off_equals_plugin_disabled(servers):
+    on = servers.get("--branch-policy", "off")
+    outputs_on = [greedy(on.url, p) for p in PROMPTS]
+    off = servers.get(env={"SGLANG_PLUGINS": "none-but-branchwise-excluded"})
+    info = get_json(off.url + "/server_info")
+    assert "branchwise" not in info["internal_states"][0]  # the plugin really is disabled
+    assert [greedy(off.url, p) for p in PROMPTS] == outputs_on
