@@ -10,6 +10,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any
 
+from branchwise import request_meta
 from branchwise.config import BranchwiseConfig
 
 logger = logging.getLogger("branchwise")
@@ -59,9 +60,17 @@ def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) 
 
 
 def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Attach the parsed custom_params.branchwise as `req.bw_meta`; malformed input ends with HTTP 400."""
     st = state_of(self)
-    if st is not None:
-        st.bump("requests_created")
+    if st is None:
+        return req
+    st.bump("requests_created")
+    try:
+        req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
+    except request_meta.MetaError as e:
+        req.bw_meta = request_meta.SERIAL
+        req.set_finish_with_abort(f"Branchwise: {e}")
+        st.bump("bad_requests")
     return req
 
 
