@@ -1,0 +1,66 @@
+"""Counter-based, row-independent RNG: bit-exact port of SGLang's seeded sampling noise.
+
+SGLang's `multinomial_with_seed` (srt/layers/sampler.py) derives each cell's Gumbel noise from
+`murmur_hash32(seed, position, column)` (kernels/ops/sampling/murmur_hash.py): MurmurHash3_x86_32
+with hash seed 0 over the 16-byte key (seed_lo, seed_hi, position, column). A cell's noise depends
+only on those three numbers, never on the row's place in the batch or on the rank that samples it,
+which is what sequence-parallel sampling needs. SGLang only ships this as a Triton kernel and an
+sgl_kernel CPU op (absent on CPU installs); this is the same algorithm in int64 torch ops, values
+kept in [0, 2**32), so it runs on any device.
+"""
+
+import torch
+
+M32 = 0xFFFFFFFF
+_C1, _C2 = 0xCC9E2D51, 0x1B873593
+
+
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    # x < 2**32, c < 2**32: the int64 product wraps mod 2**64, its low 32 bits are exact.
+    return (x * c) & M32
+
+
+def _rotl32(x: torch.Tensor, r: int) -> torch.Tensor:
+    return ((x << r) | (x >> (32 - r))) & M32
+
+
+def _scramble(k: torch.Tensor) -> torch.Tensor:
+    return _mul32(_rotl32(_mul32(k, _C1), 15), _C2)
+
+
+def _mix(h: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    h = _rotl32(h ^ _scramble(k), 13)
+    return (h * 5 + 0xE6546B64) & M32
+
+
+def _fmix32(h: torch.Tensor) -> torch.Tensor:
+    h = _mul32(h ^ (h >> 16), 0x85EBCA6B)
+    h = _mul32(h ^ (h >> 13), 0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def murmur_hash32(seeds: torch.Tensor, positions: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """[n] seeds (int64 bits = SGLang's uint64), [n] positions, [m] columns -> [n, m] int64 hashes."""
+    s = seeds.to(torch.int64).view(-1, 1)
+    h = _mix(torch.zeros_like(s), s & M32)
+    h = _mix(h, (s >> 32) & M32)
+    h = _mix(h, positions.to(torch.int64).view(-1, 1) & M32)  # per-row state: [n, 1]
+    h = _mix(h, cols.to(torch.int64).view(1, -1) & M32)  # key scrambled on [1, m], then broadcast
+    return _fmix32(h ^ 16)  # 16 = key length in bytes
+
+
+def gumbel_noise(seeds: torch.Tensor, positions: torch.Tensor, m: int) -> torch.Tensor:
+    """[n, m] float64 Gumbel noise, the exact ops and clamps of SGLang's multinomial_with_seed."""
+    cols = torch.arange(m, device=seeds.device)
+    x = murmur_hash32(seeds, positions, cols).to(torch.float64) / M32
+    # Clamp both ends as SGLang does: x == 1 would give +inf noise, x == 0 -inf.
+    x.log_().clamp_(min=torch.finfo(torch.float64).min, max=-(2.0**-32)).neg_()
+    return x.log_().neg_()
+
+
+def multinomial_with_seed(
+    logprobs: torch.Tensor, seeds: torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Gumbel-max draw per row from [n, m] (unnormalised) logprobs -> [n, 1] int64 column index."""
+    x = gumbel_noise(seeds, positions, logprobs.shape[1])
+    return x.add_(logprobs.to(torch.float64)).argmax(dim=1, keepdim=True)

@@ -1,0 +1,102 @@
+"""sp_sample over real gloo process groups: t = 1, 2, 4 give the same tokens as one process.
+
+One spawn of 4 processes serves every case (spawning is the slow part): the world group is t = 4,
+two disjoint pairs are t = 2. Each rank writes its ids to a file; the parent compares.
+"""
+
+import socket
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from branchwise.albireo.parallel_sampler import RowParams, sample_rows, sp_sample, sp_sample_full
+
+WORLD = 4
+# (name, bs, vocab, row kinds): bs and vocab not multiples of t; bs = 3 leaves a t=4 rank only padding.
+CASES = [
+    ("mixed7", 7, 1001, "gtkpm"),
+    ("mixed13", 13, 997, "tkpmg"),
+    ("greedy5", 5, 1001, "g"),
+    ("plain9", 9, 997, "t"),
+    ("tiny3", 3, 1001, "pt"),
+]
+
+
+def _case(bs: int, vocab: int, kinds: str, seed: int) -> tuple[torch.Tensor, RowParams]:
+    """Same tensors in every process. Logits padded to a multiple of 8 with huge junk columns."""
+    g = torch.Generator().manual_seed(seed)
+    vpad = -(-vocab // 8) * 8
+    logits = torch.cat([torch.randn(bs, vocab, generator=g) * 2.5, torch.full((bs, vpad - vocab), 1e4)], 1)
+    rows = [kinds[i % len(kinds)] for i in range(bs)]
+    p = RowParams.make(
+        temperature=[0.0 if r == "g" else 0.6 + 0.1 * (i % 5) for i, r in enumerate(rows)],
+        top_p=[0.7 if r == "p" else 1.0 for r in rows],
+        top_k=[2 + i % 6 if r == "k" else -1 for i, r in enumerate(rows)],
+        min_p=[0.1 if r == "m" else 0.0 for r in rows],
+        seed=[seed * 100 + i for i in range(bs)],
+        position=[5 + 11 * i for i in range(bs)],
+    )
+    return logits, p
+
+
+def _shard(logits: torch.Tensor, t: int, rank: int) -> torch.Tensor:
+    vs = logits.shape[1] // t
+    return logits[:, rank * vs : (rank + 1) * vs].contiguous()
+
+
+def _worker(rank: int, port: int, out_dir: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{port}",
+        rank=rank,
+        world_size=WORLD,
+        timeout=timedelta(seconds=30),
+    )
+    pairs = [dist.new_group([0, 1]), dist.new_group([2, 3])]  # every rank creates every group
+    groups = {4: (None, rank), 2: (pairs[rank // 2], rank % 2)}
+    results = {}
+    for i, (name, bs, vocab, kinds) in enumerate(CASES):
+        logits, p = _case(bs, vocab, kinds, seed=i)
+        for t, (group, grank) in groups.items():
+            results[(name, t, "a2a")] = sp_sample(_shard(logits, t, grank), p, vocab, group)
+            results[(name, t, "full")] = sp_sample_full(logits[:, :vocab], p, group)
+    torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_sp_sample_same_tokens_for_t_1_2_4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # children inherit it before importing torch
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="spawn"
+    )
+    deadline = time.monotonic() + 90
+    try:
+        while not ctx.join(timeout=1):
+            assert time.monotonic() < deadline, "gloo workers hung"
+    finally:
+        for proc in ctx.processes:
+            if proc.is_alive():
+                proc.kill()
+    per_rank = [torch.load(tmp_path / f"rank{r}.pt") for r in range(WORLD)]
+    for i, (name, bs, vocab, kinds) in enumerate(CASES):
+        logits, p = _case(bs, vocab, kinds, seed=i)
+        want = sample_rows(logits[:, :vocab], p)
+        assert torch.equal(sp_sample(logits, p, vocab), want)  # t = 1, no process group
+        assert int(want.max()) < vocab
+        for res in per_rank:
+            for t in (2, 4):
+                for how in ("a2a", "full"):
+                    got = res[(name, t, how)]
+                    assert got.dtype == want.dtype and torch.equal(got, want), (name, t, how, got, want)
