@@ -163,10 +163,11 @@ def _sample_filtered(probs: torch.Tensor, p: RowParams) -> torch.Tensor:
     probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
     probs_sum = torch.cumsum(probs_sort, dim=-1)
     rank = torch.arange(probs_sort.shape[-1], device=probs.device).view(1, -1)
-    probs_sort[rank >= p.top_ks.view(-1, 1)] = 0.0
-    probs_sort[(probs_sum - probs_sort) > p.top_ps.view(-1, 1)] = 0.0
+    # SGLang assigns through boolean masks; masked_fill_ is the same without a host sync.
+    probs_sort.masked_fill_(rank >= p.top_ks.view(-1, 1), 0.0)
+    probs_sort.masked_fill_((probs_sum - probs_sort) > p.top_ps.view(-1, 1), 0.0)
     if p.need_min_p:
-        probs_sort[probs_sort < (probs_sort[:, 0] * p.min_ps).view(-1, 1)] = 0.0
+        probs_sort.masked_fill_(probs_sort < (probs_sort[:, 0] * p.min_ps).view(-1, 1), 0.0)
     if p.seeds is None:
         idx = torch.multinomial(probs_sort, num_samples=1)
     else:
