@@ -1,0 +1,106 @@
+"""Per-step CPU cost of the TAPER planner on random decode batches (TAPER paper §4.3 / Table 7).
+
+    python -m bench.planner_overhead --requests 256 --fanout 8 [--steps N --seed S --policy taper]
+
+Half the requests are in a serial stage (one row); the other half are in a parallel phase with
+2..fanout ready branches that share a prefix. The tightest request's slack is drawn so the budget
+falls anywhere from below the protected composition (tight step) to above the eager one (loose
+step), so most steps run the greedy widening, the expensive case. Batches are built up front and
+frozen out of the garbage collector (as SGLang's scheduler does with its startup heap), so a
+collection of the bench's own million objects is not billed to the planner; only
+`policy.plan(batch)` is timed: wall clock (perf_counter_ns, the goal) and this thread's CPU time
+(thread_time_ns, which excludes time the OS gave to other processes on a busy machine).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import random
+import sys
+from pathlib import Path
+from time import perf_counter_ns, thread_time_ns
+
+try:
+    import branchwise  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+
+from branchwise.taper.policies import parse_policy  # noqa: E402
+from branchwise.taper.predictor import default_model  # noqa: E402
+from branchwise.taper.state import BatchView, RequestView  # noqa: E402
+
+GOAL_MEDIAN_MS, GOAL_P99_MS = 0.1, 0.3
+PAPER_MEDIAN_MS, PAPER_P99_MS = 0.31, 0.81  # TAPER Table 7 (their hardware, their batches)
+
+
+def random_batch(rng: random.Random, n_requests: int, fanout: int, rho: float) -> BatchView:
+    m = default_model()
+    reqs, rows, ctx, first_rows, first_ctx = [], 0, 0, 0, 0
+    for i in range(n_requests):
+        prefix = rng.randint(256, 6000)
+        if fanout >= 2 and rng.random() < 0.5:
+            k = rng.randint(2, fanout)
+            lens = tuple(prefix + rng.randint(0, 1000) for _ in range(k))
+            reqs.append((f"r{i}", lens, f"p{i}", fanout, rng.uniform(0.01, 0.6)))
+        else:
+            lens = (prefix,)
+            reqs.append((f"r{i}", lens, None, 1, rng.uniform(0.5, 1.0)))
+        rows, ctx, first_rows, first_ctx = rows + len(lens), ctx + sum(lens), first_rows + 1, first_ctx + lens[0]
+    t0, t_all = m.predict(first_rows, first_ctx), m.predict(rows, ctx)
+    budget = t0 + rng.uniform(-0.25, 1.25) * (t_all - t0)
+    tight = rng.randrange(n_requests)
+    views = tuple(RequestView(rid, lens, (budget / rho) * (1.0 if j == tight else 1.0 + fr), weight=1.0,
+                              phase_id=ph, phase_fanout=fo)
+                  for j, (rid, lens, ph, fo, fr) in enumerate(reqs))
+    return BatchView(views)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--fanout", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=3000)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--policy", default="taper")
+    ap.add_argument("--utility", default="linear")
+    ap.add_argument("--rho", type=float, default=0.8)
+    args = ap.parse_args(argv)
+
+    rng = random.Random(args.seed)
+    policy = parse_policy(args.policy, rho=args.rho, utility=args.utility)
+    batches = [random_batch(rng, args.requests, args.fanout, args.rho) for _ in range(args.steps)]
+    for b in batches[:50]:  # warm up caches and numpy dispatch
+        policy.plan(b)
+    gc.collect()
+    gc.freeze()
+    times, cpu, paths = [], [], {"protected": 0, "greedy": 0, "eager": 0}
+    for b in batches:
+        c, t = thread_time_ns(), perf_counter_ns()
+        plan = policy.plan(b)
+        times.append(perf_counter_ns() - t)
+        cpu.append(thread_time_ns() - c)
+        w = plan.rows
+        paths["protected" if w == len(b.requests) else
+              "eager" if w == sum(r.ready for r in b.requests) else "greedy"] += 1
+    med, p99 = _pct(times, 0.5), _pct(times, 0.99)
+    rows = sum(sum(r.ready for r in b.requests) for b in batches) / len(batches)
+    print(f"policy={policy.name} utility={args.utility} requests={args.requests} fanout={args.fanout} "
+          f"steps={args.steps} seed={args.seed} mean rows/step={rows:.0f}")
+    print("steps by outcome: " + ", ".join(f"{k} {v / len(batches):.0%}" for k, v in paths.items()))
+    print(f"planner per step: median {med:.3f} ms, P99 {p99:.3f} ms, max {max(times) / 1e6:.3f} ms (wall)")
+    print(f"                  median {_pct(cpu, 0.5):.3f} ms, P99 {_pct(cpu, 0.99):.3f} ms (thread CPU time); "
+          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"goal (median <= {GOAL_MEDIAN_MS} ms, P99 <= {GOAL_P99_MS} ms): "
+          f"{'met' if med <= GOAL_MEDIAN_MS and p99 <= GOAL_P99_MS else 'NOT met'}")
+    print(f"TAPER paper (Table 7): median {PAPER_MEDIAN_MS} ms, P99 {PAPER_P99_MS} ms")
+
+
+def _pct(ns: list[int], q: float) -> float:
+    s = sorted(ns)
+    return s[min(len(s) - 1, int(q * len(s)))] / 1e6
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,150 @@
+"""TAPER's per-step planner (Algorithm 1): protected composition, then greedy opportunistic width.
+
+S0 runs one row per request, always, even over budget. Then rows are admitted greedily by marginal
+utility per marginal predicted latency while T(S) <= budget. A request offers its ready rows in the
+order the hook lists them, so only its next row is ever a candidate.
+
+How it is computed (vectorised, no per-candidate objects). Each row has a price: its marginal
+predicted seconds (a constant per row, because T is separable) per unit of marginal utility. A heap
+over the requests' next rows pops rows in the order of their running-max price along the request
+(a cheap row queued behind an expensive one waits for it); one sort of all rows by that key, ties
+to the earlier row, gives the same order (up to the order among equal keys). The plan is then the longest prefix of that order whose
+cumulative cost fits the budget: one cumsum and one binary search.
+
+Stopping at the first row that does not fit (rather than skipping that request and trying the
+rest, Algorithm 1's pruning rule) leaves less than one row's cost of the budget unused and makes
+the plan monotone in the budget: more slack never narrows any request. With linear utility and
+equal weights (the paper's configuration) both rules agree except on exact cost ties, because
+later rows cost at least as much as the one that failed. `fill=True` runs the pruning rule exactly.
+"""
+
+from __future__ import annotations
+
+from itertools import chain
+from operator import itemgetter
+
+import numpy as np
+
+from branchwise.taper.predictor import LatencyModel
+from branchwise.taper.state import BatchView, StepPlan
+from branchwise.taper.utility import LINEAR, Utility
+
+# The greedy order is one sort of int64 keys packing (price, row index): the price's float bits
+# (order-preserving for floats >= 0) without their low _Q_SHIFT bits, then the row index. A plain
+# sort of unique ints is ~3x faster than a stable argsort and breaks ties by row index, so a
+# request's rows keep their order. Prices closer than ~2e-10 (relative) count as ties.
+_Q_SHIFT = 20
+_TINY = 1e-300  # a zero weight makes rows last, not NaN
+_ROW_BITS = 20  # < 2^20 rows and requests per step
+_Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
+_ROW_MASK = (1 << _ROW_BITS) - 1
+_ROWS = np.arange(1 << 12, dtype=np.int64)
+_first = itemgetter(0)
+
+
+def _arange(n: int) -> np.ndarray:
+    global _ROWS
+    if n > len(_ROWS):
+        if n > _ROW_MASK:
+            raise ValueError(f"planner supports < {_ROW_MASK} rows per step, got {n}")
+        _ROWS = np.arange(min(2 * n, _ROW_MASK), dtype=np.int64)
+    return _ROWS[:n]
+
+
+def plan_step(batch: BatchView, model: LatencyModel, budget_s: float, utility: Utility = LINEAR, *,
+              pinned: bool = False, fill: bool = False) -> StepPlan:
+    """Widths per request for one decode step.
+
+    pinned: honour RequestView.fixed_width (taper-no-replan): such a request runs exactly
+    min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
+    """
+    reqs = batch.requests
+    n = len(reqs)
+    if n == 0:
+        return StepPlan({}, 0.0, budget_s)
+    rids = [r.rid for r in reqs]
+    lens = [r.context_lens for r in reqs]
+    lo = None  # rows per request that run no matter what; None: one (the protected row)
+    if pinned:
+        pins = [r.fixed_width for r in reqs]
+        if any(pins):
+            lo = [min(f, len(c)) if f else 1 for c, f in zip(lens, pins, strict=True)]
+            lens = [c[:w] if f else c for c, f, w in zip(lens, pins, lo, strict=True)]
+    if lo is None:
+        t0 = model.predict(n, sum(map(_first, lens)), batch.extra_tokens)  # T(S0)
+        if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
+            return StepPlan(dict.fromkeys(rids, 1), t0, budget_s, notes={"protected_s": t0})
+
+    ready = np.fromiter(map(len, lens), np.int64, n)
+    ctx = np.fromiter(chain.from_iterable(lens), np.int64)
+    total = len(ctx)
+    seg = _arange(n).repeat(ready)  # request index of every row
+    starts = ready.cumsum()
+    starts -= ready
+    pos = _arange(total) - starts[seg] if lo is not None or fill or utility is not LINEAR else None
+    cost = model.row_costs(ctx)
+    if lo is None:
+        forced = starts
+    else:
+        forced = np.flatnonzero(pos < np.array(lo)[seg])
+        t0 = model.predict(0, 0, batch.extra_tokens) + float(cost[forced].sum())  # T is separable
+        if t0 > budget_s:
+            return StepPlan(dict(zip(rids, lo, strict=True)), t0, budget_s, notes={"protected_s": t0})
+    notes = {"protected_s": t0}
+    cost[forced] = 0.0  # in t0 already
+    considered = total - len(forced)
+    extra_s = float(cost.sum())
+    if t0 + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
+        return StepPlan(dict(zip(rids, ready.tolist(), strict=True)), t0 + extra_s, budget_s,
+                        considered=considered, notes=notes)
+
+    # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
+    price = cost
+    if utility is not LINEAR:
+        gain = utility.table(int(ready.max()))[pos]
+        if utility.weighted:
+            gain *= np.array([r.weight for r in reqs])[seg]
+        price = cost / np.maximum(gain, _TINY)
+    key = price.view(np.int64) >> _Q_SHIFT
+    # a request's row waits for its predecessors: running max of price along each request's rows,
+    # in one 1-D pass by lifting every request above the previous one
+    lift = seg << _Q_BITS
+    key += lift
+    np.maximum.accumulate(key, out=key)
+    key -= lift
+    key <<= _ROW_BITS
+    key |= _arange(total)
+    key.sort()
+    order = key & _ROW_MASK
+    cum = cost[order].cumsum()
+    room = budget_s - t0
+    k = int(cum.searchsorted(room, side="right"))
+    width = np.bincount(seg[order[:k]], minlength=n)
+    used = float(cum[k - 1]) if k else 0.0
+    if fill and k < total:
+        used += _fill(order[k:], cost, seg, pos, width, room - used)
+    return StepPlan(dict(zip(rids, width.tolist(), strict=True)), t0 + used, budget_s,
+                    considered=considered, notes=notes)
+
+
+def _fill(rest: np.ndarray, cost: np.ndarray, seg: np.ndarray, pos: np.ndarray, width: np.ndarray,
+          room: float) -> float:
+    """Algorithm 1's pruning rule after the first misfit: a request whose next row does not fit is
+    dropped, the others keep going. Updates `width` in place; returns the cost it added."""
+    rc = cost[rest]
+    fits = np.flatnonzero(rc <= room)  # rows costlier than the room now never fit later either
+    done = width.tolist()
+    dropped = np.zeros(len(done), dtype=bool)
+    dropped[seg[rest[0]]] = True  # the row that ended the prefix did not fit
+    added = 0.0
+    for i, c in zip(rest[fits].tolist(), rc[fits].tolist(), strict=True):
+        s = int(seg[i])
+        if dropped[s] or pos[i] != done[s]:  # dropped, or an earlier row of it was skipped
+            continue
+        if c <= room - added:
+            done[s] += 1
+            added += c
+        else:
+            dropped[s] = True
+    width[:] = done
+    return added

@@ -1,0 +1,270 @@
+"""Step-latency predictor T(S) over the step composition S = (rows, context tokens, extra tokens).
+
+TAPER (§3.2, Appendix C) only needs T to be monotone non-decreasing in admitted rows. The linear
+model gets that by construction: it is fitted with non-negative least squares, so every
+coefficient is >= 0 and one more row can never make a step cheaper.
+
+The planner also relies on T being *separable*: one more decode row of context length L adds
+exactly `row_costs(L)`, whatever else is in the step. Both models here are separable.
+Times are seconds everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import deque
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+from scipy.optimize import nnls
+
+# One realized step: (n_seqs, ctx_tokens, latency_s) or (n_seqs, ctx_tokens, latency_s, extra_tokens).
+Sample = Sequence[float]
+
+
+class LatencyModel(Protocol):
+    def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float: ...
+
+    def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
+        """Marginal seconds of adding each row (of that context length) to any step."""
+        ...
+
+
+@dataclass(slots=True)
+class LinearLatencyModel:
+    """T(S) = c0 + c_seq * rows + c_ctx * context tokens + c_tok * extra (prefill) tokens."""
+
+    c0: float
+    c_seq: float
+    c_ctx: float
+    c_tok: float = 0.0
+
+    def __post_init__(self) -> None:
+        for name in ("c0", "c_seq", "c_ctx", "c_tok"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0.0):
+                raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {v!r}")
+
+    def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float:
+        return self.c0 + self.c_seq * n_seqs + self.c_ctx * ctx_tokens + self.c_tok * extra_tokens
+
+    def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
+        out = ctx_lens * self.c_ctx
+        out += self.c_seq
+        return out
+
+    @classmethod
+    def fit(cls, samples: Iterable[Sample]) -> LinearLatencyModel:
+        """NNLS fit; raises ValueError when the samples cannot separate the coefficients."""
+        n, ctx, lat, extra = _columns(samples)
+        return _fit(n, ctx, lat, extra)
+
+    def coefs(self) -> tuple[float, float, float, float]:
+        return (self.c0, self.c_seq, self.c_ctx, self.c_tok)
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "linear", "units": "seconds", "c0": self.c0, "c_seq": self.c_seq,
+                           "c_ctx": self.c_ctx, "c_tok": self.c_tok}, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+@dataclass(slots=True)
+class ConstantLatencyModel:
+    """The taper-const-predictor ablation: every step costs `value_s`, whatever its composition.
+
+    Rows look free to the planner, so it admits all ready rows when value_s fits the budget and none
+    otherwise. OnlineRefit keeps value_s at the slowest step of its window (a pessimistic constant).
+    """
+
+    value_s: float
+
+    def __post_init__(self) -> None:
+        if not (math.isfinite(self.value_s) and self.value_s >= 0.0):
+            raise ValueError(f"constant latency must be finite and >= 0, got {self.value_s!r}")
+
+    def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float:
+        return self.value_s
+
+    def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
+        return np.zeros(len(ctx_lens))
+
+    @classmethod
+    def from_model(cls, model: LatencyModel, n_seqs: int, ctx_tokens: int) -> ConstantLatencyModel:
+        """The value of another model at a reference composition."""
+        return cls(model.predict(n_seqs, ctx_tokens))
+
+    def to_json(self) -> str:
+        return json.dumps({"kind": "constant", "units": "seconds", "value_s": self.value_s}, indent=1)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_json() + "\n")
+
+
+def default_model() -> LinearLatencyModel:
+    """Qwen3-32B, TP=8, A100-80GB, calibrated to the TAPER paper's reported step latencies.
+
+    The paper gives step-latency aggregates, not coefficients, so these are chosen to reproduce them:
+    - IRP-Off at low load (§4.2) ~ 18 ms: assume ~10 rows x 2k context:
+      14 + 10 * 0.25 + 20k * 1e-4 = 18.5 ms.
+    - IRP-Eager at high load ~ 148 ms: ~250 rows x 3k context: 14 + 62.5 + 75 = 151.5 ms.
+    c0 = 14 ms (weights + TP all-reduce floor), c_seq = 0.25 ms/row, c_ctx = 0.1 us/context token.
+    c_tok (prefill tokens in a mixed step) is not in the paper: 32B x 2 FLOP/token at ~1.6 PFLOP/s
+    over 8 A100s gives ~40 us/token.
+    Replace it with a profiled model (bench/profile.py -> --latency-model) on real hardware.
+    """
+    return LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1.0e-7, c_tok=4.0e-5)
+
+
+def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | ConstantLatencyModel:
+    """Parse a latency-model JSON document; raises ValueError saying what is wrong."""
+    try:
+        d = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as e:
+        raise ValueError(f"latency model is not valid JSON: {e}") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"latency model JSON must be an object, got {type(d).__name__}")
+    kind = d.get("kind", "linear")
+    keys = {"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)}.get(kind)
+    if keys is None:
+        raise ValueError(f"latency model kind must be 'linear' or 'constant', got {kind!r}")
+    missing = [k for k in keys if k not in d]
+    if missing:
+        raise ValueError(f"{kind} latency model JSON lacks {', '.join(missing)}")
+    vals = {k: d[k] for k in (*keys, "c_tok") if k in d}
+    bad = [k for k, v in vals.items() if isinstance(v, bool) or not isinstance(v, int | float)]
+    if bad:
+        raise ValueError(f"latency model fields must be numbers (seconds): {', '.join(bad)}")
+    return LinearLatencyModel(**vals) if kind == "linear" else ConstantLatencyModel(**vals)
+
+
+def load_model(path: str | Path) -> LinearLatencyModel | ConstantLatencyModel:
+    """Read the --latency-model file."""
+    try:
+        text = Path(path).read_text()
+    except OSError as e:
+        raise ValueError(f"cannot read latency model {path}: {e}") from None
+    try:
+        return model_from_json(text)
+    except ValueError as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def mape(model: LatencyModel, samples: Iterable[Sample]) -> float:
+    """Mean absolute percentage error (fraction, 0.018 = 1.8%) of `model` on realized steps."""
+    n, ctx, lat, extra = _columns(samples)
+    if len(lat) == 0:
+        raise ValueError("mape needs at least one sample")
+    pred = np.array([model.predict(a, b, c) for a, b, c in zip(n, ctx, extra, strict=True)])
+    return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
+
+
+def _columns(samples: Iterable[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    rows = [(s[0], s[1], s[2], s[3] if len(s) > 3 else 0) for s in samples]
+    a = np.array(rows, dtype=np.float64).reshape(-1, 4)
+    return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+
+
+def _degenerate(n: np.ndarray, ctx: np.ndarray, max_corr: float = 0.999) -> str | None:
+    """Why (rows, ctx) cannot identify c_seq and c_ctx separately, or None if they can."""
+    if len(n) < 3:
+        return "fewer than 3 samples"
+    if np.ptp(n) == 0:
+        return "every sample has the same number of rows"
+    if np.ptp(ctx) == 0:
+        return "every sample has the same context size"
+    if abs(np.corrcoef(n, ctx)[0, 1]) > max_corr:
+        return "rows and context size move together (collinear)"
+    return None
+
+
+def _fit(n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> LinearLatencyModel:
+    why = _degenerate(n, ctx)
+    if why:
+        raise ValueError(f"cannot fit a latency model: {why}")
+    if not np.all(np.isfinite(lat)) or np.any(lat < 0):
+        raise ValueError("cannot fit a latency model: latencies must be finite and >= 0")
+    if np.any(extra) and np.ptp(extra) == 0:
+        raise ValueError("cannot fit a latency model: extra tokens are the same nonzero value everywhere")
+    cols = [np.ones_like(n), n, ctx] + ([extra] if np.ptp(extra) > 0 else [])
+    a = np.stack(cols, axis=1)
+    scale = np.abs(a).max(axis=0)  # > 0 for every column here; scaling keeps NNLS well conditioned
+    x, _ = nnls(a / scale, lat)
+    c = (x / scale).tolist() + [0.0]
+    return LinearLatencyModel(c0=c[0], c_seq=c[1], c_ctx=c[2], c_tok=c[3])
+
+
+@dataclass(slots=True)
+class OnlineRefit:
+    """Refit the shared model in place from the last `window` realized decode steps.
+
+    Feed it pure decode steps only (no prefill tokens in the forward); mixed steps are ignored.
+    Every `every` observations it fits the window with NNLS and moves each coefficient a fraction
+    `blend` toward the fit (1.0 = replace). Coefficients stay >= 0 (a convex mix of non-negative
+    numbers), so T stays monotone. It skips a refit when the window cannot separate the
+    coefficients (one batch size, collinear rows/context) or when the update would predict the
+    window worse than the current model. c_tok is never touched (decode windows carry no signal).
+    A ConstantLatencyModel is set to the slowest step in the window instead.
+    Run it on TP rank 0 only, where the plan is decided; never per rank.
+    """
+
+    model: LinearLatencyModel | ConstantLatencyModel
+    window: int = 200
+    every: int = 50
+    blend: float = 0.5
+    min_samples: int = 32
+    refits: int = field(default=0, init=False)
+    skipped: int = field(default=0, init=False)
+    last_skip: str = field(default="", init=False)
+    _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
+    _since: int = field(default=0, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.blend <= 1.0:
+            raise ValueError(f"blend must be in (0, 1], got {self.blend}")
+        self._buf = deque(maxlen=self.window)
+
+    def observe(self, n_seqs: int, ctx_tokens: int, latency_s: float, extra_tokens: int = 0) -> bool:
+        """Record one realized step; returns True when the model's coefficients changed."""
+        if extra_tokens or not (math.isfinite(latency_s) and latency_s > 0.0):
+            return False
+        self._buf.append((n_seqs, ctx_tokens, latency_s))
+        self._since += 1
+        if self._since < self.every or len(self._buf) < self.min_samples:
+            return False
+        self._since = 0
+        return self.refit()
+
+    def refit(self) -> bool:
+        """Refit from the window now (observe() calls this every `every` steps)."""
+        if len(self._buf) < self.min_samples:
+            return self._skip(f"fewer than {self.min_samples} samples")
+        n, ctx, lat, _ = _columns(self._buf)
+        m = self.model
+        if isinstance(m, ConstantLatencyModel):
+            changed = m.value_s != float(lat.max())
+            m.value_s = float(lat.max())
+            self.refits += changed
+            return changed
+        why = _degenerate(n, ctx)
+        if why:
+            return self._skip(why)
+        new = _fit(n, ctx, lat, np.zeros_like(n))
+        b = self.blend
+        cand = LinearLatencyModel(*((1 - b) * old + b * fit for old, fit in
+                                    zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok)
+        if mape(cand, self._buf) > mape(m, self._buf) + 1e-9:  # worse beyond rounding
+            return self._skip("update would fit the window worse")
+        m.c0, m.c_seq, m.c_ctx = cand.c0, cand.c_seq, cand.c_ctx
+        self.refits += 1
+        return True
+
+    def _skip(self, why: str) -> bool:
+        self.skipped += 1
+        self.last_skip = why
+        return False
