@@ -1,19 +1,28 @@
 """Glue into SGLang's Scheduler: per-scheduler Branchwise state and the hook bodies.
 
 Every function here is registered by plugin.py; each receives the Scheduler as `self`.
+Under tensor parallelism every rank runs the same hooks on identical batches; wall-clock driven
+decisions (TAPER's slack) are made on TP rank 0 and broadcast, so all ranks run the same rows.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import os
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from branchwise import request_meta
+from branchwise import deferral, request_meta
 from branchwise.config import BranchwiseConfig
+from branchwise.metrics import BranchwiseMetrics
+from branchwise.taper.controller import Row, StepController
+from branchwise.taper.policies import parse_policy
+from branchwise.taper.predictor import OnlineRefit, default_model, load_model
 
 logger = logging.getLogger("branchwise")
+SUMMARY_EVERY_S = 30.0
 
 
 def _proctitle() -> str:
@@ -26,30 +35,77 @@ def _proctitle() -> str:
 
 
 @dataclass(slots=True)
+class LastStep:
+    forward_iter: int
+    launch_ts: float
+    rows: int
+    ctx: int
+
+
+@dataclass(slots=True)
 class BranchwiseState:
     """What Branchwise keeps per scheduler process."""
 
     config: BranchwiseConfig
+    controller: StepController | None = None  # None: pass-through (unsupported mode)
+    tp_rank: int = 0
+    tp_size: int = 1
+    disabled_reason: str | None = None
+    metrics: BranchwiseMetrics | None = None
     pid: int = field(default_factory=os.getpid)
     proctitle: str = field(default_factory=_proctitle)
     counters: dict[str, int] = field(default_factory=dict)
+    last_step: LastStep | None = None
+    last_summary: float = field(default_factory=time.monotonic)
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
 
     def report(self) -> dict[str, Any]:
-        return {"config": self.config.as_dict(), "pid": self.pid, "proctitle": self.proctitle,
-                "counters": dict(self.counters)}
+        rep: dict[str, Any] = {"config": self.config.as_dict(), "pid": self.pid, "proctitle": self.proctitle,
+                               "counters": dict(self.counters), "disabled_reason": self.disabled_reason}
+        ctl = self.controller
+        if ctl is not None:
+            s = ctl.stats
+            rep["taper"] = {
+                "policy": ctl.policy.name, "steps": s.steps, "planned_steps": s.planned_steps,
+                "rows_run": s.rows_run, "rows_deferred": s.rows_deferred, "candidates": s.candidates,
+                "admitted": s.admitted, "admission_rate": s.admission_rate,
+                "planner_ms_mean": 1e3 * s.planner_s / max(s.planned_steps, 1),
+                "last_budget_s": s.last_budget_s if math.isfinite(s.last_budget_s) else None,
+                "last_predicted_s": s.last_predicted_s,
+                "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
+            }
+        return rep
 
 
 def state_of(scheduler: Any) -> BranchwiseState | None:
     return getattr(scheduler, "_branchwise", None)
 
 
+def _build_controller(cfg: BranchwiseConfig) -> StepController:
+    model = load_model(cfg.latency_model) if cfg.latency_model else default_model()
+    policy = parse_policy(cfg.branch_policy, model=model, rho=cfg.taper_rho, utility=cfg.taper_utility)
+    refit = OnlineRefit(policy.model) if policy.model is not None and not cfg.latency_model else None
+    return StepController(policy, refit)
+
+
 def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    from sglang.srt.runtime_context import get_parallel
+
     cfg = BranchwiseConfig.from_server_args(self.server_args)
-    self._branchwise = BranchwiseState(cfg, proctitle=_proctitle())
-    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), self._branchwise.proctitle)
+    par = get_parallel()
+    st = BranchwiseState(cfg, tp_rank=par.tp_rank, tp_size=par.tp_size)
+    st.disabled_reason = deferral.why_unsupported(self)
+    if st.disabled_reason:
+        logger.warning("Branchwise: per-step branch admission is not supported with %s; "
+                       "falling back to policy off (all rows run every step)", st.disabled_reason)
+    else:
+        st.controller = _build_controller(cfg)
+    if getattr(self.server_args, "enable_metrics", False) and st.tp_rank == 0:
+        st.metrics = BranchwiseMetrics()
+    self._branchwise = st
+    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), st.proctitle)
 
 
 def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
@@ -71,18 +127,96 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
         req.bw_meta = request_meta.SERIAL
         req.set_finish_with_abort(f"Branchwise: {e}")
         st.bump("bad_requests")
+    if req.bw_meta.is_branch:
+        st.bump("branch_requests")
     return req
+
+
+def _meta(req: Any) -> request_meta.RequestMeta:
+    return getattr(req, "bw_meta", request_meta.SERIAL)
+
+
+def _key(req: Any) -> str:
+    m = _meta(req)
+    return m.phase if m.phase is not None else req.rid
+
+
+def _row(req: Any, cfg: BranchwiseConfig) -> Row:
+    m = _meta(req)
+    slo_ms = m.slo_tpot_ms if m.slo_tpot_ms is not None else cfg.branch_slo_tpot_ms
+    return Row(_key(req), m.branch, req.kv.kv_committed_len, slo_ms / 1e3, m.weight, m.is_branch,
+               m.fanout, req.to_finish is not None)
+
+
+def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
+    """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
+    active = st.controller.select(rows, time.monotonic()) if st.tp_rank == 0 else []
+    if st.tp_size == 1:
+        return active
+    import torch
+    import torch.distributed as dist
+
+    mask = torch.zeros(len(rows), dtype=torch.uint8)
+    mask[active] = 1
+    dist.broadcast(mask, src=self.tp_group.ranks[0], group=self.tp_cpu_group)
+    return mask.nonzero().flatten().tolist()
 
 
 def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     st = state_of(self)
-    if st is not None:
-        st.bump("decode_updates")
-    return orig(self, batch)
+    if st is None or st.controller is None or batch.is_empty() or deferral.batch_needs_full_step(batch):
+        return orig(self, batch)
+    finishing = self._reqs_finishing_inflight(batch)
+    excluded = set(finishing)
+    live = [r for r in batch.reqs if r not in excluded and not r.finished()]
+    keys = [_key(r) for r in live]
+    if len(set(keys)) == len(keys):  # one row per request: nothing to defer (rank-invariant test)
+        return orig(self, batch)
+    active = _decide(st, self, [_row(r, st.config) for r in live])
+    if len(active) == len(live):
+        return orig(self, batch)
+    sub = deferral.run_subset(self, batch, {live[i] for i in active}, finishing)
+    if sub is None:  # the subset does not fit: SGLang's own retract path over the full batch
+        st.bump("fallback_retract")
+        return orig(self, batch)
+    st.bump("subset_steps")
+    if st.tp_rank == 0 and st.controller.stats.steps % 64 == 0:
+        st.controller.forget(set(keys))
+    return sub
 
 
 def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     st = state_of(self)
-    if st is not None:
-        st.bump("batch_results")
+    if st is None:
+        return result
+    st.bump("batch_results")
+    if st.controller is None or st.tp_rank != 0 or not batch.forward_mode.is_decode():
+        st.last_step = None
+        return result
+    now = time.monotonic()
+    delivered: dict[str, tuple[int, float, bool]] = {}
+    ctx = 0
+    for req in batch.reqs:
+        row = _row(req, st.config)
+        n = delivered.get(row.key, (0,))[0]
+        delivered[row.key] = (n + 1, row.slo_s, row.phase)
+        ctx += row.ctx
+    ctl = st.controller
+    ctl.on_step_done(delivered, now, len(batch.reqs))
+    prev = st.last_step
+    fi, ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
+    if prev is not None and fi is not None and fi == prev.forward_iter + 1:
+        # consecutive decode launches: their gap is the realized latency of the previous step
+        latency = ts - prev.launch_ts
+        ctl.on_latency(prev.rows, prev.ctx, latency)
+        if st.metrics:
+            st.metrics.observe_step(latency, ctl.stats)
+    st.last_step = LastStep(fi, ts, len(batch.reqs), ctx) if fi is not None and ts is not None else None
+    if now - st.last_summary >= SUMMARY_EVERY_S:
+        st.last_summary = now
+        s = ctl.stats
+        logger.info("Branchwise %s: steps=%d planned=%d deferred_rows=%d admission=%.1f%% "
+                    "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, s.steps,
+                    s.planned_steps, s.rows_deferred, 100 * s.admission_rate, 1e3 * s.last_budget_s,
+                    1e3 * s.last_predicted_s, 1e3 * s.planner_s / max(s.planned_steps, 1))
     return result

@@ -1,0 +1,113 @@
+"""The per-step admission controller: rows of a decode batch in, active row indices out.
+
+Pure (no SGLang): the scheduler hook turns its ScheduleBatch into `Row`s, asks `select`, and runs
+the chosen sub-batch; after the step it reports deliveries and the realized latency. Rows of one
+parallel phase share a `key` (the phase id); a serial request's key is its rid.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from branchwise.taper.policies import Policy
+from branchwise.taper.predictor import OnlineRefit
+from branchwise.taper.slack import SlackTracker
+from branchwise.taper.state import BatchView, RequestView, StepPlan
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    key: str  # phase id for branch rows, rid for serial requests
+    order: int  # admission order inside the phase (branch index)
+    ctx: int  # KV length of the row
+    slo_s: float
+    weight: float = 1.0
+    phase: bool = False
+    fanout: int = 1
+    forced: bool = False  # must run this step (abort pending)
+
+
+@dataclass(slots=True)
+class StepStats:
+    steps: int = 0
+    planned_steps: int = 0  # steps where some row was a candidate for deferral
+    rows_run: int = 0
+    rows_deferred: int = 0
+    candidates: int = 0  # opportunistic rows (beyond one per request) that were ready
+    admitted: int = 0  # opportunistic rows admitted
+    planner_s: float = 0.0
+    last_budget_s: float = float("inf")
+    last_predicted_s: float = 0.0
+
+    @property
+    def admission_rate(self) -> float:
+        return self.admitted / self.candidates if self.candidates else 1.0
+
+
+@dataclass
+class StepController:
+    policy: Policy
+    refit: OnlineRefit | None = None
+    trackers: dict[str, SlackTracker] = field(default_factory=dict)
+    fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
+    stats: StepStats = field(default_factory=StepStats)
+
+    def select(self, rows: list[Row], now: float) -> list[int]:
+        """Indices of the rows to run this step (every key gets at least one)."""
+        groups: dict[str, list[int]] = {}
+        for i in sorted(range(len(rows)), key=lambda i: (rows[i].key, rows[i].order)):
+            groups.setdefault(rows[i].key, []).append(i)
+        self.stats.steps += 1
+        if all(len(g) == 1 for g in groups.values()):
+            return list(range(len(rows)))  # nothing to defer: skip the planner
+        views = [self._view(key, [rows[i] for i in idx], now) for key, idx in groups.items()]
+        t0 = time.perf_counter()
+        batch = BatchView(tuple(views))
+        plan = self.policy.plan(batch)
+        self.fixed.update(self.policy.pins(batch, plan))
+        self._account(plan, views, time.perf_counter() - t0)
+        active = [i for key, idx in groups.items() for n, i in enumerate(idx)
+                  if n < plan.width[key] or rows[i].forced]
+        self.stats.rows_deferred += len(rows) - len(active)
+        return sorted(active)
+
+    def _view(self, key: str, rows: list[Row], now: float) -> RequestView:
+        head = rows[0]
+        tr = self.trackers.get(key)
+        if tr is None:
+            tr = self.trackers[key] = SlackTracker(head.slo_s, now)
+            if head.phase:
+                tr.start_phase(now)
+        return RequestView(key, tuple(r.ctx for r in rows), tr.slack(now), head.weight,
+                           key if head.phase else None, max(head.fanout, len(rows)), self.fixed.get(key))
+
+    def _account(self, plan: StepPlan, views: list[RequestView], planner_s: float) -> None:
+        st = self.stats
+        st.planned_steps += 1
+        st.planner_s += planner_s
+        st.candidates += sum(v.ready - 1 for v in views)
+        st.admitted += sum(plan.width[v.rid] - 1 for v in views)
+        st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
+
+    def on_step_done(self, delivered: dict[str, tuple[int, float, bool]], now: float, n_rows: int) -> None:
+        """Record token deliveries of the rows that ran: key -> (tokens, slo_s, in a phase)."""
+        self.stats.rows_run += n_rows
+        for key, (n, slo_s, phase) in delivered.items():
+            tr = self.trackers.get(key)
+            if tr is None:
+                tr = self.trackers[key] = SlackTracker(slo_s, now)
+                if phase:
+                    tr.start_phase(now)
+            tr.on_tokens(now, n)
+
+    def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float) -> None:
+        """A realized pure-decode step latency; feeds the predictor's rolling refit."""
+        if self.refit is not None:
+            self.refit.observe(n_rows, ctx_tokens, latency_s)  # refits policy.model in place
+
+    def forget(self, live_keys: set[str]) -> None:
+        """Drop state of requests and phases that left the batch."""
+        for key in [k for k in self.trackers if k not in live_keys]:
+            del self.trackers[key]
+            self.fixed.pop(key, None)
