@@ -20,6 +20,7 @@ later rows cost at least as much as the one that failed. `fill=True` runs the pr
 
 from __future__ import annotations
 
+import math
 from itertools import chain
 from operator import itemgetter
 
@@ -58,6 +59,8 @@ def plan_step(batch: BatchView, model: LatencyModel, budget_s: float, utility: U
     pinned: honour RequestView.fixed_width (taper-no-replan): such a request runs exactly
     min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
     """
+    if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
+        budget_s = -math.inf
     reqs = batch.requests
     n = len(reqs)
     if n == 0:
@@ -82,7 +85,7 @@ def plan_step(batch: BatchView, model: LatencyModel, budget_s: float, utility: U
     starts = ready.cumsum()
     starts -= ready
     pos = _arange(total) - starts[seg] if lo is not None or fill or utility is not LINEAR else None
-    cost = model.row_costs(ctx)
+    cost = np.asarray(model.row_costs(ctx), dtype=np.float64)  # owned, >= 0: its bits sort like values
     if lo is None:
         forced = starts
     else:

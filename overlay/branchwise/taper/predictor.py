@@ -30,7 +30,8 @@ class LatencyModel(Protocol):
     def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float: ...
 
     def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
-        """Marginal seconds of adding each row (of that context length) to any step."""
+        """Marginal seconds (>= 0, a new float64 array) of adding each row of that context length
+        to any step: predict(n + 1, ctx + L) - predict(n, ctx) for every n, ctx."""
         ...
 
 
