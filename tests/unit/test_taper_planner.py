@@ -80,7 +80,7 @@ def distinct_batches(draw):
     return out
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(batches, models, st.floats(-0.01, 0.1), utilities)
 def test_protected_always_runs_and_plan_fits_budget(lens, model, budget, utility):
     batch = batch_of(lens, [1.0 + (i % 3) for i in range(len(lens))])
@@ -97,7 +97,7 @@ def test_protected_always_runs_and_plan_fits_budget(lens, model, budget, utility
         assert plan.width == {r.rid: 1 for r in batch.requests}
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(batches, models, st.floats(-0.01, 0.1), st.floats(0, 0.05), utilities)
 def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
     batch = batch_of(lens, [0.5 + (i % 4) for i in range(len(lens))])
@@ -106,7 +106,7 @@ def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
     assert all(big[rid] >= w for rid, w in small.items())
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(distinct_batches(), st.floats(0, 0.06), utilities, st.booleans())
 def test_matches_algorithm_1_reference(lens, budget, utility, prune):
     batch = batch_of(lens, [1.0 + 0.37 * (i % 5) for i in range(len(lens))])
@@ -114,7 +114,7 @@ def test_matches_algorithm_1_reference(lens, budget, utility, prune):
     assert plan.width == reference(batch, MODEL, budget, utility, prune)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=50, deadline=None)
 @given(batches, models, st.floats(0, 0.06), utilities)
 def test_fill_only_adds_rows(lens, model, budget, utility):
     batch = batch_of(lens)

@@ -62,7 +62,7 @@ def test_bad_rho_and_utility_are_rejected():
     assert parse_policy("taper", utility="concave").utility is CONCAVE
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batches, st.integers(1, 9))
 def test_off_eager_and_caps(batch, k):
     off = widths(parse_policy("off"), batch)
@@ -74,7 +74,7 @@ def test_off_eager_and_caps(batch, k):
         assert cap[r.rid] == min(r.ready, k)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batches, st.floats(0.1, 1.0))
 def test_taper_between_off_and_eager_and_protected_when_late(batch, rho):
     plan = TaperPolicy("taper", MODEL, rho).plan(batch)
@@ -86,7 +86,7 @@ def test_taper_between_off_and_eager_and_protected_when_late(batch, rho):
             assert plan.rows == len(batch.requests)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=30, deadline=None)
 @given(batches)
 def test_no_slack_admits_every_ready_row(batch):
     plan = parse_policy("taper-no-slack", model=MODEL).plan(batch)

@@ -74,6 +74,14 @@ class LinearLatencyModel:
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
 
+    @classmethod
+    def from_json(cls, text: str) -> LinearLatencyModel:
+        return _expect(cls, model_from_json(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> LinearLatencyModel:
+        return _expect(cls, load_model(path))
+
 
 @dataclass(slots=True)
 class ConstantLatencyModel:
@@ -105,6 +113,20 @@ class ConstantLatencyModel:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
+
+    @classmethod
+    def from_json(cls, text: str) -> ConstantLatencyModel:
+        return _expect(cls, model_from_json(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> ConstantLatencyModel:
+        return _expect(cls, load_model(path))
+
+
+def _expect(cls: type, model: object) -> Any:
+    if not isinstance(model, cls):
+        raise ValueError(f"expected a {cls.__name__}, the JSON holds a {type(model).__name__}")
+    return model
 
 
 def default_model() -> LinearLatencyModel:
