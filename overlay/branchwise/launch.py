@@ -129,7 +129,8 @@ def post_json(url: str, payload: dict, timeout: float = 120) -> Any:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
-        return json.loads(r.read())
+        body = r.read()
+        return json.loads(body) if body.strip() else {}
 
 
 def branchwise_report(url: str) -> dict[str, Any]:
