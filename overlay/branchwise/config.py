@@ -8,27 +8,13 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 from dataclasses import asdict, dataclass
 from typing import Any
 
-BASE_POLICIES = ("off", "eager", "taper")
-ABLATION_POLICIES = ("taper-no-slack", "taper-no-replan", "taper-const-predictor")
-UTILITIES = ("linear", "concave", "priority")
+from branchwise.taper.policies import parse_policy_name
+from branchwise.taper.utility import UTILITY_NAMES as UTILITIES
+
 GRAMMARS = ("none", "multiverse", "sprint")
-VALID_POLICIES_TEXT = "off, cap:K (K >= 1), eager, taper, " + ", ".join(ABLATION_POLICIES)
-_CAP = re.compile(r"^cap:(\d+)$")
-
-
-def parse_policy_name(value: str) -> str:
-    """Normalise and validate a --branch-policy value; raises ValueError naming the valid values."""
-    name = str(value).strip().lower()
-    if name in BASE_POLICIES or name in ABLATION_POLICIES:
-        return name
-    m = _CAP.match(name)
-    if m and int(m.group(1)) >= 1:
-        return f"cap:{int(m.group(1))}"
-    raise ValueError(f"invalid branch policy {value!r}; valid: {VALID_POLICIES_TEXT}")
 
 
 def parse_rho(value: str | float) -> float:
