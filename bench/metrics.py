@@ -1,0 +1,194 @@
+"""Serving metrics from per-request token-delivery records (pure; shared by the simulator and replay).
+
+Definitions (TAPER Appendix D):
+* A request's output is a sequence of stages. A serial stage's TPOT is the time from the delivery
+  before its first token to its last token, divided by its tokens (the first token of a response is
+  TTFT, not TPOT). A parallel stage's effective TPOT is the phase's wall time (from the delivery
+  that opened it to its last branch token) divided by the tokens of all its branches.
+* A request meets the SLO when it finished and its maximum stage TPOT is within the target.
+* Raw throughput: output tokens delivered in the window per second. Goodput: the same, counting only
+  tokens of requests that meet the SLO. Attainment: SLO-meeting share of the requests that arrived in
+  the window and finished (the paper's "completed requests"; `finished_frac` says how many did).
+* Branch admission rate: admitted opportunistic rows / eligible opportunistic rows over the steps.
+
+A stage's tokens are taken as spread evenly over its wall time when a window cuts through it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+
+@dataclass(slots=True)
+class StageRecord:
+    parallel: bool
+    start_s: float  # delivery that precedes the stage's first token (phase open for a parallel stage)
+    end_s: float  # delivery of the stage's last token
+    tokens: int  # tokens measured against start..end (all branches of a parallel stage)
+
+    @property
+    def tpot_s(self) -> float:
+        return (self.end_s - self.start_s) / self.tokens if self.tokens > 0 else 0.0
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    rid: str
+    arrival_s: float
+    first_token_s: float = float("nan")  # nan: never got its first token
+    stages: list[StageRecord] = field(default_factory=list)
+    finished: bool = False
+    decomposable: bool = False
+
+    @property
+    def output_tokens(self) -> int:
+        started = self.first_token_s == self.first_token_s
+        return int(started) + sum(s.tokens for s in self.stages)
+
+    @property
+    def max_tpot_s(self) -> float:
+        return max((s.tpot_s for s in self.stages if s.tokens > 0), default=0.0)
+
+    @classmethod
+    def from_token_times(
+        cls, rid: str, arrival_s: float, stages: Sequence[tuple[bool, Sequence[float]]], finished: bool = True
+    ) -> RequestRecord:
+        """Build a record from raw delivery times: `stages` is [(parallel, token times)], a parallel
+        stage listing the tokens of all its branches (any order). For live-server replay."""
+        rec = cls(rid, arrival_s, finished=finished, decomposable=any(p for p, _ in stages))
+        prev = None
+        for parallel, times in stages:
+            ts = sorted(times)
+            if not ts:
+                continue
+            if prev is None:  # the response's first token is TTFT; the stage is measured after it
+                rec.first_token_s, prev, ts = ts[0], ts[0], ts[1:]
+                if not ts:
+                    continue
+            rec.stages.append(StageRecord(parallel, prev, ts[-1], len(ts)))
+            prev = ts[-1]
+        return rec
+
+
+@dataclass(slots=True)
+class StepLog:
+    """Decode steps, possibly run-length encoded: one row may stand for `count` identical-shape steps."""
+
+    t_s: list[float] = field(default_factory=list)  # start of the (first) step
+    count: list[int] = field(default_factory=list)
+    latency_s: list[float] = field(default_factory=list)  # summed over the `count` steps
+    max_latency_s: list[float] = field(default_factory=list)
+    eligible: list[int] = field(default_factory=list)  # opportunistic rows offered, summed
+    admitted: list[int] = field(default_factory=list)  # opportunistic rows run, summed
+
+    def add(self, t: float, count: int, latency: float, max_latency: float, eligible: int, admitted: int) -> None:
+        self.t_s.append(t)
+        self.count.append(count)
+        self.latency_s.append(latency)
+        self.max_latency_s.append(max_latency)
+        self.eligible.append(eligible)
+        self.admitted.append(admitted)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        return {k: np.asarray(getattr(self, k), float) for k in self.__slots__}
+
+
+@dataclass(slots=True)
+class _Flat:
+    """Records as arrays, built once per summary."""
+
+    arrival: np.ndarray
+    first: np.ndarray
+    finished: np.ndarray
+    good: np.ndarray
+    stage_req: np.ndarray
+    stage_par: np.ndarray
+    stage_start: np.ndarray
+    stage_end: np.ndarray
+    stage_tok: np.ndarray
+
+    @classmethod
+    def build(cls, recs: Sequence[RequestRecord], slo_s: float) -> _Flat:
+        tol = slo_s * (1 + 1e-9)
+        st = [(i, s.parallel, s.start_s, s.end_s, s.tokens) for i, r in enumerate(recs) for s in r.stages]
+        a = np.array(st, float).reshape(-1, 5)
+        finished = np.array([r.finished for r in recs], bool)
+        good = finished & np.array([r.max_tpot_s <= tol for r in recs], bool)
+        return cls(
+            np.array([r.arrival_s for r in recs], float), np.array([r.first_token_s for r in recs], float),
+            finished, good, a[:, 0].astype(int), a[:, 1] > 0, a[:, 2], a[:, 3], a[:, 4],
+        )
+
+    def tokens_in(self, t0: float, t1: float, only_good: bool) -> float:
+        """Output tokens delivered in [t0, t1), stage tokens spread evenly over the stage."""
+        sel = self.good[self.stage_req] if only_good else np.ones(len(self.stage_req), bool)
+        s, e, n = self.stage_start[sel], self.stage_end[sel], self.stage_tok[sel]
+        span = np.maximum(e - s, 1e-12)
+        frac = np.clip((np.minimum(e, t1) - np.maximum(s, t0)) / span, 0, 1)
+        frac = np.where(e - s > 0, frac, ((e >= t0) & (e < t1)).astype(float))
+        first_ok = self.good if only_good else np.ones(len(self.first), bool)
+        firsts = np.count_nonzero(first_ok & (self.first >= t0) & (self.first < t1))
+        return float((frac * n).sum() + firsts)
+
+
+def _p99_ms(x: np.ndarray) -> float | None:
+    return float(np.percentile(x, 99) * 1e3) if len(x) else None
+
+
+def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, t1: float) -> dict:
+    dur = max(t1 - t0, 1e-9)
+    arrived = (flat.arrival >= t0) & (flat.arrival < t1)
+    done = arrived & flat.finished
+    tpot = (flat.stage_end - flat.stage_start) / np.maximum(flat.stage_tok, 1)
+    in_win = (flat.stage_end >= t0) & (flat.stage_end < t1) & (flat.stage_tok > 0)
+    ttft = flat.first[arrived] - flat.arrival[arrived]
+    ttft = ttft[np.isfinite(ttft)]
+    out = {
+        "goodput_tok_s": flat.tokens_in(t0, t1, True) / dur,
+        "raw_throughput_tok_s": flat.tokens_in(t0, t1, False) / dur,
+        "slo_attainment": float(flat.good[done].mean()) if done.any() else None,
+        "finished_frac": float(done.sum() / arrived.sum()) if arrived.any() else None,
+        "requests": int(arrived.sum()),
+        "p99_tpot_serial_ms": _p99_ms(tpot[in_win & ~flat.stage_par]),
+        "p99_tpot_parallel_ms": _p99_ms(tpot[in_win & flat.stage_par]),
+        "ttft_mean_s": float(ttft.mean()) if len(ttft) else None,
+        "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+    }
+    if steps is not None:
+        m = (steps["t_s"] >= t0) & (steps["t_s"] < t1)
+        n, elig = steps["count"][m].sum(), steps["eligible"][m].sum()
+        out["step_latency_mean_ms"] = float(steps["latency_s"][m].sum() / n * 1e3) if n else None
+        out["step_latency_max_ms"] = float(steps["max_latency_s"][m].max() * 1e3) if n else None
+        out["steps"] = int(n)
+        out["admission_rate"] = float(steps["admitted"][m].sum() / elig) if elig else None
+    return out
+
+
+def summarize(
+    recs: Sequence[RequestRecord], slo_s: float, window: tuple[float, float],
+    regimes: Sequence[tuple[str, float, float]] = (), steps: StepLog | None = None,
+) -> dict:
+    """Whole-window metrics plus `per_regime` for each (name, start, end)."""
+    flat = _Flat.build(recs, slo_s)
+    arr = steps.arrays() if steps is not None else None
+    out = window_metrics(flat, arr, *window)
+    out["per_regime"] = {name: window_metrics(flat, arr, a, b) for name, a, b in regimes}
+    return out
+
+
+def timeseries(
+    recs: Sequence[RequestRecord], slo_s: float, window: tuple[float, float], bin_s: float,
+    steps: StepLog | None = None,
+) -> dict[str, np.ndarray]:
+    """Per-bin metrics for plots (Figure 2 panels); keys as in window_metrics plus `t_s` (bin start)."""
+    flat = _Flat.build(recs, slo_s)
+    arr = steps.arrays() if steps is not None else None
+    edges = np.arange(window[0], window[1], bin_s)
+    rows = [window_metrics(flat, arr, a, a + bin_s) for a in edges]
+    keys = rows[0].keys() if rows else ()
+    out = {k: np.array([np.nan if r[k] is None else r[k] for r in rows], float) for k in keys}
+    out["t_s"] = edges
+    return out

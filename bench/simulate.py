@@ -1,0 +1,595 @@
+"""Discrete-event simulator of continuous-batching decode steps driving the server's TAPER policies.
+
+    python -m bench.simulate --trace CSV --schedule paper-3regime --policies off,cap:2,cap:5,eager,taper \
+        --slo-tpot-ms 50 --rho 0.8 --seed 0 --out DIR [--ablations] [--preset multiverse|sprint] \
+        [--compress F] [--latency-model model.json] [--trace-outputs]
+
+Engine model (SGLang-like, one server, see bench/README.md "Simulator"):
+* every step runs all decoding requests plus up to `chunk_tokens` of chunked prefill (mixed batch);
+  its latency is the latency model's T(rows, context tokens, prefill tokens) times lognormal noise;
+* a request is admitted FCFS while the running batch holds fewer than `max_running` sequences (a
+  live branch is a sequence, as in SGLang's running_batch) and its prompt fits the KV pool;
+* a parallel phase forks all its branches at once; a branch shares the parent's KV prefix and owns
+  only its generated tokens; deferred branches keep their KV; the reduce is free and the parent
+  resumes with every branch's tokens in its context; when the pool overflows the newest request is
+  retracted (KV freed, recomputed on re-admission);
+* every step the policy sees a BatchView: per decoding request its ready rows' context lengths (the
+  first unfinished branch is the protected row, then branch order) and its slack from slack.py.
+
+Policies whose plan cannot change between events (off, cap:K, eager) are advanced several steps at a
+time: until the next row finishes, an arrival could be admitted, or the pool would overflow. Step
+times inside such a run are exact (T grows linearly with context); only the noise is drawn once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+from collections import deque
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from bench.metrics import RequestRecord, StageRecord, StepLog, summarize
+from bench.workload import PRESETS, RequestSpec, build_schedule, compose, load_trace, workload_stats
+from branchwise.taper import (
+    BatchView,
+    CapPolicy,
+    LinearLatencyModel,
+    OnlineRefit,
+    RequestView,
+    default_model,
+    load_model,
+    parse_policy,
+    phase_slack,
+    serial_slack,
+)
+
+_BIG = 1 << 62
+_set = object.__setattr__  # views are reused across steps (see _Req.view); the planner never keeps them
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    slo_s: float = 0.050
+    max_running: int = 64  # sequences in the running batch (SGLang --max-running-requests); CLI: auto
+    kv_tokens: int = 1_500_000  # KV pool (Qwen3-32B, 8xA100-80GB, ~62% of memory; TAPER D)
+    admit_kv_frac: float = 0.9  # admit only while the pool is below this (headroom for decode growth)
+    chunk_tokens: int = 8192  # chunked-prefill tokens per step (SGLang default for 80 GB GPUs)
+    noise: float = 0.02  # lognormal sigma of realized vs modelled step latency
+    drain_s: float = 600.0  # keep stepping this long after the schedule ends
+    macro_steps: bool = True  # run provably identical steps in one go (exact; False for checking)
+    refit_every_s: float = 600.0  # TAPER refits T(S) from the last 200 decode steps this often (App. C); 0: never
+
+
+_DEF = EngineConfig()
+
+
+class _Req:
+    """Mutable per-request simulation state."""
+
+    __slots__ = (
+        "spec", "rid", "prefill_left", "ctx", "saved_ctx", "si", "left", "done", "stage_start", "stage_tok",
+        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "fixed", "rec", "view",
+    )
+
+    def __init__(self, spec: RequestSpec) -> None:
+        self.spec, self.rid = spec, spec.rid
+        self.prefill_left = spec.prompt_tokens
+        self.ctx = 0  # parent KV tokens: prompt + serial output + reduced branches
+        self.saved_ctx = -1  # >= 0 while re-prefilling after a retraction
+        self.si = -1  # stage index; -1 before the first token
+        self.left = 0  # tokens left in the serial stage
+        self.done = False
+        self.stage_start = self.last_tok = 0.0
+        self.stage_tok = 0
+        # the open phase's unfinished branches, in branch order: tokens left and context length
+        self.br_left: list[int] = []  # empty outside a phase
+        self.cl: list[int] = []
+        self.phase_start, self.phase_tok = 0.0, 0
+        self.fixed: int | None = None  # taper-no-replan: width pinned for this phase
+        self.rec = RequestRecord(spec.rid, spec.arrival_s, decomposable=spec.decomposable)
+        self.view = RequestView(spec.rid, (1,), 0.0)
+
+    @property
+    def kv(self) -> int:
+        return self.ctx + self.phase_tok if self.br_left else self.ctx
+
+
+@dataclass(slots=True)
+class SimResult:
+    policy: str
+    records: list[RequestRecord]
+    steps: StepLog
+    wall_s: float
+    stats: dict = field(default_factory=dict)
+
+
+class Simulator:
+    def __init__(self, specs: list[RequestSpec], policy, model: LinearLatencyModel, cfg: EngineConfig,
+                 t_end: float, seed: int = 0) -> None:
+        self.specs = sorted(specs, key=lambda s: s.arrival_s)
+        self.policy, self.model, self.cfg = policy, model, cfg
+        self.t_end = t_end
+        self.static = isinstance(policy, CapPolicy)  # plan depends only on ready-row counts
+        rng = np.random.default_rng(seed + 7919)
+        sig = cfg.noise
+        self.noise = np.exp(rng.normal(-sig * sig / 2, sig, 1 << 16)).tolist() if sig > 0 else [1.0]
+        self.refit = None
+        if cfg.refit_every_s > 0 and not self.static and policy.model is not None:
+            self.refit = OnlineRefit(policy.model, every=1 << 62)  # refit on our clock, not per count
+        self.log = StepLog()
+        self.slots = self.kv = 0
+        self.retractions = 0
+        self.dirty = True  # decode set or some request's stage changed: rebuild partitions
+
+    # ----------------------------------------------------------------------------- stage machine
+    def _next_stage(self, r: _Req, t: float) -> None:
+        """Open stage r.si + 1 at time t, or finish the request."""
+        self.dirty = True
+        r.si += 1
+        stages = r.spec.stages
+        v = r.view
+        if r.si == len(stages):
+            r.done = r.rec.finished = True
+            self.slots -= 1
+            self.kv -= r.ctx
+            return
+        st = stages[r.si]
+        r.stage_start, r.stage_tok = t, 0
+        if isinstance(st, tuple):
+            n = len(st)
+            r.br_left, r.cl = list(st), [r.ctx] * n
+            r.phase_start, r.phase_tok = t, 0
+            self.slots += n - 1
+            _set(v, "phase_id", f"{r.rid}/p{r.si}")
+            _set(v, "phase_fanout", n)
+        else:
+            r.left = st
+            r.last_tok = t
+            _set(v, "phase_id", None)
+            _set(v, "phase_fanout", 1)
+            _set(v, "fixed_width", None)
+
+    def _prefilled(self, r: _Req, t: float) -> None:
+        """Prefill done at t: first token (or, after a retraction, resume where it was)."""
+        self.dirty = True
+        if r.saved_ctx >= 0:
+            r.ctx, r.saved_ctx = r.saved_ctx, -1
+            return
+        r.rec.first_token_s = t
+        r.ctx += 1
+        self.kv += 1
+        r.si = 0
+        r.stage_start, r.stage_tok, r.last_tok = t, 0, t
+        r.left = r.spec.stages[0] - 1
+        if r.left == 0:
+            self._next_stage(r, t)
+
+    def _close_serial(self, r: _Req, t: float) -> None:
+        r.rec.stages.append(StageRecord(False, r.stage_start, t, r.stage_tok))
+        self._next_stage(r, t)
+
+    def _advance_phase(self, r: _Req, w: int, k: int, t: float) -> bool:
+        """k steps of the first w ready branches of r, the last ending at t; False once it reduced."""
+        left, cl = r.br_left, r.cl
+        finished = 0
+        for j in range(w):
+            left[j] -= k
+            cl[j] += k
+            finished += left[j] == 0
+        r.phase_tok += w * k
+        r.last_tok = t
+        if not finished:
+            return True
+        self.dirty = True
+        keep = [j for j in range(len(left)) if left[j] > 0]
+        if keep:
+            r.br_left, r.cl = [left[j] for j in keep], [cl[j] for j in keep]
+            self.slots -= finished
+            return True
+        self.slots -= finished - 1  # the parent keeps one slot after the reduce
+        r.rec.stages.append(StageRecord(True, r.phase_start, t, r.phase_tok))
+        r.ctx += r.phase_tok  # the reduce: every branch's tokens join the parent's context
+        r.br_left, r.cl, r.fixed = [], [], None
+        self._next_stage(r, t)
+        return False
+
+    # ------------------------------------------------------------------------------------ loop
+    def _prepare(self, ser: list[_Req], par: list[_Req], now: float) -> tuple[int, int, bool]:
+        """Write every decoding request's view for a step starting at `now`; returns the serial rows'
+        context sum, their fewest tokens left, and whether any request has more than one ready row."""
+        slo = self.cfg.slo_s
+        ctx, k = 0, _BIG
+        for r in ser:
+            ctx += r.ctx
+            k = min(k, r.left)
+            _set(r.view, "context_lens", (r.ctx,))
+            _set(r.view, "slack_s", serial_slack(slo, now, r.last_tok))
+        wide = False
+        for r in par:
+            wide = self._phase_view(r, now) or wide
+        return ctx, k, wide
+
+    def _phase_view(self, r: _Req, now: float) -> bool:
+        cl = tuple(r.cl)
+        _set(r.view, "context_lens", cl)
+        _set(r.view, "slack_s", phase_slack(self.cfg.slo_s, now, r.phase_start, r.phase_tok))
+        return len(cl) > 1
+
+    def run(self) -> SimResult:
+        t_wall = time.perf_counter()
+        cfg, m, pol = self.cfg, self.model, self.policy
+        c0, cs, cc, ct = m.c0, m.c_seq, m.c_ctx, m.c_tok
+        slo, cap, chunk_max = cfg.slo_s, cfg.max_running, cfg.chunk_tokens
+        specs, n_specs, nxt = self.specs, len(self.specs), 0
+        wait: deque[_Req] = deque()
+        pre: list[_Req] = []
+        dec: list[_Req] = []
+        ser: list[_Req] = []
+        par: list[_Req] = []
+        views: tuple[RequestView, ...] = ()
+        everyone: list[_Req] = []
+        noise, nz, nmask = self.noise, 0, len(self.noise) - 1
+        kv_admit = cfg.kv_tokens * cfg.admit_kv_frac
+        log_add = self.log.add
+        refit, next_refit = self.refit, cfg.refit_every_s if self.refit is not None else math.inf
+        pinning = getattr(pol, "replan", True) is False
+        static, macro = self.static, cfg.macro_steps
+        macro_ok, wide, ser_ctx, ser_k = False, False, 0, _BIG
+        now = 0.0
+        while now < self.t_end:
+            while nxt < n_specs and specs[nxt].arrival_s <= now:
+                r = _Req(specs[nxt])
+                wait.append(r)
+                everyone.append(r)
+                nxt += 1
+            while wait and self.slots < cap and self.kv + wait[0].prefill_left <= kv_admit:
+                r = wait.popleft()
+                pre.append(r)
+                self.slots += max(len(r.br_left), 1)
+            if self.dirty:  # composition changed: rebuild partitions and every view
+                dec = [r for r in dec if not r.done]
+                ser = [r for r in dec if not r.br_left]
+                par = [r for r in dec if r.br_left]
+                views = tuple([r.view for r in dec])
+                ser_ctx, ser_k, wide = self._prepare(ser, par, now)
+                self.dirty = False
+                macro_ok = not pinning
+            if not dec and not pre:
+                if nxt >= n_specs:
+                    break
+                now = max(now, specs[nxt].arrival_s)
+                continue
+            # chunked prefill rides in this step
+            chunk, filled = 0, []
+            for r in pre:
+                take = min(r.prefill_left, chunk_max - chunk)
+                r.prefill_left -= take
+                r.ctx += take
+                chunk += take
+                if r.prefill_left == 0:
+                    filled.append(r)
+                if chunk >= chunk_max:
+                    break
+            self.kv += chunk
+            # step composition: serial rows always run; the policy sets the parallel widths
+            rows, ctx, k = len(ser), ser_ctx, ser_k
+            elig = adm = 0
+            width: dict[str, int] | None = None
+            if wide:  # otherwise every width is 1 (1 <= width <= ready), whatever the policy
+                batch = BatchView(views, chunk)
+                plan = pol.plan(batch)
+                width = plan.width
+                if pinning:
+                    for rid, w in pol.pins(batch, plan).items():
+                        r = next(x for x in par if x.rid == rid)
+                        r.fixed = w
+                        _set(r.view, "fixed_width", w)
+                need_k = macro and (static or macro_ok)  # k only bounds a multi-step window
+                for r in par:
+                    w = width[r.rid]
+                    cl = r.view.context_lens
+                    ctx += sum(cl[:w])
+                    rows += w
+                    elig += len(cl) - 1
+                    adm += w - 1
+                    if need_k:
+                        k = min(k, min(r.br_left[:w]))
+            else:
+                for r in par:
+                    ctx += r.view.context_lens[0]
+                    rows += 1
+                    k = min(k, r.br_left[0])
+            base = c0 + cs * rows + cc * ctx + ct * chunk
+            d = cc * rows  # every run row's context grows by one per step
+            f = noise[nz]
+            nz = (nz + 1) & nmask
+            # several steps at once when nothing can change the plan in between (module docstring)
+            if k > 1 and macro and not pre and not (wait and self.slots < cap) and (static or macro_ok):
+                k = min(k, max(1, (cfg.kv_tokens - self.kv) // max(rows, 1)))
+                horizon = self.t_end if wait or nxt >= n_specs else min(self.t_end, specs[nxt].arrival_s)
+                if not static:
+                    horizon = min(horizon, next_refit)
+                k = min(k, _steps_until(base, d, horizon - now))
+                if not static and width is not None and k > 1:
+                    k = self._all_fit_steps(views, k, base, d, f, adm == elig)
+                    macro_ok = k > 1
+            else:
+                k = 1
+            total = (k * base + d * k * (k - 1) / 2) * f
+            t = now + total
+            log_add(now, k, total, (base + d * (k - 1)) * f, elig * k, adm * k)
+            if refit is not None:
+                if chunk == 0:
+                    refit.observe(rows, ctx, base * f)  # the window's first step
+                if t >= next_refit:
+                    refit.refit()
+                    next_refit += cfg.refit_every_s
+            self.kv += rows * k
+            # advance every row k tokens; views are written for the next step, which starts at t
+            ser_ctx, ser_k, wide = 0, _BIG, False
+            for r in ser:
+                r.left -= k
+                r.ctx += k
+                r.stage_tok += k
+                r.last_tok = t
+                if r.left == 0:
+                    self._close_serial(r, t)
+                    continue
+                ser_ctx += r.ctx
+                if r.left < ser_k:
+                    ser_k = r.left
+                v = r.view
+                _set(v, "context_lens", (r.ctx,))
+                _set(v, "slack_s", slo)  # serial_slack(slo, t, last token at t)
+            for r in par:
+                w = width[r.rid] if width else 1
+                left, cl = r.br_left, r.cl
+                if w == 1 and left[0] > k:  # the common case, inlined: no branch ends
+                    left[0] -= k
+                    cl[0] += k
+                    r.phase_tok += k
+                    r.last_tok = t
+                elif not self._advance_phase(r, w, k, t):
+                    continue
+                v = r.view
+                _set(v, "context_lens", tuple(r.cl))
+                _set(v, "slack_s", phase_slack(slo, t, r.phase_start, r.phase_tok))
+                wide = wide or len(r.cl) > 1
+            for r in filled:
+                self._prefilled(r, t)
+                dec.append(r)
+            if filled:
+                pre = [r for r in pre if r.prefill_left > 0]
+            now = t
+            if self.kv > cfg.kv_tokens:
+                self._retract(dec, wait)
+        stats = {"retractions": self.retractions, "unadmitted": len(wait) + (n_specs - nxt),
+                 "iterations": len(self.log.t_s), "wall_s": time.perf_counter() - t_wall}
+        if refit is not None:
+            stats["refits"] = refit.refits
+            stats["model_after"] = list(pol.model.coefs()) if hasattr(pol.model, "coefs") else pol.model.value_s
+        return SimResult(pol.name, [r.rec for r in everyone], self.log, stats["wall_s"], stats)
+
+    def _all_fit_steps(self, views: tuple[RequestView, ...], k: int, base: float, d: float, f: float,
+                       all_admitted: bool) -> int:
+        """k if the policy provably admits every ready row in each of the next k steps, else 1.
+
+        Proof obligation, checked with the policy itself: it admitted everything now, and it admits
+        everything on the window's worst case (contexts of step k, today's slack). T is monotone in
+        context and slack never shrinks inside the window (serial rows deliver every step; a phase
+        gains >= slo - T per step, so we need every step within the SLO), so each step in between
+        has a cheaper composition and at least this budget, and "everything fits" holds for it too.
+        """
+        if not all_admitted:
+            return 1
+        slo = self.cfg.slo_s
+        if (base + d * (k - 1)) * f > slo:  # keep every step within the SLO
+            k = int((slo / f - base) / d) + 1 if d > 0 and base * f <= slo else 1
+            if k <= 1:
+                return 1
+        g = k - 1
+        worst = tuple([RequestView(v.rid, tuple([c + g for c in v.context_lens]), v.slack_s, v.weight,
+                                   v.phase_id, v.phase_fanout, v.fixed_width) for v in views])
+        plan = self.policy.plan(BatchView(worst, 0))
+        return k if all(plan.width[v.rid] == v.ready for v in worst) else 1
+
+    def _retract(self, dec: list[_Req], wait: deque[_Req]) -> None:
+        """Free the newest requests' KV until the pool fits; they re-prefill what they held."""
+        live = [r for r in dec if not r.done]
+        while self.kv > self.cfg.kv_tokens and len(live) > 1:
+            r = live.pop()
+            dec.remove(r)
+            self.retractions += 1
+            kv = r.kv
+            self.kv -= kv
+            self.slots -= max(len(r.br_left), 1)
+            r.prefill_left, r.saved_ctx, r.ctx = kv, r.ctx, 0
+            wait.appendleft(r)
+        self.dirty = True
+
+
+def _steps_until(base: float, d: float, span: float) -> int:
+    """Fewest steps (>= 1) whose summed latency base, base+d, ... reaches span."""
+    if span <= base:
+        return 1
+    if d <= 0:
+        return max(1, math.ceil(span / base))
+    # k*base + d*k*(k-1)/2 >= span
+    b = base - d / 2
+    return max(1, math.ceil((-b + math.sqrt(b * b + 2 * d * span)) / d))
+
+
+# ---------------------------------------------------------------------------------------- driver
+
+
+def slo_sized_cap(model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> int:
+    """The operator's sizing rule for --max-running-requests: the most sequences whose step, each at
+    a finished request's context (mean prompt + mean output), still meets the TPOT SLO."""
+    ctx = np.mean([s.prompt_tokens + s.output_tokens for s in specs]) if specs else 0.0
+    per_row = model.c_seq + model.c_ctx * ctx
+    return max(1, int((slo_s - model.c0) / per_row)) if per_row > 0 else 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Job:
+    key: str  # name in results.json
+    policy: str
+    rho: float
+
+
+def _run_job(job: Job, specs: list[RequestSpec], model: LinearLatencyModel, cfg: EngineConfig,
+             duration: float, seed: int) -> SimResult:
+    taper = job.policy.startswith("taper")
+    pol = parse_policy(job.policy, model=LinearLatencyModel(*model.coefs()) if taper else None, rho=job.rho)
+    res = Simulator(specs, pol, model, cfg, duration + cfg.drain_s, seed).run()
+    res.policy = job.key
+    return res
+
+
+def run_jobs(jobs: list[Job], specs: list[RequestSpec], model: LinearLatencyModel, cfg: EngineConfig,
+             duration: float, seed: int, workers: int = 1) -> dict[str, SimResult]:
+    # slowest first: per-step policies dominate the wall time
+    order = sorted(jobs, key=lambda j: not j.policy.startswith("taper"))
+    if workers <= 1 or len(jobs) == 1:
+        done = {j.key: _run_job(j, specs, model, cfg, duration, seed) for j in order}
+    else:
+        with ProcessPoolExecutor(workers) as ex:
+            futs = {j.key: ex.submit(_run_job, j, specs, model, cfg, duration, seed) for j in order}
+            done = {k: f.result() for k, f in futs.items()}
+    return {j.key: done[j.key] for j in jobs}
+
+
+def job_list(policies: list[str], rho: float, ablations: bool) -> list[Job]:
+    jobs = [Job(p, p, rho) for p in policies]
+    if ablations:
+        names = {j.key for j in jobs}
+        jobs += [Job(p, p, rho) for p in ("taper-no-slack", "taper-no-replan", "taper-const-predictor")
+                 if p not in names]
+        jobs += [Job(f"taper(rho={r:g})", "taper", r) for r in (0.5, 0.8, 1.0) if r != rho]
+    return jobs
+
+
+def _fmt(x, pct: bool = False, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
+
+
+def table(results: dict[str, dict], baseline: str = "off") -> str:
+    base = results.get(baseline, {}).get("goodput_tok_s")
+    head = (f"{'policy':<24}{'goodput':>9}{'x off':>7}{'raw tok/s':>10}{'attain':>8}{'att-high':>9}"
+            f"{'P99 ser':>8}{'P99 par':>8}{'step ms':>8}{'admit':>7}{'TTFT s':>8}")
+    lines = [head, "-" * len(head)]
+    for k, r in results.items():
+        hi = r.get("per_regime", {}).get("high", {})
+        ratio = r["goodput_tok_s"] / base if base else None
+        lines.append(
+            f"{k:<24}{_fmt(r['goodput_tok_s']):>9}{_fmt(ratio, nd=2):>7}{_fmt(r['raw_throughput_tok_s']):>10}"
+            f"{_fmt(r['slo_attainment'], True):>8}{_fmt(hi.get('slo_attainment'), True):>9}"
+            f"{_fmt(r['p99_tpot_serial_ms']):>8}{_fmt(r['p99_tpot_parallel_ms']):>8}"
+            f"{_fmt(r.get('step_latency_mean_ms')):>8}{_fmt(r.get('admission_rate'), True, 0):>7}"
+            f"{_fmt(r.get('ttft_mean_s')):>8}")
+    return "\n".join(lines)
+
+
+def regime_table(results: dict[str, dict]) -> str:
+    regimes = [g for g in ("low", "high", "moderate") if any(g in r["per_regime"] for r in results.values())]
+    if not regimes:
+        return ""
+    head = f"{'policy':<24}" + "".join(f"{g + ' ' + c:>15}" for g in regimes for c in ("step", "att", "adm"))
+    lines = [head, "-" * len(head)]
+    for k, r in results.items():
+        cells = ""
+        for g in regimes:
+            x = r["per_regime"].get(g, {})
+            cells += f"{_fmt(x.get('step_latency_mean_ms')):>15}{_fmt(x.get('slo_attainment'), True):>15}"
+            cells += f"{_fmt(x.get('admission_rate'), True, 0):>15}"
+        lines.append(f"{k:<24}{cells}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--trace", required=True)
+    ap.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
+    ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper")
+    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--rho", type=float, default=0.8)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--latency-model", help="JSON latency model (predictor.py format); default: calibrated")
+    ap.add_argument("--ablations", action="store_true", help="add Table 1: no-slack, no-replan, const, rho")
+    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    ap.add_argument("--compress", type=float, default=1.0, help="run F times shorter at the same load")
+    ap.add_argument("--trace-outputs", action="store_true", help="output lengths from the trace")
+    ap.add_argument("--max-running", default="auto",
+                    help="running-sequence cap; auto: the largest batch whose T stays within the SLO")
+    ap.add_argument("--kv-tokens", type=int, default=_DEF.kv_tokens)
+    ap.add_argument("--chunk-tokens", type=int, default=_DEF.chunk_tokens)
+    ap.add_argument("--noise", type=float, default=_DEF.noise)
+    ap.add_argument("--no-refit", action="store_true", help="keep TAPER's predictor fixed")
+    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    ap.add_argument("--no-plots", action="store_true")
+    a = ap.parse_args(argv)
+
+    t0 = time.perf_counter()
+    try:
+        trace = load_trace(a.trace)
+        model = load_model(a.latency_model) if a.latency_model else default_model()
+        sched = build_schedule(trace, a.schedule, a.compress)
+        policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+        for p in policies:
+            parse_policy(p)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if not isinstance(model, LinearLatencyModel):
+        print("error: the engine needs a linear latency model", file=sys.stderr)
+        return 2
+    specs = compose(trace, sched, a.preset, a.seed, trace_outputs=a.trace_outputs)
+    slo_s = a.slo_tpot_ms / 1e3
+    cap = slo_sized_cap(model, slo_s, specs) if a.max_running == "auto" else int(a.max_running)
+    cfg = EngineConfig(slo_s=slo_s, max_running=cap, kv_tokens=a.kv_tokens,
+                       chunk_tokens=a.chunk_tokens, noise=a.noise, refit_every_s=0.0 if a.no_refit else _DEF.refit_every_s,
+                       drain_s=600.0 / a.compress)
+    jobs = job_list(policies, a.rho, a.ablations)
+    sims = run_jobs(jobs, specs, model, cfg, sched.duration_s, a.seed, a.jobs)
+    window = (0.0, sched.duration_s)
+    regimes = [(g.name, g.start_s, g.end_s) for g in sched.regimes]
+    results = {k: summarize(s.records, cfg.slo_s, window, regimes, s.steps) | {"sim": s.stats}
+               for k, s in sims.items()}
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {
+        "policies": results,
+        "config": {
+            "trace": a.trace, "schedule": a.schedule, "compress": a.compress, "preset": a.preset,
+            "trace_outputs": a.trace_outputs, "seed": a.seed, "rho": a.rho, "engine": asdict(cfg),
+            "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
+            "workload": workload_stats(specs), "duration_s": sched.duration_s,
+        },
+        "wall_s": time.perf_counter() - t0,
+    }
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
+    if not a.no_plots:
+        from bench.plots import plot_run
+
+        plot_run(sims, sched, cfg.slo_s, out)
+    print(table(results))
+    print()
+    print(regime_table(results))
+    print(f"\n{len(specs)} requests, {sched.duration_s / 60:.0f} min simulated, wall {time.perf_counter() - t0:.1f}s"
+          f" -> {out / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,369 @@
+"""Trace workload: arrival schedules from an LLM-trace CSV and a request composer with branch structure.
+
+A trace CSV has the Azure LLM inference schema `TIMESTAMP,ContextTokens,GeneratedTokens` (TIMESTAMP
+is an ISO date-time or seconds as a number). Schedules keep the trace's arrival pattern:
+
+* `unscaled`: the trace's own arrival times.
+* `rate:X`: the same arrivals time-scaled to a mean of X req/s.
+* `paper-3regime`: TAPER Appendix D's 600-minute experiment. A rate envelope (low 0-240 min at 0.23
+  req/s, a 240-250 min ramp, high 250-400 min mean 1.27 peak 1.54, moderate 400-600 min mean 0.60 with
+  peaks near 0.9) times the trace's short-term burstiness: the trace's gaps are normalised by their
+  local mean (slow drift removed, bursts kept) and mapped through the envelope's cumulative rate.
+
+`compress=F` makes a run F times shorter at the same load: the paper envelope is squeezed in time
+(every regime keeps its rate), the unscaled/rate schedules keep their first 1/F.
+
+The composer turns each arrival into a request: prompt length from the trace, output length and
+phase structure (serial stages and parallel phases of n branches) from a preset. All random draws
+come from one seeded generator, so a (trace, schedule, preset, seed) tuple is reproducible.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+
+
+class TraceError(ValueError):
+    """The CSV is not a usable trace (missing columns, unparsable or empty rows)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Trace:
+    arrival_s: np.ndarray  # seconds since the first arrival, sorted
+    prompt_tokens: np.ndarray  # int64
+    output_tokens: np.ndarray  # int64
+    source: str = ""
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    @property
+    def duration_s(self) -> float:
+        return float(self.arrival_s[-1]) if len(self) else 0.0
+
+    @property
+    def mean_rate(self) -> float:
+        return (len(self) - 1) / self.duration_s if self.duration_s > 0 else float("nan")
+
+
+def _parse_times(values: list[str], path: str) -> np.ndarray:
+    try:
+        return np.array([float(v) for v in values])
+    except ValueError:
+        pass
+    out = np.empty(len(values))
+    for i, v in enumerate(values):
+        try:
+            out[i] = np.datetime64(v.strip(), "ns").astype(np.int64) / 1e9
+        except ValueError:
+            raise TraceError(f"{path}: row {i + 2}: TIMESTAMP {v!r} is neither a number nor a date-time") from None
+    return out
+
+
+def load_trace(path: str | Path) -> Trace:
+    """Read a trace CSV; raise TraceError naming the file and row on anything malformed."""
+    path = str(path)
+    try:
+        with open(path, newline="", encoding="utf-8-sig") as f:
+            reader = csv.DictReader(f)
+            header = reader.fieldnames or []
+            missing = [c for c in COLUMNS if c not in header]
+            if missing:
+                raise TraceError(f"{path}: missing column(s) {missing}; expected header {','.join(COLUMNS)}, got {header}")
+            rows = list(reader)
+    except (OSError, UnicodeDecodeError, csv.Error) as e:
+        raise TraceError(f"{path}: cannot read trace: {e}") from e
+    if not rows:
+        raise TraceError(f"{path}: no data rows")
+    times, prompts, outputs = [], [], []
+    for i, r in enumerate(rows):
+        try:
+            p, o = int(r["ContextTokens"]), int(r["GeneratedTokens"])
+        except (TypeError, ValueError):
+            raise TraceError(f"{path}: row {i + 2}: token counts must be integers, got {r}") from None
+        if p < 0 or o < 0 or r["TIMESTAMP"] is None:
+            raise TraceError(f"{path}: row {i + 2}: negative or missing values in {r}")
+        times.append(r["TIMESTAMP"])
+        prompts.append(p)
+        outputs.append(o)
+    t = _parse_times(times, path)
+    order = np.argsort(t, kind="stable")
+    t = t[order] - t[order[0]]
+    return Trace(t, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order], path)
+
+
+def write_trace(path: str | Path, trace: Trace, start: str = "2024-01-01T00:00:00") -> None:
+    t0 = np.datetime64(start, "ns")
+    stamps = t0 + (trace.arrival_s * 1e9).astype("timedelta64[ns]")
+    with open(path, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(COLUMNS)
+        for s, p, o in zip(stamps, trace.prompt_tokens, trace.output_tokens, strict=True):
+            w.writerow([str(s).replace("T", " "), int(p), int(o)])
+
+
+def synthetic_trace(duration_s: float = 3600.0, rate: float = 4.0, seed: int = 1) -> Trace:
+    """A bursty trace no constant was ever tuned on: a 2-state Markov-modulated Poisson process
+    (calm at 0.6x, bursts at 2.5x the mean, ~90 s sojourns) with lognormal prompt/output lengths
+    unlike Azure's (longer outputs, shorter prompts)."""
+    rng = np.random.default_rng(seed)
+    lo, hi = 0.6 * rate, 2.5 * rate
+    p_hi = (rate - lo) / (hi - lo)  # fraction of time bursting so the mean is `rate`
+    t, times, bursting = 0.0, [], False
+    while t < duration_s:
+        stay = rng.exponential(90.0 * (p_hi / (1 - p_hi) if bursting else 1.0))
+        end = min(t + stay, duration_s)
+        lam = hi if bursting else lo
+        n = rng.poisson(lam * (end - t))
+        times.extend(np.sort(rng.uniform(t, end, n)))
+        t, bursting = end, not bursting
+    arr = np.asarray(times)
+    n = len(arr)
+    prompts = np.clip(rng.lognormal(6.0, 0.9, n), 4, 16000).astype(np.int64)
+    outputs = np.clip(rng.lognormal(5.6, 0.8, n), 4, 4000).astype(np.int64)
+    return Trace(arr - arr[0], prompts, outputs, f"synthetic(rate={rate},seed={seed})")
+
+
+# ---------------------------------------------------------------------------------------- schedules
+
+
+@dataclass(frozen=True, slots=True)
+class Regime:
+    name: str
+    start_s: float
+    end_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class Schedule:
+    arrival_s: np.ndarray  # sorted arrival times in the run
+    row: np.ndarray  # trace row that supplies each arrival's token counts
+    duration_s: float
+    regimes: tuple[Regime, ...]
+    name: str
+
+    def __len__(self) -> int:
+        return len(self.arrival_s)
+
+    def rate_in(self, start_s: float, end_s: float) -> float:
+        n = np.count_nonzero((self.arrival_s >= start_s) & (self.arrival_s < end_s))
+        return n / (end_s - start_s)
+
+
+# (name, start min, end min, rate(x in [0,1]) -> req/s); regime means/peaks from TAPER Appendix D / §4.2.
+PAPER_REGIMES: tuple[tuple[str, float, float], ...] = (
+    ("low", 0.0, 240.0),
+    ("transition", 240.0, 250.0),
+    ("high", 250.0, 400.0),
+    ("moderate", 400.0, 600.0),
+)
+
+
+def paper_rate(t_min: np.ndarray) -> np.ndarray:
+    """The paper's envelope in req/s at minute t: flat low, a ramp, a sin^2 surge from 1.0 (mean 1.27,
+    peak 1.54), then two 0.6 +- 0.3 waves."""
+    t = np.asarray(t_min, float)
+    x_hi = np.clip((t - 250.0) / 150.0, 0, 1)
+    x_mod = np.clip((t - 400.0) / 200.0, 0, 1)
+    return np.select(
+        [t < 240, t < 250, t < 400],
+        [np.full_like(t, 0.23), 0.23 + (1.0 - 0.23) * (t - 240.0) / 10.0, 1.0 + 0.54 * np.sin(np.pi * x_hi) ** 2],
+        0.6 + 0.3 * np.sin(4 * np.pi * x_mod),
+    )
+
+
+def _unit_gaps(trace: Trace, window: int = 200) -> np.ndarray:
+    """Inter-arrival gaps divided by their local (rolling) mean: bursts kept, slow drift removed."""
+    g = np.diff(trace.arrival_s)
+    if len(g) == 0 or not np.all(np.isfinite(g)) or g.sum() <= 0:
+        raise TraceError(f"{trace.source}: need at least two distinct arrival times")
+    k = np.ones(min(window, len(g)))
+    local = np.convolve(g, k, mode="same") / np.convolve(np.ones_like(g), k, mode="same")  # edge-exact mean
+    local[local <= 0] = g.mean()
+    return g / local
+
+
+def _warp(trace: Trace, rate_fn, duration_s: float, steps: int = 20000) -> tuple[np.ndarray, np.ndarray]:
+    """Arrivals whose operational time (unit gaps, cycled) is mapped through Lambda^-1 of rate_fn."""
+    grid = np.linspace(0.0, duration_s, steps + 1)
+    r = rate_fn(grid)
+    cum = np.concatenate([[0.0], np.cumsum((r[1:] + r[:-1]) / 2 * np.diff(grid))])
+    total = cum[-1]
+    gaps = _unit_gaps(trace)
+    reps = int(math.ceil(total * 1.2 / gaps.sum())) + 1
+    op = np.cumsum(np.tile(gaps, reps))
+    op = np.concatenate([[0.0], op])
+    op = op[op < total]
+    arrivals = np.interp(op, cum, grid)
+    return arrivals, np.arange(len(arrivals)) % len(trace)
+
+
+def build_schedule(trace: Trace, spec: str, compress: float = 1.0) -> Schedule:
+    """`unscaled` | `rate:X` | `paper-3regime`; see the module docstring for `compress`."""
+    if compress < 1.0:
+        raise ValueError(f"compress must be >= 1, got {compress}")
+    if spec in ("unscaled",) or spec.startswith("rate:"):
+        scale = 1.0
+        if spec.startswith("rate:"):
+            try:
+                rate = float(spec.split(":", 1)[1])
+            except ValueError:
+                raise ValueError(f"bad schedule {spec!r}: rate:X needs a number") from None
+            if rate <= 0:
+                raise ValueError(f"bad schedule {spec!r}: rate must be > 0")
+            scale = trace.mean_rate / rate
+        t = trace.arrival_s * scale
+        duration = (trace.duration_s * scale) / compress
+        keep = t <= duration
+        return Schedule(t[keep], np.flatnonzero(keep), duration, (Regime("all", 0.0, duration),), spec)
+    if spec == "paper-3regime":
+        duration = 600.0 * 60.0 / compress
+        arr, row = _warp(trace, lambda s: paper_rate(s * compress / 60.0), duration)
+        regimes = tuple(Regime(n, a * 60.0 / compress, b * 60.0 / compress) for n, a, b in PAPER_REGIMES)
+        return Schedule(arr, row, duration, regimes, spec)
+    raise ValueError(f"unknown schedule {spec!r}: use unscaled, rate:X or paper-3regime")
+
+
+# ---------------------------------------------------------------------------------- request composer
+
+
+@dataclass(frozen=True, slots=True)
+class Preset:
+    """Branch structure of decomposable requests plus output-length distributions (lognormal, tokens).
+
+    Fanout, PDR and PTS are the paper's; the output lengths are this simulator's calibration (see
+    bench/README.md, "Simulator calibration")."""
+
+    name: str
+    pdr: float  # fraction of requests that are decomposable
+    fanout: dict[int, float]  # branch-fanout distribution per phase; its mean is the ABF
+    pts: float  # mean share of a decomposable request's tokens generated in parallel phases
+    phases_extra: float  # parallel phases per decomposable request = 1 + Poisson(phases_extra)
+    serial_out: tuple[float, float]  # non-decomposable output length: lognormal (median, sigma)
+    decomp_out: tuple[float, float]  # decomposable output length (all stages, all branches)
+    branch_sigma: float = 0.35  # lognormal spread of branch lengths inside one phase (stragglers)
+    max_out: int = 16384
+
+    @property
+    def abf(self) -> float:
+        return sum(k * p for k, p in self.fanout.items()) / sum(self.fanout.values())
+
+
+# Output lengths (see bench/README.md, "Simulator calibration"): non-decomposable requests are
+# ShareGPT-like (median 250, mean ~375 tokens); decomposable ones are long reasoning responses whose
+# median (2700, mean ~3250) is the one calibrated constant: it puts IRP-Off's low-load step latency
+# at the paper's 18 ms under the default latency model. SPRINT reuses both; it was not calibrated.
+_SHAREGPT_OUT = (250.0, 0.9)
+_REASONING_OUT = (2700.0, 0.6)
+
+PRESETS: dict[str, Preset] = {
+    # Multiverse (TAPER §4.1): PDR 50%, ABF 4.1, PTS 58%; few wide phases.
+    "multiverse": Preset(
+        "multiverse", 0.50, {2: 0.18, 3: 0.24, 4: 0.22, 5: 0.15, 6: 0.11, 7: 0.06, 8: 0.04}, 0.58, 0.6,
+        serial_out=_SHAREGPT_OUT, decomp_out=_REASONING_OUT,
+    ),
+    # SPRINT (TAPER E.6): PDR 65%, ABF 2.8, PTS 35%; more frequent, shorter, narrower phases.
+    "sprint": Preset(
+        "sprint", 0.65, {2: 0.35, 3: 0.52, 4: 0.13}, 0.35, 2.5,
+        serial_out=_SHAREGPT_OUT, decomp_out=_REASONING_OUT,
+    ),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RequestSpec:
+    """One request: arrival, prompt, and its output as stages. A serial stage is an int (tokens); a
+    parallel phase is a tuple of branch lengths (tokens per branch)."""
+
+    rid: str
+    arrival_s: float
+    prompt_tokens: int
+    stages: tuple[int | tuple[int, ...], ...]
+
+    @property
+    def decomposable(self) -> bool:
+        return any(isinstance(s, tuple) for s in self.stages)
+
+    @property
+    def output_tokens(self) -> int:
+        return sum(sum(s) if isinstance(s, tuple) else s for s in self.stages)
+
+    @property
+    def parallel_tokens(self) -> int:
+        return sum(sum(s) for s in self.stages if isinstance(s, tuple))
+
+
+def _lognormal(rng: np.random.Generator, median_sigma: tuple[float, float]) -> float:
+    return float(rng.lognormal(math.log(median_sigma[0]), median_sigma[1]))
+
+
+def _split(rng: np.random.Generator, total: int, parts: int, minimum: int = 1) -> list[int]:
+    """`total` tokens into `parts` positive pieces (Dirichlet shares)."""
+    total = max(total, parts * minimum)
+    w = rng.dirichlet(np.full(parts, 2.0))
+    out = np.maximum(np.floor(w * (total - parts * minimum)).astype(int), 0) + minimum
+    out[-1] += total - out.sum()
+    return [int(x) for x in out]
+
+
+def _decompose(rng: np.random.Generator, p: Preset, total: int) -> tuple[int | tuple[int, ...], ...]:
+    phases = 1 + int(rng.poisson(p.phases_extra))
+    fan_k = np.fromiter(p.fanout, int)
+    fan_p = np.fromiter(p.fanout.values(), float)
+    fans = rng.choice(fan_k, size=phases, p=fan_p / fan_p.sum())
+    share = float(rng.beta(8 * p.pts, 8 * (1 - p.pts)))  # per-request PTS, mean p.pts
+    par_total = max(int(round(share * total)), int(fans.sum()))
+    ser_total = max(total - par_total, phases + 1)
+    serial = _split(rng, ser_total, phases + 1)
+    phase_tok = _split(rng, par_total, phases)
+    stages: list[int | tuple[int, ...]] = []
+    for i, (n, tok) in enumerate(zip(fans, phase_tok, strict=True)):
+        stages.append(serial[i])
+        w = rng.lognormal(0.0, p.branch_sigma, int(n))
+        br = np.maximum(np.round(w / w.sum() * tok), 1).astype(int)
+        stages.append(tuple(int(x) for x in br))
+    stages.append(serial[-1])
+    return tuple(stages)
+
+
+def compose(
+    trace: Trace, schedule: Schedule, preset: Preset | str = "multiverse", seed: int = 0,
+    trace_outputs: bool = False, max_prompt: int = 16384,
+) -> list[RequestSpec]:
+    """One RequestSpec per scheduled arrival. Output lengths come from the preset, or from the trace's
+    GeneratedTokens when `trace_outputs` (decomposable ones are still split by the preset's PTS/ABF)."""
+    p = PRESETS[preset] if isinstance(preset, str) else preset
+    rng = np.random.default_rng(seed)
+    out = []
+    for i, (t, row) in enumerate(zip(schedule.arrival_s, schedule.row, strict=True)):
+        prompt = int(min(max(trace.prompt_tokens[row], 1), max_prompt))
+        decomp = rng.random() < p.pdr
+        if trace_outputs:
+            total = int(max(trace.output_tokens[row], 2))
+        else:
+            total = int(min(max(_lognormal(rng, p.decomp_out if decomp else p.serial_out), 2), p.max_out))
+        stages = _decompose(rng, p, total) if decomp else (total,)
+        out.append(RequestSpec(f"r{i}", float(t), prompt, stages))
+    return out
+
+
+def workload_stats(reqs: list[RequestSpec]) -> dict[str, float]:
+    """PDR, ABF (mean fanout per phase), PTS (mean per decomposable request), mean output length."""
+    dec = [r for r in reqs if r.decomposable]
+    fans = [len(s) for r in dec for s in r.stages if isinstance(s, tuple)]
+    return {
+        "requests": float(len(reqs)),
+        "pdr": len(dec) / max(len(reqs), 1),
+        "abf": float(np.mean(fans)) if fans else 0.0,
+        "pts": float(np.mean([r.parallel_tokens / r.output_tokens for r in dec])) if dec else 0.0,
+        "phases_per_decomposable": len(fans) / max(len(dec), 1),
+        "mean_output_tokens": float(np.mean([r.output_tokens for r in reqs])) if reqs else 0.0,
+        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in reqs])) if reqs else 0.0,
+    }

@@ -1,0 +1,94 @@
+"""Metrics on hand-built delivery records (bench/metrics.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.metrics import RequestRecord, StageRecord, StepLog, summarize, timeseries
+
+SLO = 0.050
+
+
+def test_effective_tpot_of_a_parallel_stage() -> None:
+    # 4 branches x 10 tokens over 1.0 s: effective TPOT 25 ms, though each branch saw 100 ms/token
+    times = [0.1 * (i + 1) for i in range(10)] * 4
+    rec = RequestRecord.from_token_times("r", 0.0, [(False, [0.0]), (True, [1.0 + t for t in times])])
+    (stage,) = rec.stages
+    assert stage.parallel and stage.tokens == 40
+    assert stage.start_s == 0.0 and stage.end_s == pytest.approx(2.0)  # opened by the last serial token
+    assert rec.max_tpot_s == pytest.approx(2.0 / 40)
+
+
+def test_from_token_times_excludes_first_token_and_chains_stages() -> None:
+    rec = RequestRecord.from_token_times(
+        "r", 0.5, [(False, [1.0, 1.04, 1.08]), (True, [1.1, 1.1, 1.12, 1.12]), (False, [1.3])]
+    )
+    assert rec.first_token_s == 1.0 and rec.output_tokens == 3 + 4 + 1
+    assert [(s.parallel, s.start_s, s.end_s, s.tokens) for s in rec.stages] == [
+        (False, 1.0, 1.08, 2), (True, 1.08, 1.12, 4), (False, 1.12, 1.3, 1)]
+    assert rec.max_tpot_s == pytest.approx(0.18)  # the one-token serial stage after the reduce
+
+
+def _rec(rid: str, arrival: float, stages: list[tuple[bool, float, float, int]], finished: bool = True):
+    return RequestRecord(rid, arrival, arrival + 0.1, [StageRecord(*s) for s in stages], finished)
+
+
+def test_attainment_and_goodput() -> None:
+    ok = _rec("ok", 0.0, [(False, 0.1, 1.1, 25), (True, 1.1, 2.1, 50)])  # 40 ms, 20 ms
+    late = _rec("late", 0.0, [(False, 0.1, 1.1, 10)])  # 100 ms per token
+    par_late = _rec("par", 1.0, [(False, 1.1, 1.2, 4), (True, 1.2, 2.2, 10)])  # 25 ms, then 100 ms eff.
+    m = summarize([ok, late, par_late], SLO, (0.0, 4.0))
+    assert m["slo_attainment"] == pytest.approx(1 / 3)
+    assert m["raw_throughput_tok_s"] == pytest.approx((76 + 11 + 15) / 4.0)
+    assert m["goodput_tok_s"] == pytest.approx(76 / 4.0)
+    assert m["finished_frac"] == 1.0
+
+
+def test_slo_boundary_is_inclusive() -> None:
+    exact = _rec("e", 0.0, [(False, 0.1, 0.6, 10)])  # exactly 50 ms
+    assert summarize([exact], SLO, (0.0, 1.0))["slo_attainment"] == 1.0
+
+
+def test_unfinished_requests_count_in_throughput_not_in_attainment() -> None:
+    done = _rec("d", 0.0, [(False, 0.1, 0.5, 10)])
+    running = _rec("u", 0.0, [(False, 0.1, 0.9, 10)], finished=False)
+    m = summarize([done, running], SLO, (0.0, 1.0))
+    assert m["slo_attainment"] == 1.0 and m["finished_frac"] == 0.5
+    assert m["raw_throughput_tok_s"] == pytest.approx(22.0)
+    assert m["goodput_tok_s"] == pytest.approx(11.0)  # an unfinished request has not met its SLO
+
+
+def test_window_splits_stage_tokens_evenly() -> None:
+    r = _rec("r", 0.0, [(False, 0.0, 10.0, 100)])
+    m = summarize([r], SLO, (0.0, 10.0), regimes=[("a", 0.0, 2.5), ("b", 2.5, 10.0)])
+    assert m["per_regime"]["a"]["raw_throughput_tok_s"] == pytest.approx((25 + 1) / 2.5)  # + first token
+    assert m["per_regime"]["b"]["raw_throughput_tok_s"] == pytest.approx(75 / 7.5)
+    assert m["per_regime"]["b"]["requests"] == 0  # attainment follows arrival time
+
+
+def test_per_class_p99() -> None:
+    recs = [_rec(f"s{i}", 0.0, [(False, 0.0, 0.01 * (i + 1), 1)]) for i in range(100)]
+    recs.append(_rec("p", 0.0, [(True, 0.0, 1.0, 100)]))
+    m = summarize(recs, SLO, (0.0, 2.0))
+    assert m["p99_tpot_serial_ms"] == pytest.approx(990.1)
+    assert m["p99_tpot_parallel_ms"] == pytest.approx(10.0)
+
+
+def test_step_log_metrics_with_run_length_rows() -> None:
+    log = StepLog()
+    log.add(0.0, 1, 0.020, 0.020, eligible=4, admitted=4)
+    log.add(0.02, 3, 0.090, 0.031, eligible=6, admitted=0)  # 3 steps of 29, 30, 31 ms
+    m = summarize([], SLO, (0.0, 1.0), steps=log)
+    assert m["steps"] == 4
+    assert m["step_latency_mean_ms"] == pytest.approx(27.5)
+    assert m["step_latency_max_ms"] == pytest.approx(31.0)
+    assert m["admission_rate"] == pytest.approx(0.4)
+    assert m["slo_attainment"] is None and m["goodput_tok_s"] == 0.0
+
+
+def test_timeseries_bins() -> None:
+    recs = [_rec(f"r{i}", float(i), [(False, i + 0.1, i + 0.5, 10)]) for i in range(4)]
+    ts = timeseries(recs, SLO, (0.0, 4.0), 2.0)
+    assert ts["t_s"].tolist() == [0.0, 2.0]
+    assert ts["slo_attainment"].tolist() == [1.0, 1.0]
+    assert ts["raw_throughput_tok_s"].tolist() == pytest.approx([11.0, 11.0])
