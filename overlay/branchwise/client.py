@@ -1,0 +1,221 @@
+"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
+
+Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta); the scheduler reads them
+when it creates the request. Rids are structured so that SGLang's abort-by-prefix (scheduler-side
+`req.rid.startswith(rid)`) reaches whole groups and no sibling by accident:
+
+    group                      "fork-3f9a0c1d2e4b"
+    branch i, its turn-th gen  "fork-3f9a0c1d2e4b/b1/0"   ("g/b1/" never prefixes "g/b10/")
+    nested fork k in branch i  "fork-3f9a0c1d2e4b/b1/f0"  (its branches: ".../b1/f0/b2/0")
+
+Importing this module installs the frontend fork hook lazily (branchwise.frontend_hook): SGLang's
+frontend is only patched if and when the program imports it, so bench and replay stay light.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+
+from branchwise import frontend_hook, request_meta
+
+frontend_hook.install()
+
+
+# ---- stamps and rids ----------------------------------------------------------------------------
+def new_group(prefix: str = "fork") -> str:
+    """A fresh phase/group id. Fixed-length hex, so no group id prefixes another."""
+    if not prefix or "/" in prefix:
+        raise ValueError(f"group prefix must be non-empty and free of '/', got {prefix!r}")
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+def branch_rid(group: str, branch: int, turn: int = 0) -> str:
+    """Rid of branch `branch`'s `turn`-th request in `group` (abort prefix of the group: f"{group}/")."""
+    if not group:
+        raise ValueError("group must be a non-empty string")
+    if branch < 0 or turn < 0:
+        raise ValueError(f"branch and turn must be >= 0, got {branch}, {turn}")
+    return f"{group}/b{branch}/{turn}"
+
+
+def stamp_branch(sampling_params: dict | None, group: str, branch: int, fanout: int,
+                 slo_tpot_ms: float | None = None, weight: float | None = None) -> dict:
+    """sampling_params stamped as branch `branch` of `fanout` in phase `group` (validated here)."""
+    return request_meta.stamp(sampling_params, phase=group, branch=branch, fanout=fanout,
+                              slo_tpot_ms=slo_tpot_ms, weight=weight)
+
+
+def stamp_serial(sampling_params: dict | None, slo_tpot_ms: float | None = None,
+                 weight: float | None = None, grammar: str | None = None) -> dict:
+    """sampling_params of a serial request, with its SLO/weight and optional server-side grammar."""
+    return request_meta.stamp(sampling_params, slo_tpot_ms=slo_tpot_ms, weight=weight, grammar=grammar)
+
+
+# ---- HTTP client ----------------------------------------------------------------------------------
+class GenerateError(RuntimeError):
+    """The server answered /generate with an error (HTTP status, or an error chunk in a stream)."""
+
+    def __init__(self, url: str, status: int, message: str, path: str = "/generate") -> None:
+        super().__init__(f"{url}{path} -> HTTP {status}: {message}")
+        self.url, self.status, self.message = url, status, message
+
+
+@dataclass(slots=True)
+class Generation:
+    text: str
+    output_ids: list[int]
+    meta_info: dict[str, Any]
+    rid: str | None = None
+    start: float = 0.0  # time.perf_counter() when the request was sent
+    end: float = 0.0  # ... when the last byte arrived
+    chunk_times: list[float] = field(default_factory=list)  # streaming: arrival of each chunk
+    chunk_tokens: list[int] = field(default_factory=list)  # streaming: new tokens in each chunk
+
+    @property
+    def prompt_tokens(self) -> int:
+        return int(self.meta_info.get("prompt_tokens", 0))
+
+    @property
+    def completion_tokens(self) -> int:
+        return int(self.meta_info.get("completion_tokens", len(self.output_ids)))
+
+    @property
+    def cached_tokens(self) -> int:
+        return int(self.meta_info.get("cached_tokens", 0))
+
+    @property
+    def finish_reason(self) -> dict[str, Any]:
+        return self.meta_info.get("finish_reason") or {}
+
+    @property
+    def aborted(self) -> bool:
+        return self.finish_reason.get("type") == "abort"
+
+    @property
+    def ttft(self) -> float | None:
+        return self.chunk_times[0] - self.start if self.chunk_times else None
+
+
+def _error_message(body: str) -> str:
+    try:
+        err = json.loads(body).get("error", body)
+    except (ValueError, AttributeError):
+        return body.strip()
+    return str(err.get("message", err)) if isinstance(err, dict) else str(err)
+
+
+def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dict | None,
+             rid: str | None, stream: bool, check: bool) -> dict[str, Any]:
+    if (text is None) == (input_ids is None):
+        raise ValueError("pass exactly one of text and input_ids")
+    if rid is not None and (not isinstance(rid, str) or not rid):
+        raise ValueError(f"rid must be a non-empty string, got {rid!r}")
+    if check:  # bad stamps fail here, not as a 400 from the server
+        request_meta.parse((sampling_params or {}).get("custom_params"))
+    body: dict[str, Any] = {"sampling_params": dict(sampling_params or {}), "stream": stream}
+    body["text" if text is not None else "input_ids"] = text if text is not None else input_ids
+    if rid is not None:
+        body["rid"] = rid
+    return body
+
+
+async def _read_stream(resp: aiohttp.ClientResponse, url: str, gen: Generation) -> None:
+    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]"). Split on event boundaries
+    ourselves: a chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
+    last: dict[str, Any] = {}
+    seen, buf = 0, b""  # tokens so far (meta_info.completion_tokens is cumulative); unparsed bytes
+    async for piece in resp.content.iter_any():
+        now = time.perf_counter()
+        *events, buf = (buf + piece).split(b"\n\n")
+        for ev in events:
+            data = ev.decode().strip().removeprefix("data:").strip()
+            if not data or data == "[DONE]":
+                continue
+            chunk = json.loads(data)
+            if "error" in chunk:  # SGLang streams errors as a chunk inside an HTTP 200
+                err = chunk["error"]
+                raise GenerateError(url, int(err.get("code", 400)), str(err.get("message", err)))
+            n = int(chunk.get("meta_info", {}).get("completion_tokens", seen))
+            gen.chunk_times.append(now)
+            gen.chunk_tokens.append(n - seen)
+            seen, last = n, chunk
+    gen.text, gen.meta_info = last.get("text", ""), last.get("meta_info", {})
+    gen.output_ids = list(last.get("output_ids", []))  # cumulative in every chunk
+    fr = gen.finish_reason
+    if fr.get("type") == "abort" and fr.get("status_code"):  # rejected (e.g. a bad stamp): HTTP 200 here
+        raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
+
+
+async def generate(url: str, text: str | None = None, sampling_params: dict | None = None,
+                   rid: str | None = None, stream: bool = False, *, input_ids: list[int] | None = None,
+                   session: aiohttp.ClientSession | None = None, timeout_s: float | None = 600,
+                   check: bool = True) -> Generation:
+    """POST url/generate. Raises ConnectionError (naming the url) if nothing listens, GenerateError on
+    an error answer. Pass a shared `session` when sending many requests (its own timeout then
+    applies); check=False sends custom_params unvalidated (to test the server's own checks)."""
+    url = url.rstrip("/")
+    body = _payload(text, input_ids, sampling_params, rid, stream, check)
+    own = session is None
+    session = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
+    gen = Generation("", [], {}, rid, start=time.perf_counter())
+    try:
+        async with session.post(url + "/generate", json=body) as resp:
+            if resp.status != 200:
+                raise GenerateError(url, resp.status, _error_message(await resp.text()))
+            if stream:
+                await _read_stream(resp, url, gen)
+            else:
+                out = await resp.json()
+                gen.text, gen.meta_info = out["text"], out["meta_info"]
+                gen.output_ids = list(out.get("output_ids", []))
+    except (TimeoutError, aiohttp.ClientConnectionError) as e:
+        raise ConnectionError(f"SGLang server at {url} unreachable or timed out: {e!r}") from e
+    finally:
+        if own:
+            await session.close()
+    gen.end = time.perf_counter()
+    gen.rid = gen.meta_info.get("id", rid)
+    return gen
+
+
+def generate_sync(url: str, text: str | None = None, sampling_params: dict | None = None,
+                  rid: str | None = None, stream: bool = False, **kw: Any) -> Generation:
+    """Blocking generate() for scripts and threads that have no event loop."""
+    return asyncio.run(generate(url, text, sampling_params, rid, stream, **kw))
+
+
+async def fork(url: str, texts: list[str], sampling_params: dict | None = None, *,
+               group: str | None = None, stream: bool = False, slo_tpot_ms: float | None = None,
+               session: aiohttp.ClientSession | None = None) -> list[Generation]:
+    """One parallel phase: send texts[i] as branch i of a fresh group, concurrently; results in order."""
+    group = group or new_group()
+    n = len(texts)
+    if n < 1:
+        raise ValueError("fork needs at least one branch text")
+    reqs = [generate(url, t, stamp_branch(sampling_params, group, i, n, slo_tpot_ms),
+                     branch_rid(group, i), stream, session=session) for i, t in enumerate(texts)]
+    return list(await asyncio.gather(*reqs))
+
+
+async def abort(url: str, rid: str, session: aiohttp.ClientSession | None = None) -> None:
+    """Abort an in-flight request. SGLang forwards only rids it still tracks, and the scheduler then
+    aborts every request whose rid starts with it: pass exact rids (branch_rid), one per request."""
+    url = url.rstrip("/")
+    own = session is None
+    session = session or aiohttp.ClientSession()
+    try:
+        async with session.post(url + "/abort_request", json={"rid": rid}) as resp:
+            if resp.status != 200:
+                raise GenerateError(url, resp.status, _error_message(await resp.text()), "/abort_request")
+    except aiohttp.ClientConnectionError as e:
+        raise ConnectionError(f"SGLang server at {url} unreachable: {e!r}") from e
+    finally:
+        if own:
+            await session.close()
