@@ -33,6 +33,9 @@ else
 	$(PIP) install -q pytest hypothesis ruff matplotlib tqdm
 	echo "$(CURDIR)/overlay/branchwise/cpu_compat" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_cpu_compat.pth"
 endif
+	@# unchanged SGLang frontend programs get Branchwise's fork hook (lazy; BRANCHWISE_FRONTEND_HOOK=0 opts out)
+	echo "import os; os.environ.get('BRANCHWISE_FRONTEND_HOOK', '1') == '0' or __import__('branchwise.frontend_hook').frontend_hook.install()" \
+		> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_frontend.pth"
 	touch $(STAMP)
 
 apply: install

@@ -11,10 +11,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
 from branchwise.taper.utility import UTILITY_NAMES as UTILITIES
-
-GRAMMARS = ("none", "multiverse", "sprint")
 
 
 def parse_rho(value: str | float) -> float:

@@ -14,9 +14,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from branchwise.config import GRAMMARS
-
 KEY = "branchwise"
+GRAMMARS = ("none", "multiverse", "sprint")
 _FIELDS = {"phase", "branch", "fanout", "slo_tpot_ms", "weight", "grammar"}
 
 

@@ -75,3 +75,12 @@ def test_policy_off_equals_plugin_disabled(servers):
     info = get_json(off.url + "/server_info")
     assert "branchwise" not in info["internal_states"][0]  # the plugin really is disabled
     assert [greedy(off.url, p) for p in PROMPTS] == outputs_on
+
+
+def test_unchanged_frontend_programs_get_the_fork_hook():
+    """The install's .pth makes `s.fork` branch-aware without importing branchwise (opt out: env)."""
+    code = "from sglang.lang.interpreter import StreamExecutor as S; print(hasattr(S.fork, '__wrapped__'))"
+    on = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    off = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                         env=os.environ | {"BRANCHWISE_FRONTEND_HOOK": "0"})
+    assert (on.stdout.strip(), off.stdout.strip()) == ("True", "False"), on.stderr + off.stderr
