@@ -8,6 +8,26 @@ configured here, so the scheduler logs Branchwise's settings from inside its __i
 from __future__ import annotations
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+REQ = "sglang.srt.managers.schedule_batch.Req"
+
+
+def _fork_hooks(HookType):
+    """Server-side fork/join (fork.py). Registered after scheduler_hook's hooks on the same targets,
+    so they wrap them: fork's __init__ / _create_generation_req AFTER hooks see its state and bw_meta."""
+    from branchwise import fork
+
+    return [
+        (f"{SCHEDULER}.__init__", fork.after_init, HookType.AFTER),
+        (f"{SCHEDULER}._create_generation_req", fork.after_create_generation_req, HookType.AFTER),
+        (f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests, HookType.AFTER),
+        (f"{SCHEDULER}.abort_request", fork.after_abort_request, HookType.AFTER),
+        (f"{SCHEDULER}.send_abort_output", fork.around_send_abort_output, HookType.AROUND),
+        (f"{SCHEDULER}.get_internal_state", fork.after_get_internal_state, HookType.AFTER),
+        (f"{SCHEDULER}.is_fully_idle", fork.after_is_fully_idle, HookType.AFTER),
+        (f"{REQ}.update_finish_state", fork.around_update_finish_state, HookType.AROUND),
+        (f"{STREAMER}.stream_output", fork.around_stream_output, HookType.AROUND),
+    ]
 
 
 def register() -> None:
@@ -22,5 +42,6 @@ def register() -> None:
         (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
     ]
+    hooks += _fork_hooks(HookType)
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)

@@ -1,0 +1,680 @@
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT) inside SGLang's scheduler.
+
+A grammar detector (branchwise.grammars) watches a request's generated text. When it opens a phase:
+
+  fork   the parent's output is cut at the fork point (`PhaseOpened.at`) before anything past it is
+         streamed; at the next scheduling point the parent is *parked* like a retraction
+         (schedule_batch.py:2360 release_req): its KV goes into the radix tree with
+         `release_kv_cache(checkpoint=True)` (mem_cache/common.py:400), a tree lock pins that prefix,
+         and the Req leaves running_batch/last_batch and holds no KV row. One real Req per branch
+         (rid f"{parent}/p{n}/b{i}", input = parent ids up to the fork + header_i) goes to the waiting
+         queue; its prefill matches the pinned prefix, so only the header is computed
+         (`cached_tokens` >= the shared prefix). Branches decode as ordinary running rows tagged with
+         `bw_meta = RequestMeta(phase, branch, fanout, slo, weight)` for the TAPER planner.
+  close  a branch ends at its own close tag (finished like a stop string, so SGLang releases and
+         caches its KV itself), or by EOS / max_new_tokens / abort (reduce appends the close tag).
+  join   when all branches of a phase are closed, their ids are appended to the parent's output in
+         canonical (branch-index) order and the parent is re-queued as a retracted request
+         (`_add_request_to_queue(is_retracted=True)`, scheduler.py:3480): its prefill matches
+         prefix + branch 0 in the radix tree and computes the rest, then it continues decoding.
+  nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
+
+Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
+the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
+row's result (batch_result_processor.py:1023) as it does for rows retracted or preempted while in
+flight (schedule_policy.py:1707); FutureMap slots are keyed by req_pool_idx and a reused slot is
+rewritten by its new owner's prefill before being read (overlap_utils.py:143). Tokens past the fork
+point are cut before `stream_output` runs and parents are not streamed while a fork is undecided,
+so the client never sees them.
+
+Budget (max_new_tokens): the parent's max_new_tokens bounds the whole response, joined branch text
+included. Each branch may use the budget left at the fork (parent max - kept tokens - header); a
+join that reaches the parent's budget finishes the request with finish_reason length, truncated at
+max_new_tokens tokens, i.e. exactly where a serial writer of the same text would have been cut.
+
+Tensor parallelism: every rank runs these hooks on identical token ids with the same tokenizer, and
+every decision (fork, cut, budget, join, abort by rid prefix) depends only on token ids, request
+ids and the order of events within a step, never on wall clocks, so all ranks spawn, park and join
+the same requests in the same iteration.
+
+Not branched (the request runs serial): return_logprob, hidden states, constrained decoding
+(json/regex/ebnf), input embeds, multimodal, sessions, LoRA, beam search, client-side branches;
+and the whole feature is off under disaggregation, PP, speculative decoding, DP attention, dLLM,
+hisparse and mamba caches.
+"""
+
+from __future__ import annotations
+
+import logging
+from array import array
+from bisect import bisect_right
+from collections import Counter, deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from branchwise.grammars import (
+    BranchClosed,
+    Detector,
+    GrammarError,
+    PhaseClosed,
+    PhaseOpened,
+    get_detector,
+)
+from branchwise.phases import ParallelPhase, PhaseError, PhaseRegistry, Stage, branch_seed
+from branchwise.request_meta import RequestMeta
+
+logger = logging.getLogger("branchwise.fork")
+
+MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
+RECENT = 64  # phase records kept for /server_info
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers (no SGLang import)
+
+
+@dataclass(slots=True)
+class TextStream:
+    """Incremental detokenizer for one sequence's output ids, with per-token character ends.
+
+    `ends[j]` is the detector offset just after output token j; tokens decoding to an incomplete
+    UTF-8 character are held back (at most HOLD ids, so invalid bytes cannot stall the detector)
+    and get the end of the text they complete.
+    """
+
+    HOLD = 4
+
+    decode: Callable[[Sequence[int]], str]
+    fed: int = 0  # output ids consumed
+    read: int = 0  # output ids whose text was emitted (fed - read: held back)
+    prefix: int = 0  # window start: decoding context for the next ids
+    pos: int = 0  # characters emitted
+    ends: list[int] = field(default_factory=list)
+
+    def feed(self, ids: Sequence[int]) -> str:
+        n = len(ids)
+        if n <= self.fed:
+            return ""
+        self.fed = n
+        full = self.decode(ids[self.prefix : n])
+        if full.endswith("\ufffd") and n - self.read < self.HOLD:
+            return ""
+        new = full[len(self.decode(ids[self.prefix : self.read])) :]
+        self.pos += len(new)
+        self.ends.extend([self.pos] * (n - self.read))
+        self.prefix, self.read = max(self.read - 4, 0), n
+        return new
+
+    def cut(self, at: int) -> int:
+        """Number of whole output tokens whose text ends at or before character `at`."""
+        return bisect_right(self.ends, at, 0, self.read)
+
+    def truncate(self, keep: int, pos: int) -> None:
+        """Forget ids past `keep`; the detector keeps `pos` characters (a cut inside a token)."""
+        del self.ends[keep:]
+        self.fed = self.read = keep
+        self.prefix = max(keep - 4, 0)
+        self.pos = pos
+
+    def skip(self, n: int, pos: int) -> None:
+        """`n` ids were appended whose text the detector got otherwise (a join)."""
+        self.ends.extend([pos] * n)
+        self.fed = self.read = self.fed + n
+        self.prefix = max(self.read - 4, 0)
+        self.pos = pos
+
+
+def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:
+    """Tokens a branch may decode: what the parent's budget has left after prefix and header."""
+    return parent_max_new - kept - header_len
+
+
+def needs_close(text: str, close: str) -> bool:
+    """Same rule as phases.reduce_text: a branch without its close tag gets one appended."""
+    return bool(close) and not text.rstrip().endswith(close.strip())
+
+
+class State(StrEnum):
+    SERIAL = "serial"  # decoding; detector live unless `det` is None
+    FORKING = "forking"  # fork seen and cut; parked at the next scheduling point
+    PARKED = "parked"  # no KV row, in no batch or queue; waits for its phase's join
+    DONE = "done"
+
+
+@dataclass(slots=True, eq=False)
+class Track:
+    """Branchwise state of one sequence (a client request or a server-side branch)."""
+
+    mgr: ForkManager
+    req: Any  # sglang Req
+    det: Detector | None  # None: structure tracking stopped (grammar error) or never started
+    text: TextStream
+    grammar: str
+    branch: bool = False  # a server-side branch (internal rid, never streamed to the client)
+    state: State = State.SERIAL
+    fork: PhaseOpened | None = None
+    keep: int = 0  # output tokens kept at the fork
+    leftover: str = ""  # fork point inside a token: its kept text, re-tokenized with the headers
+    headers: list[list[int]] = field(default_factory=list)  # branch i's header ids (incl. leftover)
+    pin: Any = None  # radix tree lock on the parked prefix
+    shared: int = 0  # prefix tokens put in the radix tree at park
+    close_at: int | None = None  # branch closed by its tag: output text ends here
+    close_keep: int = 0
+    close_leftover: str = ""
+    error: str | None = None
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    def fail(self, msg: str) -> None:
+        """Stop structure tracking; the sequence continues as plain serial text."""
+        if self.error is None:
+            self.error = msg
+        self.det = None
+
+    def undecided(self) -> bool:
+        """True while text already decoded may still be cut (a fork waiting for its next char)."""
+        if self.state is not State.SERIAL:
+            return True
+        # Detector._pending: a fork tag closed, one more char decides where the fork point is.
+        return self.det is not None and self.det._pending is not None
+
+
+# ------------------------------------------------------------------------------------------------
+# Per-scheduler manager
+
+
+class ForkManager:
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.reg = PhaseRegistry(max_depth=MAX_DEPTH)
+        self.forking: list[Track] = []
+        self.closed: list[Track] = []
+        self.parked: dict[str, Track] = {}
+        self.stats: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        self.branch_tracks: dict[str, Track] = {}  # live server-side branches by rid
+        self._enc: dict[str, tuple[int, ...]] = {}  # headers, close tags, separators
+        self._tok = sched.tokenizer
+
+    # ---- text --------------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        if not text:
+            return []
+        ids = self._enc.get(text)
+        if ids is None:
+            ids = self._enc[text] = tuple(self._tok.encode(text, add_special_tokens=False))
+        return list(ids)
+
+    # ---- request admission ---------------------------------------------------------------------
+    def grammar_for(self, req: Any, recv_req: Any) -> str | None:
+        """The grammar to watch this client request with, or None (serial)."""
+        meta = getattr(req, "bw_meta", None)
+        if meta is None or meta.is_branch or req.to_finish is not None:
+            return None
+        g = meta.grammar
+        if g is None:
+            from branchwise.scheduler_hook import state_of
+
+            st = state_of(self.sched)
+            g = st.config.branch_grammar if st is not None else "none"
+        if g in (None, "none"):
+            return None
+        sp = req.sampling_params
+        if (req.return_logprob or req.return_hidden_states or req.input_embeds is not None
+                or getattr(recv_req, "mm_inputs", None) is not None or req.session is not None
+                or req.lora_id
+                or sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag
+                or (sp.beam_width or 1) > 1):
+            self.stats["not_branched_unsupported"] += 1
+            return None
+        return g
+
+    def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
+        t = Track(self, req, det, TextStream(self.decode), grammar, branch)
+        req.bw_fork = t
+        return t
+
+    # ---- per token (Req.update_finish_state) ----------------------------------------------------
+    def on_tokens(self, t: Track) -> None:
+        req = t.req
+        if t.state is State.DONE:
+            return
+        if t.state is not State.SERIAL:  # a stale in-flight token past the fork point: drop it
+            if not req.finished():
+                del req.output_ids[t.keep :]
+            return
+        aborted = req.finished() and _is_abort(req.finished_reason)
+        if t.det is not None and not aborted:
+            ids = req.output_ids_through_stop
+            try:
+                events = t.det.feed(t.text.feed(ids)) if len(ids) > t.text.fed else []
+            except GrammarError as e:
+                t.fail(f"grammar: {e}")
+                events = []
+            for ev in events:
+                if isinstance(ev, PhaseOpened):
+                    self._on_fork(t, ev)
+                elif isinstance(ev, BranchClosed) and t.branch and t.det is not None and t.det.done:
+                    self._on_close_tag(t, ev)  # its own close tag (inner ones leave it running)
+                elif isinstance(ev, PhaseClosed):
+                    ph = self.reg.of_parent(t.rid)
+                    if ph is not None and ph.state is Stage.REDUCE:
+                        self.reg.release(ph.phase_id)
+        if req.finished():
+            self.on_finished(t)
+
+    def _on_fork(self, t: Track, ev: PhaseOpened) -> None:
+        req, det = t.req, t.det
+        assert det is not None
+        if req.finished() or req.to_finish is not None:
+            t.fail("stream ended at a fork")
+            return
+        keep = t.text.cut(ev.at)
+        base = t.text.ends[keep - 1] if keep else 0
+        leftover = det.text[base : ev.at]
+        headers = [self.encode(leftover + h) for h in ev.headers]
+        budget = min(branch_budget(req.sampling_params.max_new_tokens, keep, len(h)) for h in headers)
+        if budget < 1:
+            t.fail(f"fork at token {keep}: no max_new_tokens budget left for branches")
+            return
+        if keep < req.send_token_offset:  # cannot happen while `undecided` holds streaming back
+            t.fail("fork point already streamed")
+            return
+        try:
+            self.reg.open(t.rid, list(ev.headers), labels=list(ev.labels), prefix_text=det.text,
+                               prefix_len=len(req.origin_input_ids) + keep, header=ev.header,
+                               fmt=det.fmt)
+        except PhaseError as e:
+            t.fail(str(e))
+            return
+        del req.output_ids[keep:]
+        t.text.truncate(keep, ev.at)
+        t.state, t.fork, t.keep, t.leftover, t.headers = State.FORKING, ev, keep, leftover, headers
+        self.forking.append(t)
+
+    def _on_close_tag(self, t: Track, ev: BranchClosed) -> None:
+        req = t.req
+        keep = t.text.cut(ev.at)
+        base = t.text.ends[keep - 1] if keep else 0
+        assert t.det is not None
+        t.close_at, t.close_keep, t.close_leftover = ev.at, keep, t.det.text[base : ev.at]
+        if not _is_abort(req.finished_reason):  # SGLang then caches and frees it like a stop string
+            from sglang.srt.managers.schedule_batch import FINISH_MATCHED_STR
+
+            req.finished_reason = FINISH_MATCHED_STR(matched=t.det.fmt.close.strip())
+            req.finished_len = keep
+
+    # ---- end of a sequence ------------------------------------------------------------------------
+    def on_finished(self, t: Track) -> None:
+        """The sequence ended (any reason). Branches are closed at the next scheduling point."""
+        if t.state is State.DONE:
+            return
+        req = t.req
+        if t.state is State.FORKING:
+            self.forking.remove(t)
+        if t.state is State.PARKED:
+            self.parked.pop(t.rid, None)
+            self._unpin(t)
+        t.state = State.DONE
+        self.reg.drop_request(t.rid)  # its own (nested) phases die with it
+        if t.branch:
+            self.branch_tracks.pop(t.rid, None)
+            self.closed.append(t)
+            return
+        if t.det is not None and _natural_end(req.finished_reason):  # cut text is incomplete anyway
+            try:
+                t.det.finish()
+            except GrammarError as e:
+                t.fail(f"grammar: {e}")
+        if t.error is not None:
+            self.stats["grammar_errors"] += 1
+            if not _is_abort(req.finished_reason):
+                req.finished_reason = _annotate(req.finished_reason, t.error)
+
+    # ---- scheduling point (after Scheduler.ingest_requests) ---------------------------------------
+    def reconcile(self) -> None:
+        while self.forking:
+            t = self.forking.pop(0)
+            self._park_and_spawn(t)
+        while self.closed:
+            self._close(self.closed.pop(0))
+
+    def _park_and_spawn(self, t: Track) -> None:
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        sched, req = self.sched, t.req
+        ph = self.reg.of_parent(t.rid)
+        assert ph is not None and t.fork is not None and not req.finished()
+        _evict(sched, req)
+        tree = sched.tree_cache
+        origin = len(req.origin_input_ids)
+        if req.kv.holds_kv:
+            t.shared = min(req.kv.kv_committed_len, origin + t.keep)
+            req.full_untruncated_fill_ids = array("q")  # output_ids shrank: rebuild, not extend
+            release_kv_cache(req, tree, checkpoint=True)
+            if tree.supports_prefix_sharing() and req.last_node is not None:
+                t.pin = tree.lock(req.last_node)  # keep the prefix until the branches match it
+        n_retract = req.retraction_count
+        req.reset_for_retract()
+        req.retraction_count = n_retract  # a park is not a retraction
+        t.state = State.PARKED
+        self.parked[t.rid] = t
+        if req.to_finish is not None:  # aborted between the fork and now: end it parked
+            req.finished_reason, req.to_finish = req.to_finish, None
+            self._finish_outside_batch(t)
+            return
+        prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: t.keep])
+        parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
+        for i, b in enumerate(ph.branches):
+            assert b is not None
+            hdr = t.headers[i]
+            br = self._make_branch(req, b.rid, prefix + array("q", hdr), t.keep + len(hdr))
+            br.bw_meta = RequestMeta(ph.phase_id, i, ph.fanout, parent_meta.slo_tpot_ms,
+                                     parent_meta.weight, t.grammar)
+            bdet = t.det.branch(i, b.label, t.fork.depth) if t.det is not None else None
+            bt = self.track(br, bdet, t.grammar, branch=True)
+            self.branch_tracks[b.rid] = bt
+            sched.init_req_max_new_tokens(br)
+            sched._add_request_to_queue(br)
+        self._record(ph, t)
+        self.stats["forks"] += 1
+        self.stats["branches"] += ph.fanout
+        logger.debug("fork %s: %d branches on %d shared tokens", ph.phase_id, ph.fanout, t.shared)
+
+    def _make_branch(self, parent: Any, rid: str, input_ids: array, used: int) -> Any:
+        import msgspec
+        from sglang.srt.managers.schedule_batch import Req
+
+        sp = parent.sampling_params
+        cp = sp.custom_params
+        if isinstance(cp, dict):
+            cp = {k: v for k, v in cp.items() if k != "__req__"}  # Req() adds the branch's own
+        seed = branch_seed(sp.sampling_seed, rid) if sp.sampling_seed is not None else None
+        bsp = msgspec.structs.replace(sp, max_new_tokens=sp.max_new_tokens - used,
+                                      sampling_seed=seed, custom_params=cp)
+        br = Req(rid, "", input_ids, bsp, stream=False,
+                 custom_logit_processor=parent.custom_logit_processor,
+                 eos_token_ids=parent.eos_token_ids, vocab_size=parent.vocab_size,
+                 priority=parent.priority, metrics_collector=parent.metrics_collector,
+                 extra_key=parent.extra_key, cache_salt=parent.cache_salt,
+                 routing_key=parent.routing_key, http_worker_ipc=parent.http_worker_ipc)
+        br.tokenizer = parent.tokenizer
+        return br
+
+    def _close(self, bt: Track) -> None:
+        hit = self.reg.of_branch(bt.rid)
+        if hit is None or hit[0].state is not Stage.PARALLEL or hit[1].finished:
+            return  # its phase was dropped (parent aborted or finished)
+        ph, b = hit
+        ids, text, reason = self._branch_output(bt, ph)
+        self.reg.close_branch(bt.rid, text, ids, reason)
+        self.stats[f"branch_close_{reason}"] += 1
+        parent = self.parked.get(ph.parent_rid)
+        if parent is not None:
+            rec = self._record(ph, parent)
+            rec["cached_tokens"][b.index] = bt.req.cached_tokens
+            rec["reasons"][b.index] = reason
+            if bt.error is not None and parent.error is None:
+                parent.error = f"branch {bt.rid}: {bt.error}"
+        if ph.all_closed:
+            self._join(ph)
+
+    def _branch_output(self, bt: Track, ph: ParallelPhase) -> tuple[list[int], str, str]:
+        req = bt.req
+        if bt.close_at is not None:
+            ids = list(req.output_ids[: bt.close_keep]) + self.encode(bt.close_leftover)
+            return ids, self.decode(req.output_ids[: bt.close_keep]) + bt.close_leftover, "tag"
+        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN
+
+        ids = list(req.output_ids_through_stop)
+        fr = req.finished_reason
+        if isinstance(fr, FINISH_MATCHED_TOKEN) and ids:
+            ids.pop()  # EOS / stop token: not part of the branch's text
+            reason = "eos"
+        else:
+            reason = "length" if isinstance(fr, FINISH_LENGTH) else "abort" if _is_abort(fr) else "stop"
+        return ids, self.decode(ids), reason
+
+    def _record(self, ph: ParallelPhase, parent: Track) -> dict[str, Any]:
+        for rec in reversed(self.recent):
+            if rec["phase"] == ph.phase_id:
+                return rec
+        rec = {"phase": ph.phase_id, "parent": ph.parent_rid, "fanout": ph.fanout, "depth": ph.depth,
+               "prefix_tokens": ph.prefix_len, "shared_tokens": parent.shared,
+               "cached_tokens": [None] * ph.fanout, "reasons": [None] * ph.fanout, "joined_tokens": None}
+        self.recent.append(rec)
+        return rec
+
+    def _join(self, ph: ParallelPhase) -> None:
+        t = self.parked.pop(ph.parent_rid)
+        req, fmt = t.req, ph.fmt
+        ids = self.encode(t.leftover)
+        for b in ph.branches:
+            assert b is not None
+            ids += self.encode(b.header) + b.output_ids
+            if needs_close(b.output_text, fmt.close):
+                ids += self.encode(fmt.close)
+            ids += self.encode(fmt.sep)
+        ids += self.encode(fmt.suffix)
+        red = ph.join()
+        if t.det is not None:
+            try:
+                for ev in t.det.join(red):
+                    if isinstance(ev, PhaseClosed):
+                        self.reg.release(ph.phase_id)
+            except GrammarError as e:
+                t.fail(f"grammar: {e}")
+        if t.det is None and ph.phase_id in self.reg.phases:
+            self.reg.release(ph.phase_id)  # no detector left to see the phase end
+        req.output_ids.extend(ids)
+        t.text.skip(len(ids), t.det.pos if t.det is not None else t.text.pos)
+        self._unpin(t)
+        self._record(ph, t)["joined_tokens"] = len(ids)
+        self.stats["joins"] += 1
+        t.state, t.fork = State.SERIAL, None
+        max_new = req.sampling_params.max_new_tokens
+        if len(req.output_ids) >= max_new:  # the response's budget is spent by the branches
+            from sglang.srt.managers.schedule_batch import FINISH_LENGTH
+
+            req.finished_reason, req.finished_len = FINISH_LENGTH(length=max_new), max_new
+            self._finish_outside_batch(t)
+        else:
+            self.sched._add_request_to_queue(req, is_retracted=True)
+
+    def _finish_outside_batch(self, t: Track) -> None:
+        """A parked request ends without running again (abort, or budget spent at its join)."""
+        self.on_finished(t)
+        if not t.branch:
+            t.req.time_stats.set_completion_time()
+            self.sched.output_streamer.stream_output([t.req], False)
+
+    def _unpin(self, t: Track) -> None:
+        if t.pin is not None:
+            self.sched.tree_cache.unlock(t.pin)
+            t.pin = None
+
+    # ---- aborts -------------------------------------------------------------------------------
+    def abort_parked(self, recv_req: Any) -> None:
+        """SGLang aborts by rid prefix over its queues and batches; parked requests are in neither."""
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        for rid, t in list(self.parked.items()):
+            if t.state is State.PARKED and (recv_req.abort_all or rid.startswith(recv_req.rid)):
+                msg = recv_req.abort_message
+                t.req.finished_reason = (FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE) if msg
+                                         else FINISH_ABORT())
+                self.stats["parked_aborted"] += 1
+                self._finish_outside_batch(t)
+
+    # ---- report -------------------------------------------------------------------------------
+    def report(self) -> dict[str, Any]:
+        return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
+                "live_branches": len(self.branch_tracks), "recent": list(self.recent)}
+
+
+# ------------------------------------------------------------------------------------------------
+# SGLang glue
+
+
+def _is_abort(fr: Any) -> bool:
+    return fr is not None and fr.to_json().get("type") == "abort"
+
+
+def _natural_end(fr: Any) -> bool:
+    """EOS or a stop: the text claims to be complete (not cut by length or abort)."""
+    return fr is not None and fr.to_json().get("type") == "stop"
+
+
+def _annotate(fr: Any, msg: str) -> Any:
+    """The request's own finish reason plus `branchwise_error`: HTTP 200, text kept, cause stated."""
+    from sglang.srt.managers.schedule_batch import BaseFinishReason
+
+    class BranchwiseFinish(BaseFinishReason):
+        def to_json(self) -> dict[str, Any]:
+            return {**fr.to_json(), "branchwise_error": msg}
+
+    return BranchwiseFinish()
+
+
+def _evict(sched: Any, req: Any) -> None:
+    """Take a parked request out of the batches that still list it (filter_batch frees nothing).
+
+    running_batch may be the in-flight batch (overlap): SGLang filters it in place every step too;
+    the result queue holds a shallow copy. last_batch may be an extend batch not merged yet."""
+    seen: set[int] = set()
+    for b in (sched.running_batch, sched.last_batch):
+        if b is None or id(b) in seen or req not in b.reqs:
+            continue
+        seen.add(id(b))
+        b.filter_batch(keep_indices=[i for i, r in enumerate(b.reqs) if r is not req])
+        b.batch_is_full = False
+
+
+def _plain_mode(sched: Any) -> str | None:
+    """Why server-side branching is off in this scheduler, or None when it is on."""
+    from sglang.srt.disaggregation.utils import DisaggregationMode
+
+    checks = (
+        (sched.disaggregation_mode != DisaggregationMode.NULL, "disaggregation"),
+        (getattr(sched.server_args, "pp_size", 1) > 1, "pipeline parallelism"),
+        (not sched.spec_algorithm.is_none(), "speculative decoding"),
+        (sched.require_mlp_sync, "DP attention"),
+        (sched.dllm_config is not None, "dLLM"),
+        (sched.enable_hisparse, "hisparse"),
+        (not sched.is_generation, "not a generation model"),
+        (sched.tokenizer is None, "no tokenizer (skip_tokenizer_init)"),
+        (sched.tree_cache.supports_mamba(), "mamba cache"),
+    )
+    return next((why for bad, why in checks if bad), None)
+
+
+def manager(sched: Any) -> ForkManager | None:
+    return getattr(sched, "_bw_fork", None)
+
+
+def fork_stats(sched: Any) -> dict[str, Any] | None:
+    """Server-side fork/join counters and recent phases (per-branch cached tokens) for reports."""
+    mgr = manager(sched)
+    return mgr.report() if mgr is not None else None
+
+
+# Hook bodies (registered in plugin.py)
+
+
+def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    why = _plain_mode(self)
+    self._bw_fork = ForkManager(self) if why is None else None
+    if why is not None:
+        logger.info("Branchwise server-side fork/join off: %s", why)
+
+
+def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runs after the lead's hook of the same target has set `req.bw_meta`."""
+    mgr = manager(self)
+    if mgr is not None and (g := mgr.grammar_for(req, recv_req)) is not None:
+        mgr.track(req, get_detector(g), g)
+    return req
+
+
+def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
+    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
+    out = orig(req, *args, **kwargs)
+    t = getattr(req, "bw_fork", None)
+    if t is not None:
+        t.mgr.on_tokens(t)
+    return out
+
+
+def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    mgr = manager(self)
+    if mgr is not None and (mgr.forking or mgr.closed):
+        mgr.reconcile()
+    return result
+
+
+def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    mgr = manager(self)
+    if mgr is not None and mgr.parked:
+        mgr.abort_parked(recv_req)
+    return result
+
+
+def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any, req: Any) -> Any:
+    """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
+    t = getattr(req, "bw_fork", None)
+    mgr = manager(self)
+    if t is None or mgr is None:
+        return orig(self, abort_req, req)
+    if req.finished_reason is None:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        req.finished_reason = req.to_finish or FINISH_ABORT()
+    mgr.on_finished(t)
+    if t.branch:
+        return None  # internal rid: the tokenizer manager never heard of it
+    return orig(self, abort_req, req)
+
+
+def around_stream_output(orig: Callable[..., Any], self: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
+    """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it."""
+    if any(getattr(r, "bw_fork", None) is not None for r in reqs):
+        reqs = [r for r in reqs if visible(r)]
+    return orig(self, reqs, *args, **kwargs)
+
+
+def visible(req: Any) -> bool:
+    """Whether `req` may be streamed now (public for output paths that bypass stream_output)."""
+    t = getattr(req, "bw_fork", None)
+    if t is None:
+        return True
+    if t.branch:
+        return False
+    return req.finished() or not t.undecided()
+
+
+def after_is_fully_idle(result: bool, self: Any, *args: Any, **kwargs: Any) -> bool:
+    """Not idle while a request is parked or a fork/join waits for the next scheduling point:
+    the idle sleeper would otherwise wait for a new request before joining, and the idle leak
+    check would count the parked prefix's tree lock."""
+    mgr = manager(self)
+    if result and mgr is not None and (mgr.parked or mgr.forking or mgr.closed):
+        return False
+    return result
+
+
+def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    rep = fork_stats(self)
+    if rep is not None and isinstance(getattr(result, "internal_state", None), dict):
+        result.internal_state["branchwise_fork"] = rep
+    return result
+
