@@ -53,7 +53,7 @@ def probes(tok: Any, prompt: list[int], out: list[int], spec_json: str, grammar:
         j, k = fork, 0
         while j < len(body) and body[j] == t[open_tag]:
             end = _find(body, t[close_tag], j)
-            hdr_end = j + 1 + _header_len(tok, body[j + 1 :], grammar)
+            hdr_end = j + 1 + _header_len(tok, body[j + 1 : end], grammar)
             res.append(Probe("branch", prompt + body[:fork] + body[j:hdr_end], body[hdr_end : end + 1],
                              spec_json, True))
             j, k = end + 1 + len(nl), k + 1
