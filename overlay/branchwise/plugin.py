@@ -8,8 +8,25 @@ configured here, so the scheduler logs Branchwise's settings from inside its __i
 from __future__ import annotations
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
+MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 REQ = "sglang.srt.managers.schedule_batch.Req"
+
+
+def _step_timer_hooks(HookType):
+    """Bench-only instrument (env BRANCHWISE_STEP_TIMER); never registered in normal serving."""
+    from branchwise.albireo import step_timer as t
+
+    return [
+        (f"{SCHEDULER}.__init__", t.after_scheduler_init, HookType.AFTER),
+        (f"{SCHEDULER}.ingest_requests", t.around_ingest, HookType.AROUND),
+        (f"{SCHEDULER}.get_next_batch_to_run", t.around_get_next_batch, HookType.AROUND),
+        (f"{SCHEDULER}.run_batch", t.around_run_batch, HookType.AROUND),
+        (f"{SCHEDULER}.process_batch_result", t.around_process_batch_result, HookType.AROUND),
+        (f"{MODEL_RUNNER}.forward", t.around_forward, HookType.AROUND),
+        (f"{MODEL_RUNNER}.sample", t.around_sample, HookType.AROUND),
+        (f"{STREAMER}.stream_output", t.around_stream_output, HookType.AROUND),
+    ]
 
 
 def _fork_hooks(HookType):
@@ -34,14 +51,19 @@ def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from branchwise import scheduler_hook as sh
+    from branchwise.albireo import step_timer
 
-    hooks = [
+    timer_mode = step_timer.enabled()  # "stock": stock SGLang + the timer, no Branchwise hooks
+    hooks = [] if timer_mode == "stock" else [
         (f"{SCHEDULER}.__init__", sh.after_init, HookType.AFTER),
         (f"{SCHEDULER}.get_internal_state", sh.after_get_internal_state, HookType.AFTER),
         (f"{SCHEDULER}._create_generation_req", sh.after_create_generation_req, HookType.AFTER),
         (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
     ]
-    hooks += _fork_hooks(HookType)
+    if timer_mode != "stock":
+        hooks += _fork_hooks(HookType)
+    if timer_mode:
+        hooks += _step_timer_hooks(HookType)
     for target, fn, kind in hooks:
         HookRegistry.register(target, fn, kind)

@@ -1,0 +1,199 @@
+"""Per-decode-step time split of SGLang's scheduler process (Albireo §3.1: T1..T5 + exposed CPU).
+
+    python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1]
+                             [--configs stock,branchwise] [--overlap on,off] [--out runs/overhead.json]
+    python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
+
+--launch starts one real server per (config, overlap) pair, one at a time: `stock` is SGLang with
+only the timing hooks (env BRANCHWISE_STEP_TIMER=stock: no Branchwise hook at all), `bw-off` the
+plugin with every feature flag off (TAPER policy off: the cost of Branchwise's always-on hooks),
+`branchwise` the plugin with --async-output (+ --parallel-sampling when --tp > 1). For each batch size it
+sends bs greedy requests in one /generate call (ignore_eos, --steps new tokens each), so decode
+runs at exactly bs rows, and reads the scheduler's per-iteration records (albireo/step_timer.py).
+Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
+decode result of bs rows. Reported per step (median over those iterations, ms):
+
+  T1 sched    get_next_batch_to_run (filter, update_running_batch, prepare_for_decode)
+  T2 prep     run_batch minus forward and sample (ForwardBatch build, FutureMap, D2H)
+  T3 fwd      ModelRunner.forward
+  T4 sample   ModelRunner.sample
+  T5 result   process_batch_result incl. the output stream (the `stream` column is its send part)
+  other       receive/broadcast + loop glue (wall minus the spans)
+  exposed     wall minus forward: CPU time the next forward waits for (on CPU the forward runs on
+              the scheduler thread, so all of it is on the critical path)
+  worker      time the async-output worker thread spent per step (off the scheduler thread)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import urllib.parse
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+try:
+    import branchwise  # noqa: F401
+except ImportError:  # run from a checkout without `pip install -e .`
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
+
+from branchwise.albireo.step_timer import records_path  # noqa: E402
+from branchwise.launch import LocalServer, post_json  # noqa: E402
+
+COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")
+
+
+@dataclass
+class Row:
+    config: str
+    overlap: bool
+    bs: int
+    steps: int  # steady-state iterations measured
+    ms: dict[str, float]  # wall clock, median per column
+    cpu_ms: dict[str, float]  # scheduler-thread CPU time, median per column
+    share: dict[str, float]  # wall: mean span / mean step
+    tok_s: float  # bs / median step (wall)
+
+
+def _prompts(bs: int) -> list[str]:
+    return [f"request {i}: the plan is to count {i % 7} and" for i in range(bs)]
+
+
+def _read_until(path: str, offset: int, bs: int, timeout_s: float = 30.0) -> tuple[list[dict], int]:
+    """Records after `offset` up to the idle one that follows the last result of a bs-row decode."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with open(path) as f:
+            f.seek(offset)
+            text = f.read()
+        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
+        for i, r in enumerate(lines):
+            if r["run"] is None and r["res"] == ["decode", bs]:  # the batch's final result
+                end = next((j for j in range(i + 1, len(lines)) if lines[j]["run"] is lines[j]["res"] is None), None)
+                if end is not None:
+                    used = "".join(x + "\n" for x in text.splitlines()[: end + 1])
+                    return lines[: end + 1], offset + len(used.encode())
+        time.sleep(0.2)
+    raise TimeoutError(f"no finished bs={bs} decode in {path} after {timeout_s:.0f} s")
+
+
+def summarize(records: list[dict], bs: int, clock: str = "wall") -> tuple[int, dict[str, float], dict[str, float]]:
+    steady = [r for r in records if r["run"] == ["decode", bs] and r["res"] == ["decode", bs]]
+    if not steady:
+        raise RuntimeError(f"no steady decode iteration at bs={bs} (max running requests too low?)")
+    if clock == "cpu":
+        steady = [r["cpu"] | {"worker": r["worker"]} for r in steady]
+    for r in steady:
+        r["result"] += r["stream"]  # T5 includes its send part; `stream` stays as a sub-column
+        spans = r["sched"] + r["prep"] + r["forward"] + r["sample"] + r["result"]
+        r["other"] = max(r["wall"] - spans, 0.0)
+        r["exposed"] = r["wall"] - r["forward"]
+    med = {c: 1e3 * statistics.median(r.get(c, 0.0) for r in steady) for c in COLUMNS}
+    wall = statistics.fmean(r["wall"] for r in steady)
+    share = {c: statistics.fmean(r.get(c, 0.0) for r in steady) / wall for c in COLUMNS}
+    return len(steady), med, share
+
+
+def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int) -> list[Row]:
+    sp = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
+    with open(path) as f:
+        offset = len(f.read().encode())
+    post_json(url + "/generate", {"text": _prompts(4), "sampling_params": sp | {"max_new_tokens": 8}})  # warm-up
+    _, offset = _read_until(path, offset, 4)
+    rows = []
+    for bs in batch_sizes:
+        post_json(url + "/generate", {"text": _prompts(bs), "sampling_params": sp}, timeout=600)
+        records, offset = _read_until(path, offset, bs)
+        n, med, share = summarize(records, bs)
+        _, cpu, _ = summarize(records, bs, "cpu")
+        rows.append(Row(config, overlap, bs, n, med, cpu, share, bs / (med["wall"] / 1e3)))
+        print(f"  {config:10s} overlap={'on ' if overlap else 'off'} bs={bs:4d}: step {med['wall']:.2f} ms, "
+              f"exposed {med['exposed']:.2f} ms wall / {cpu['exposed']:.2f} ms cpu ({n} steps)", flush=True)
+    return rows
+
+
+def launch_args(config: str, overlap: bool, tp: int) -> tuple[list[str], dict[str, str]]:
+    args = [] if overlap else ["--disable-overlap-schedule"]
+    env = {"BRANCHWISE_STEP_TIMER": "stock" if config == "stock" else "1", "OMP_NUM_THREADS": "1"}
+    if config == "branchwise":
+        args += ["--async-output"] + (["--parallel-sampling"] if tp > 1 else [])
+    elif config not in ("stock", "bw-off"):
+        raise ValueError(f"unknown config {config!r}: stock, bw-off, branchwise")
+    return args, env
+
+
+def table(rows: list[Row], clock: str = "wall") -> str:
+    head = (f"{'config':10s} {'overlap':7s} {'bs':>4s} | {'T1 sched':>8s} {'T2 prep':>8s} {'T3 fwd':>8s} "
+            f"{'T4 samp':>8s} {'T5 res':>8s} {'(send)':>7s} {'other':>7s} | {'step':>7s} {'exposed':>8s} "
+            f"{'worker':>7s} | {'fwd %':>5s} {'T1+4+5 %':>8s} {'tok/s':>8s}")
+    out = [head, "-" * len(head)]
+    for r in rows:
+        m, s = (r.ms if clock == "wall" else r.cpu_ms), r.share
+        out.append(f"{r.config:10s} {'on' if r.overlap else 'off':7s} {r.bs:4d} | {m['sched']:8.3f} {m['prep']:8.3f} "
+                   f"{m['forward']:8.3f} {m['sample']:8.3f} {m['result']:8.3f} {m['stream']:7.3f} "
+                   f"{m['other']:7.3f} | {m['wall']:7.3f} {m['exposed']:8.3f} {m['worker']:7.3f} | "
+                   f"{100 * s['forward']:5.1f} {100 * (s['sched'] + s['sample'] + s['result']):8.1f} "
+                   f"{r.tok_s:8.0f}")
+    return "\n".join(out)
+
+
+def ratios(rows: list[Row]) -> str:
+    """Exposed time and throughput of each config against stock and against bw-off."""
+    by = {(r.config, r.overlap, r.bs): r for r in rows}
+    out = []
+    for (cfg, ov, bs), r in by.items():
+        for ref in ("stock", "bw-off"):
+            base = by.get((ref, ov, bs))
+            if cfg in ("stock", ref) or base is None:
+                continue
+            out.append(f"overlap {'on ' if ov else 'off'} bs {bs:4d}: {cfg} vs {ref}: exposed "
+                       f"{base.ms['exposed'] / max(r.ms['exposed'], 1e-9):.2f}x lower (wall), "
+                       f"{base.cpu_ms['exposed'] / max(r.cpu_ms['exposed'], 1e-9):.2f}x (cpu); "
+                       f"throughput {r.tok_s / base.tok_s:.2f}x")
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server started with env BRANCHWISE_STEP_TIMER=1 or =stock")
+    src.add_argument("--launch", action="store_true", help="start stock and Branchwise servers, overlap on/off")
+    ap.add_argument("--model", default="models/tiny")
+    ap.add_argument("--batch-sizes", default="1,32,128")
+    ap.add_argument("--steps", type=int, default=96, help="new tokens per request")
+    ap.add_argument("--tp", type=int, default=1)
+    ap.add_argument("--configs", default="stock,bw-off,branchwise")
+    ap.add_argument("--overlap", default="on,off")
+    ap.add_argument("--label", default="server", help="config name in --url mode")
+    ap.add_argument("--out", help="write the rows as JSON here")
+    a = ap.parse_args(argv)
+    batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
+    rows: list[Row] = []
+    if a.url:
+        port = urllib.parse.urlparse(a.url).port
+        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps)
+    else:
+        for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
+            for config in a.configs.split(","):
+                args, env = launch_args(config, overlap, a.tp)
+                srv = LocalServer(a.model, args, env=env, tp=a.tp,
+                                  max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
+                try:
+                    srv.start()
+                    rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps)
+                finally:
+                    srv.stop()
+    print("\nwall clock, ms per decode step (median over steady-state steps):\n" + table(rows))
+    print("\nscheduler-thread CPU time, ms per decode step (median):\n" + table(rows, "cpu"))
+    if any(r.config == "stock" for r in rows) and any(r.config != "stock" for r in rows):
+        print("\n" + ratios(rows))
+    if a.out:
+        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+
+
+if __name__ == "__main__":
+    main()

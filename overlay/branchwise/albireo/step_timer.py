@@ -1,0 +1,190 @@
+"""Per-iteration CPU time split of the SGLang scheduler loop (Albireo §3.1, T1..T5); bench only.
+
+Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise,
+"stock": the only hooks, so stock SGLang is measured with the same instrument). Every scheduler
+loop iteration (both event loops start it with `ingest_requests`) becomes one JSON line:
+
+    {"wall": s, "recv": s, "sched": s, "prep": s, "forward": s, "sample": s, "result": s,
+     "stream": s, "worker": s, "cpu": {span: s, "wall": s}, "run": [mode, bs], "res": [mode, bs]}
+
+Spans are exclusive (a nested span's time is taken out of its parent): `sched` = T1
+(get_next_batch_to_run), `prep` = T2 (run_batch minus forward and sample: ForwardBatch build,
+FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = T4, `result` = T5
+(process_batch_result without its output-stream part), `stream` = the output streamer's payload
+build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
+iteration (off the scheduler thread). On CPU the forward runs on the scheduler thread, so the
+exposed (non-forward) time of an iteration is `wall - forward`. `cpu` holds the same spans in
+scheduler-thread CPU time (time.thread_time): on a shared machine wall time includes waiting for a
+core, CPU time does not (but it also misses GIL waits and the forward's intra-op threads).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+SPANS = ("recv", "sched", "prep", "forward", "sample", "result", "stream")
+ENV = "BRANCHWISE_STEP_TIMER"
+FILE_ENV = "BRANCHWISE_STEP_TIMER_FILE"
+PROFILE_ENV = "BRANCHWISE_STEP_TIMER_PROFILE"  # a path: cProfile busy iterations, dump there when idle
+FLUSH_EVERY = 2048
+
+
+def enabled() -> str | None:
+    """None, "1" (with Branchwise) or "stock" (timer only)."""
+    value = os.environ.get(ENV, "").strip().lower()
+    return value if value in ("1", "stock") else None
+
+
+def records_path(port: int | str, tp_rank: int = 0) -> str:
+    """Where a server's scheduler (TP rank `tp_rank`) writes; FILE_ENV overrides the directory."""
+    folder = os.environ.get(FILE_ENV) or tempfile.gettempdir()
+    return os.path.join(folder, f"branchwise-steps-{port}-tp{tp_rank}.jsonl")
+
+
+def _batch_key(batch: Any) -> list[Any] | None:
+    if batch is None:
+        return None
+    return [batch.forward_mode.name.lower(), batch.batch_size()]
+
+
+@dataclass(slots=True)
+class StepTimer:
+    path: str
+    t0: float = 0.0
+    spans: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
+    cpu0: float = 0.0
+    cpu: dict[str, float] = field(default_factory=lambda: dict.fromkeys(SPANS, 0.0))
+    stack: list[list[Any]] = field(default_factory=list)  # [name, start, child, cpu start, cpu child]
+    run: list[Any] | None = None
+    res: list[Any] | None = None
+    worker_s: float = 0.0
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    buf: list[str] = field(default_factory=list)
+    profile: Any = None
+    profiled: bool = False
+
+    def __post_init__(self) -> None:
+        if os.environ.get(PROFILE_ENV):
+            import cProfile
+
+            self.profile = cProfile.Profile()
+
+    def begin_iteration(self, now: float) -> None:
+        cpu_now = time.thread_time()
+        if self.t0:
+            rec = {"wall": now - self.t0, **self.spans, "run": self.run, "res": self.res,
+                   "cpu": {**self.cpu, "wall": cpu_now - self.cpu0}}
+            with self.lock:
+                rec["worker"], self.worker_s = self.worker_s, 0.0
+            self.buf.append(json.dumps(rec))
+            idle = self.run is None and self.res is None
+            if len(self.buf) >= FLUSH_EVERY or idle:
+                self.flush()  # idle iterations cost nothing to the measured steps
+            if self.profile is not None:
+                self._profile(idle)
+        self.t0, self.cpu0 = now, cpu_now
+        self.spans = dict.fromkeys(SPANS, 0.0)
+        self.cpu = dict.fromkeys(SPANS, 0.0)
+        self.run = self.res = None
+
+    def _profile(self, idle: bool) -> None:
+        self.profile.disable()
+        if not idle:
+            self.profile.enable()
+            self.profiled = True
+        elif self.profiled:  # one dump per busy period (a write-then-rename: readers never see half)
+            path = os.environ[PROFILE_ENV]
+            self.profile.dump_stats(path + ".tmp")
+            os.replace(path + ".tmp", path)
+            self.profiled = False
+
+    def enter(self, name: str) -> None:
+        self.stack.append([name, time.perf_counter(), 0.0, time.thread_time(), 0.0])
+
+    def exit(self) -> None:
+        name, start, child, cpu_start, cpu_child = self.stack.pop()
+        dt, dcpu = time.perf_counter() - start, time.thread_time() - cpu_start
+        self.spans[name] += dt - child
+        self.cpu[name] += dcpu - cpu_child
+        if self.stack:
+            self.stack[-1][2] += dt
+            self.stack[-1][4] += dcpu
+
+    def add_worker(self, dt: float) -> None:
+        with self.lock:
+            self.worker_s += dt
+
+    def flush(self) -> None:
+        if self.buf:
+            with open(self.path, "a") as f:
+                f.write("\n".join(self.buf) + "\n")
+            self.buf.clear()
+
+
+_TIMER: StepTimer | None = None
+
+
+def timer() -> StepTimer | None:
+    return _TIMER
+
+
+def _timed(name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
+    t = _TIMER
+    if t is None or not t.t0:
+        return orig(*args, **kwargs)
+    t.enter(name)
+    try:
+        return orig(*args, **kwargs)
+    finally:
+        t.exit()
+
+
+# ---- hook bodies (targets named in plugin.py) ----
+
+def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    global _TIMER
+    from sglang.srt.runtime_context import get_parallel
+
+    path = records_path(self.server_args.port, get_parallel().tp_rank)
+    open(path, "w").close()  # a fresh file per server start
+    _TIMER = StepTimer(path)
+
+
+def around_ingest(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    if _TIMER is not None:
+        _TIMER.begin_iteration(time.perf_counter())
+    return _timed("recv", orig, self, *args, **kwargs)
+
+
+def around_get_next_batch(orig: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed("sched", orig, *args, **kwargs)
+
+
+def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if _TIMER is not None:
+        _TIMER.run = _batch_key(batch)
+    return _timed("prep", orig, self, batch, *args, **kwargs)
+
+
+def around_forward(orig: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed("forward", orig, *args, **kwargs)
+
+
+def around_sample(orig: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed("sample", orig, *args, **kwargs)
+
+
+def around_process_batch_result(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+    if _TIMER is not None:
+        _TIMER.res = _batch_key(batch)
+    return _timed("result", orig, self, batch, *args, **kwargs)
+
+
+def around_stream_output(orig: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed("stream", orig, *args, **kwargs)
