@@ -10,6 +10,31 @@ from __future__ import annotations
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
+RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+
+
+def _flag_declared(name: str) -> bool:
+    """A Branchwise flag can only be on where the ServerArgs patch declares it (`make apply`)."""
+    from sglang.srt.arg_groups.fields.schedule import Schedule
+
+    return name in Schedule.__struct_fields__
+
+
+def _albireo_hooks(HookType):
+    """Albireo features; each hook body passes through unless its flag is on for this server."""
+    from branchwise.albireo import async_output as ao
+
+    hooks = []
+    if _flag_declared("async_output"):
+        hooks += [
+            (f"{SCHEDULER}.__init__", ao.after_scheduler_init, HookType.AFTER),
+            (f"{SCHEDULER}.get_internal_state", ao.after_get_internal_state, HookType.AFTER),
+            (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
+             HookType.AROUND),
+        ]
+    return hooks
+
+
 REQ = "sglang.srt.managers.schedule_batch.Req"
 
 
@@ -63,6 +88,7 @@ def register() -> None:
     ]
     if timer_mode != "stock":
         hooks += _fork_hooks(HookType)
+        hooks += _albireo_hooks(HookType)
     if timer_mode:
         hooks += _step_timer_hooks(HookType)
     for target, fn, kind in hooks:
