@@ -11,6 +11,7 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+SAMPLING_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
 
 
 def _flag_declared(name: str) -> bool:
@@ -23,6 +24,7 @@ def _flag_declared(name: str) -> bool:
 def _albireo_hooks(HookType):
     """Albireo features; each hook body passes through unless its flag is on for this server."""
     from branchwise.albireo import async_output as ao
+    from branchwise.albireo import sp_sampler_hook as sp
 
     hooks = []
     if _flag_declared("async_output"):
@@ -31,6 +33,13 @@ def _albireo_hooks(HookType):
             (f"{SCHEDULER}.get_internal_state", ao.after_get_internal_state, HookType.AFTER),
             (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
              HookType.AROUND),
+        ]
+    if _flag_declared("parallel_sampling"):
+        hooks += [
+            (f"{SCHEDULER}.__init__", sp.after_scheduler_init, HookType.AFTER),
+            (f"{SCHEDULER}.get_internal_state", sp.after_get_internal_state, HookType.AFTER),
+            (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
+            (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
         ]
     return hooks
 
