@@ -61,10 +61,11 @@ def test_plugin_runs_inside_scheduler_process(servers):
     assert rep["proctitle"] == "sglang::scheduler"
     assert rep["pid"] != srv.proc.pid  # not the launcher/HTTP process
     assert rep["config"]["branch_policy"] == "off"
-    before = rep["counters"].get("requests_created", 0)
+    before = rep["counters"]
     greedy(srv.url, PROMPTS[0], 4)
     after = branchwise_report(srv.url)["counters"]
-    assert after["requests_created"] == before + 1 and after["decode_updates"] > 0
+    assert after["requests_created"] == before.get("requests_created", 0) + 1
+    assert after["batch_results"] > before.get("batch_results", 0)  # the hooks saw its steps
     assert "Branchwise active: branch_policy=off" in srv.log_path.read_text()
 
 
