@@ -24,6 +24,7 @@ Under the overlap scheduler the processor runs before the previous step's token 
 from __future__ import annotations
 
 import json
+import threading
 from typing import Any
 
 from sglang.srt.sampling.custom_logit_processor import CustomLogitProcessor
@@ -72,20 +73,33 @@ class StructureDriver(CustomLogitProcessor):
             "<Task", "</Task>", "<Execution", "</Execution>", "<Answer>", "</Answer>")
     _cache: dict = {}
 
+    _blob: str | None = None
+    _lock = threading.Lock()
+
     @classmethod
     def to_str(cls) -> str:
-        """Serialize by value, so the server needs no import path to this file."""
+        """Serialize by value, so the server needs no import path to this file. Done once: it
+        briefly renames the class's module, which concurrent callers must not observe."""
+        with cls._lock:
+            if cls._blob is None:
+                cls._blob = cls._serialize()
+            return cls._blob
+
+    @classmethod
+    def _serialize(cls) -> str:
         import dill
 
         funcs = [getattr(v, "__func__", v) for v in vars(cls).values()]
         funcs = [f for f in funcs if hasattr(f, "__code__")]
         owners = [cls, *funcs]
-        mods = [o.__module__ for o in owners]
+        mods, cache = [o.__module__ for o in owners], cls._cache
         try:  # dill pickles __main__ objects by value, importable ones by reference
             for o in owners:
                 o.__module__ = "__main__"
+            cls._cache = {}  # client-side skeletons stay here
             blob = dill.dumps(cls, recurse=True)
         finally:
+            cls._cache = cache
             for o, m in zip(owners, mods, strict=True):
                 o.__module__ = m
         return json.dumps({"callable": blob.hex()})

@@ -19,13 +19,22 @@ A grammar detector (branchwise.grammars) watches a request's generated text. Whe
          prefix + branch 0 in the radix tree and computes the rest, then it continues decoding.
   nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
 
+Where: detection runs per sequence right after SGLang appends a step's tokens
+(AROUND Req.update_finish_state, before KV release and streaming); parking, spawning and joining
+run at the top of the next loop iteration (AFTER Scheduler.ingest_requests), the scheduling point
+where SGLang itself changes queues, so get_next_batch_to_run always sees a consistent state.
+A grammar error stops branching for that sequence (it continues serial, already joined text kept);
+the request's finish_reason then carries `branchwise_error` with the detector's message (HTTP 200).
+
 Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
 the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
 row's result (batch_result_processor.py:1023) as it does for rows retracted or preempted while in
 flight (schedule_policy.py:1707); FutureMap slots are keyed by req_pool_idx and a reused slot is
 rewritten by its new owner's prefill before being read (overlap_utils.py:143). Tokens past the fork
 point are cut before `stream_output` runs and parents are not streamed while a fork is undecided,
-so the client never sees them.
+so the client never sees them. The in-flight step also wrote the KV of the fork token, so the
+branches' prefill hits the whole prefix; without overlap that token's KV does not exist yet and the
+hit is one token shorter.
 
 Budget (max_new_tokens): the parent's max_new_tokens bounds the whole response, joined branch text
 included. Each branch may use the budget left at the fork (parent max - kept tokens - header); a

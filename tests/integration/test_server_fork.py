@@ -180,3 +180,12 @@ def test_request_without_grammar_stays_serial(srv):
     out = gen(srv.url, request(PROMPT, spec("multiverse", 2, [3]), max_new_tokens=300))
     assert out["text"].count("<Path>") == 2  # the whole skeleton, written serially
     assert fork_report(srv.url)["counters"].get("forks", 0) == before
+
+
+def test_invariance_cli_concurrent_vs_one_at_a_time(srv):
+    """bench.invariance on one server: serial, client-fork and server-fork programs give the same
+    greedy output run together and one at a time, and server forks equal their client-side
+    equivalent. (The per-policy sweep, --launch, restarts servers and is a bench, not a test.)"""
+    from bench import invariance
+
+    assert invariance.main(["--url", srv.url, "--programs", "4"]) == 0

@@ -1,0 +1,158 @@
+"""Schedule invariance (TAPER Lemma 1): greedy outputs must not depend on the branch policy.
+
+    python -m bench.invariance --launch --programs 8 --policies off,cap:2,eager,taper
+    python -m bench.invariance --url http://127.0.0.1:30000 --programs 8
+
+Programs mix serial requests, client-side fork/join (frontends.fork_join: the SGLang frontend with
+the Branchwise fork hook) and server-side Multiverse / SPRINT requests driven by
+bench.structure_driver. --launch starts a server per policy (branchwise.launch) and runs all
+programs concurrently on each, so batch composition and branch deferral differ per policy; --url
+runs them on the given server twice, all at once and one at a time. Server-side programs are also
+checked against their client-side serial equivalent (bench.fork_oracle). Prints `identical: K/N`
+and exits 1 unless every program is identical everywhere.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from bench import fork_oracle
+from bench.structure_driver import request, spec
+from branchwise.launch import LocalServer, get_json, post_json
+
+KINDS = ("serial", "client-fork", "multiverse", "sprint")
+PROMPT_WORDS = "the plan is to check the cache prefix and then".split()
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    kind: str
+    seed: int
+
+    @property
+    def rng(self) -> random.Random:
+        return random.Random(self.seed)
+
+    def prompt(self) -> str:
+        r = self.rng
+        return " ".join(r.choices(PROMPT_WORDS, k=r.randint(3, 8)))
+
+    def spec(self) -> tuple[str, str]:
+        r = self.rng
+        n = r.randint(2, 4) if self.kind == "multiverse" else r.randint(2, 3)
+        lens = [r.randint(2, 9) for _ in range(n)]
+        if self.kind == "multiverse":
+            return spec("multiverse", n, lens), "multiverse"
+        return spec("sprint", n, lens, rounds=r.randint(1, 2)), "sprint"
+
+    def run(self, url: str, tok: Any) -> dict[str, Any]:
+        """Run once; `out` is what must be identical across policies."""
+        if self.kind == "serial":
+            sp = {"max_new_tokens": self.rng.randint(16, 48), "temperature": 0, "ignore_eos": True}
+            res = post_json(url + "/generate", {"text": self.prompt(), "sampling_params": sp}, timeout=600)
+            return {"out": res["output_ids"]}
+        if self.kind == "client-fork":
+            from frontends import fork_join
+
+            r = self.rng
+            res = fork_join.run(url, fanout=r.randint(2, 3), head_tokens=r.randint(4, 12),
+                                branch_tokens=r.randint(4, 12), tail_tokens=r.randint(0, 8), seed=self.seed)
+            return {"out": res.text}
+        sj, g = self.spec()
+        ids = tok.encode(self.prompt(), add_special_tokens=False)  # ids: the oracle needs the same prompt
+        res = post_json(url + "/generate", request(ids, sj, grammar=g, max_new_tokens=600), timeout=600)
+        return {"out": res["output_ids"], "finish": res["meta_info"]["finish_reason"]}
+
+    def oracle(self, url: str, tok: Any, out: list[int]) -> list[str]:
+        """Server-side programs: mismatches against the client-side serial equivalent."""
+        if self.kind not in ("multiverse", "sprint"):
+            return []
+        sj, g = self.spec()
+        prompt = tok.encode(self.prompt(), add_special_tokens=False)
+        return fork_oracle.check(lambda p: post_json(url + "/generate", p, timeout=600), tok, prompt, out, sj, g)
+
+
+def deferred(url: str) -> Any:
+    """Branch rows the policy kept out of decode steps so far (0 would make the check vacuous)."""
+    state = get_json(url + "/server_info")["internal_states"][0]
+    rep, forks = state.get("branchwise", {}), state.get("branchwise_fork", {})
+    return {"rows_deferred": (rep.get("taper") or {}).get("rows_deferred"),
+            "server_forks": (forks.get("counters") or {}).get("forks")}
+
+
+def programs(n: int, seed: int) -> list[Program]:
+    return [Program(KINDS[k % len(KINDS)], seed * 1000 + k) for k in range(n)]
+
+
+def run_all(url: str, tok: Any, progs: list[Program], concurrent: bool) -> list[dict[str, Any]]:
+    if not concurrent:
+        return [p.run(url, tok) for p in progs]
+    with ThreadPoolExecutor(max_workers=len(progs)) as ex:
+        return list(ex.map(lambda p: p.run(url, tok), progs))
+
+
+def check(runs: dict[str, list[dict[str, Any]]], progs: list[Program], oracle_bad: list[list[str]]) -> list[bool]:
+    names = list(runs)
+    ok = []
+    for k, p in enumerate(progs):
+        ref = runs[names[0]][k]["out"]
+        diff = [n for n in names[1:] if runs[n][k]["out"] != ref]
+        good = not diff and not oracle_bad[k]
+        ok.append(good)
+        what = "identical" if good else f"DIFFERS under {diff}" if diff else f"oracle: {oracle_bad[k][:2]}"
+        print(f"  program {k:>3} {p.kind:<12} {what}")
+    return ok
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--url", help="a running server (with --enable-custom-logit-processor)")
+    src.add_argument("--launch", action="store_true", help="start a server per policy")
+    ap.add_argument("--model", default="models/tiny")
+    ap.add_argument("--programs", type=int, default=8)
+    ap.add_argument("--policies", default="off,cap:2,eager,taper")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--no-oracle", action="store_true")
+    a = ap.parse_args(argv)
+    from transformers import AutoTokenizer
+
+    progs = programs(a.programs, a.seed)
+    runs: dict[str, list[dict[str, Any]]] = {}
+    oracle_bad: list[list[str]] = [[] for _ in progs]
+    if a.url:
+        info = get_json(a.url + "/server_info")
+        tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
+        policy = info["internal_states"][0].get("branchwise", {}).get("config", {}).get("branch_policy")
+        print(f"server {a.url} (policy {policy}): runs concurrent and serial")
+        runs["concurrent"] = run_all(a.url, tok, progs, True)
+        runs["one-at-a-time"] = run_all(a.url, tok, progs, False)
+        print(f"  {deferred(a.url)}")
+        if not a.no_oracle:
+            oracle_bad = [p.oracle(a.url, tok, r["out"]) for p, r in zip(progs, runs["concurrent"], strict=True)]
+    else:
+        tok = AutoTokenizer.from_pretrained(a.model)
+        for i, pol in enumerate(a.policies.split(",")):
+            srv = LocalServer(a.model, ["--branch-policy", pol, "--enable-custom-logit-processor"]).start()
+            try:
+                print(f"policy {pol}: {srv.url}", flush=True)
+                runs[pol] = run_all(srv.url, tok, progs, True)
+                print(f"  {deferred(srv.url)}", flush=True)
+                if i == 0 and not a.no_oracle:
+                    oracle_bad = [p.oracle(srv.url, tok, r["out"]) for p, r in zip(progs, runs[pol], strict=True)]
+            finally:
+                srv.stop()
+    ok = check(runs, progs, oracle_bad)
+    print(f"identical: {sum(ok)}/{len(ok)}")
+    print(json.dumps({"runs": list(runs), "programs": [p.kind for p in progs]}))
+    return 0 if all(ok) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
