@@ -1,16 +1,17 @@
 """Per-decode-step time split of SGLang's scheduler process (Albireo §3.1: T1..T5 + exposed CPU).
 
-    python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1]
-                             [--configs stock,branchwise] [--overlap on,off] [--out runs/overhead.json]
+    python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1] [--stream] [--stop]
+                             [--configs stock,bw-off,branchwise] [--overlap on,off] [--out runs/overhead.json]
     python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
 
 --launch starts one real server per (config, overlap) pair, one at a time: `stock` is SGLang with
 only the timing hooks (env BRANCHWISE_STEP_TIMER=stock: no Branchwise hook at all), `bw-off` the
 plugin with every feature flag off (TAPER policy off: the cost of Branchwise's always-on hooks),
-`branchwise` the plugin with --async-output (+ --parallel-sampling when --tp > 1). For each batch size it
-sends bs greedy requests in one /generate call (ignore_eos, --steps new tokens each), so decode
-runs at exactly bs rows, and reads the scheduler's per-iteration records (albireo/step_timer.py).
-Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
+`branchwise` the plugin with --async-output (+ --parallel-sampling when --tp > 1). For each batch
+size it sends bs greedy requests in one /generate call (ignore_eos, --steps new tokens each), so
+decode runs at exactly bs rows (--stream: streamed, every step sends every row's output; --stop:
+stop strings that never match, every row's tail is decoded every step), and reads the scheduler's
+per-iteration records (albireo/step_timer.py). Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
 decode result of bs rows. Reported per step (median over those iterations, ms):
 
   T1 sched    get_next_batch_to_run (filter, update_running_batch, prepare_for_decode)
@@ -32,6 +33,7 @@ import statistics
 import sys
 import time
 import urllib.parse
+import urllib.request
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -43,6 +45,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from branchwise.albireo.step_timer import records_path  # noqa: E402
 from branchwise.launch import LocalServer, post_json  # noqa: E402
 
+STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
 COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")
 
 
@@ -97,15 +100,27 @@ def summarize(records: list[dict], bs: int, clock: str = "wall") -> tuple[int, d
     return len(steady), med, share
 
 
-def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int) -> list[Row]:
-    sp = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True}
+def _post(url: str, payload: dict, stream: bool) -> None:
+    if not stream:
+        post_json(url + "/generate", payload, timeout=600)
+        return
+    req = urllib.request.Request(url + "/generate", data=json.dumps(payload | {"stream": True}).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=600) as r:
+        for _ in r:  # drain the SSE stream: one chunk per request per step
+            pass
+
+
+def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int,
+            stream: bool = False, stop: bool = False) -> list[Row]:
+    sp = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True} | ({"stop": STOP} if stop else {})
     with open(path) as f:
         offset = len(f.read().encode())
     post_json(url + "/generate", {"text": _prompts(4), "sampling_params": sp | {"max_new_tokens": 8}})  # warm-up
     _, offset = _read_until(path, offset, 4)
     rows = []
     for bs in batch_sizes:
-        post_json(url + "/generate", {"text": _prompts(bs), "sampling_params": sp}, timeout=600)
+        _post(url, {"text": _prompts(bs), "sampling_params": sp}, stream)
         records, offset = _read_until(path, offset, bs)
         n, med, share = summarize(records, bs)
         _, cpu, _ = summarize(records, bs, "cpu")
@@ -168,13 +183,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--configs", default="stock,bw-off,branchwise")
     ap.add_argument("--overlap", default="on,off")
     ap.add_argument("--label", default="server", help="config name in --url mode")
+    ap.add_argument("--stream", action="store_true", help="streaming requests: one output message per step")
+    ap.add_argument("--stop", action="store_true", help="requests carry stop strings (checked every step)")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
     batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     rows: list[Row] = []
     if a.url:
         port = urllib.parse.urlparse(a.url).port
-        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps)
+        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, a.stop)
     else:
         for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
             for config in a.configs.split(","):
@@ -183,7 +200,8 @@ def main(argv: list[str] | None = None) -> None:
                                   max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
                 try:
                     srv.start()
-                    rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps)
+                    rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps,
+                                    a.stream, a.stop)
                 finally:
                     srv.stop()
     print("\nwall clock, ms per decode step (median over steady-state steps):\n" + table(rows))

@@ -64,6 +64,9 @@ class OrderedSender:
 
     def _run(self) -> None:
         while (item := self.q.get()) is not _STOP:
+            if isinstance(item[0], _Marker):
+                item[0].done.set()
+                continue
             t0 = time.perf_counter()
             try:
                 self.inner.send_output(*item)
@@ -91,20 +94,6 @@ class _Marker:
     """A queue item that sets an event instead of sending (drain)."""
 
     done: threading.Event
-
-
-class _InnerWithMarkers:
-    """Wraps SGLang's SenderWrapper so drain markers never reach the socket."""
-
-    def __init__(self, inner: Any) -> None:
-        self.inner = inner
-        self.socket = inner.socket
-
-    def send_output(self, output: Any, recv_obj: Any = None) -> None:
-        if isinstance(output, _Marker):
-            output.done.set()
-        else:
-            self.inner.send_output(output, recv_obj)
 
 
 # ---------------------------------------------------------------- stop strings: byte lookup table
@@ -219,7 +208,7 @@ def install(scheduler: Any) -> AsyncOutput | None:
     sender = None
     if getattr(scheduler, "rust_server", None) is None:  # the Rust egress ring has its own thread
         inner = scheduler.ipc_channels.send_to_detokenizer
-        sender = OrderedSender(_InnerWithMarkers(inner))
+        sender = OrderedSender(inner)
         object.__setattr__(scheduler.ipc_channels, "send_to_detokenizer", sender)  # frozen dataclass
         scheduler.output_streamer.send_to_detokenizer = sender
     tok = scheduler.tokenizer

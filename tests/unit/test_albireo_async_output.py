@@ -1,0 +1,161 @@
+"""--async-output pieces without a server: ordered sender, stop-string lookup table, finish gate."""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+from branchwise.albireo.async_output import (
+    AsyncOutput,
+    OrderedSender,
+    TableTokenizer,
+    TokenTable,
+    _may_finish,
+)
+from branchwise.tiny_model import build_tokenizer
+
+
+class Recorder:
+    """Stands in for SGLang's SenderWrapper; records the thread each send ran on."""
+
+    def __init__(self, socket: object = object(), fail_on: object = None) -> None:
+        self.socket = socket
+        self.fail_on = fail_on
+        self.got: list[tuple[object, object, str]] = []
+
+    def send_output(self, output: object, recv_obj: object = None) -> None:
+        if output == self.fail_on:
+            raise OSError("socket gone")
+        self.got.append((output, recv_obj, threading.current_thread().name))
+
+
+def sender(inner: Recorder) -> OrderedSender:
+    return OrderedSender(inner, name="test-sender")
+
+
+def test_sender_keeps_order_and_sends_off_the_calling_thread():
+    rec = Recorder()
+    s = sender(rec)
+    for i in range(500):
+        s.send_output(i, f"r{i}")
+    assert s.drain()
+    assert [(o, r) for o, r, _ in rec.got] == [(i, f"r{i}") for i in range(500)]
+    assert {t for _, _, t in rec.got} == {"test-sender"}
+    assert s.sent == 500
+    s.close()
+
+
+def test_sender_without_socket_sends_nothing():
+    rec = Recorder(socket=None)  # non-entry TP ranks: SGLang's SenderWrapper drops everything
+    s = sender(rec)
+    s.send_output("x")
+    assert s.drain() and rec.got == [] and s.sent == 0
+    s.close()
+
+
+def test_failed_send_is_raised_on_the_next_send():
+    rec = Recorder(fail_on="bad")
+    s = sender(rec)
+    s.send_output("ok")
+    s.send_output("bad")
+    s.thread.join(timeout=10)  # the worker stops at the failure
+    assert not s.thread.is_alive() and [o for o, _, _ in rec.got] == ["ok"]
+    with pytest.raises(RuntimeError, match="send failed") as e:
+        s.send_output("after")
+    assert isinstance(e.value.__cause__, OSError)
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_tokenizer(seed=0)
+
+
+def test_table_decode_equals_tokenizer_decode(tok):
+    table, why = TokenTable.build(tok)
+    assert table is not None, why
+    rng = random.Random(1)
+    n = len(tok)
+    specials = list(tok.all_special_ids)
+    for _ in range(2000):  # random ids cut multi-byte characters: replacement characters must agree
+        ids = [rng.randrange(n) for _ in range(rng.randint(0, 12))]
+        if rng.random() < 0.2:
+            ids.insert(rng.randint(0, len(ids)), rng.choice(specials))
+        assert table.decode(ids) == tok.decode(ids), ids
+    text = "héllo wörld — ünïcode ✓ 東京 the plan is"
+    ids = tok.encode(text)
+    assert table.decode(ids) == tok.decode(ids) == text
+
+
+def test_table_tokenizer_delegates_everything_else(tok):
+    table, _ = TokenTable.build(tok)
+    tt = TableTokenizer(tok, table)
+    ids = tok.encode("the plan is")
+    assert tt.decode(ids) == tok.decode(ids)
+    assert tt.decode(ids + [10**6]) == tok.decode(ids + [10**6])  # unknown id: the tokenizer decides
+    assert tt.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
+    assert tt.eos_token_id == tok.eos_token_id and len(tt) == len(tok)
+    assert tt.encode("abc") == tok.encode("abc")
+
+
+def test_table_refuses_non_byte_level_tokenizers(tok):
+    from tokenizers import decoders
+
+    other = build_tokenizer(seed=0)
+    other.backend_tokenizer.decoder = decoders.Metaspace()
+    table, why = TokenTable.build(other)
+    assert table is None and "Metaspace" in why
+    cleanup = build_tokenizer(seed=0)
+    cleanup.clean_up_tokenization_spaces = True
+    assert TokenTable.build(cleanup)[0] is None
+
+
+# ---- the finish gate against SGLang's own Req.update_finish_state (imports sglang: slower)
+
+@pytest.fixture(scope="module")
+def sglang_req():
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    return Req, SamplingParams
+
+
+def test_gate_never_skips_a_row_sglang_would_finish(sglang_req):
+    """Whenever _may_finish says "cannot finish", SGLang's update_finish_state leaves the row running."""
+    Req, SamplingParams = sglang_req
+    tok = build_tokenizer(seed=0)
+    tok.additional_stop_token_ids = {5}  # SGLang's get_tokenizer sets this (e.g. <|im_end|>)
+    st = AsyncOutput(sender=None, stop_ids=frozenset({tok.eos_token_id, 5}), think=False, plain_streamer=True,
+                     force_interval=50, no_mamba=True, check_all=False)
+    rng = random.Random(7)
+    vocab = len(tok)
+    finished = skipped = 0
+    for k in range(3000):
+        kw = {"max_new_tokens": rng.randint(1, 12), "ignore_eos": rng.random() < 0.3}
+        if rng.random() < 0.3:
+            kw["stop_token_ids"] = [rng.randrange(vocab) for _ in range(2)]
+        if rng.random() < 0.2:
+            kw["stop"] = [tok.decode([rng.randrange(6, vocab)])]
+        sp = SamplingParams(**kw)
+        sp.normalize(tok)
+        req = Req(f"r{k}", "x", array("q", [1, 2, 3]), sp, vocab_size=vocab - rng.randint(0, 20),
+                  eos_token_ids={tok.eos_token_id} if rng.random() < 0.5 else None)
+        req.tokenizer = tok
+        while not req.finished():
+            t = rng.randrange(-1, vocab + 5) if rng.random() < 0.05 else rng.randrange(vocab)
+            req.output_ids.append(t)
+            if _may_finish(st, req, t):
+                req.update_finish_state(1)
+            else:
+                skipped += 1
+                req.update_finish_state(1)
+                assert not req.finished(), (kw, list(req.output_ids))
+            if rng.random() < 0.02 and not req.finished():
+                req.to_finish = SimpleNamespace(to_json=lambda: {"type": "abort"})
+        finished += 1
+    assert finished == 3000 and skipped > 1000  # the gate does skip most rows

@@ -1,0 +1,116 @@
+"""--parallel-sampling hook bodies with stand-ins for SGLang's ModelRunner and batch (tp=1)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from branchwise.albireo import sp_sampler_hook as sp
+from branchwise.albireo.parallel_sampler import RowParams, sample_rows
+
+
+@pytest.fixture
+def state(monkeypatch):
+    st = sp.SPState(tp_size=1, tp_group=None, inject_seeds=True)
+    monkeypatch.setattr(sp, "_STATE", st)
+    return st
+
+
+def batch_info(n: int, greedy: bool = False, seeds: list[int] | None = None) -> SimpleNamespace:
+    temps = torch.full((n, 1), 1.0 if greedy else 0.8)
+    return SimpleNamespace(
+        temperatures=temps, top_ps=torch.full((n,), 0.9), top_ks=torch.full((n,), 1 if greedy else 20, dtype=torch.int32),
+        min_ps=torch.zeros(n), sampling_seed=None if seeds is None else torch.tensor(seeds),
+        is_all_greedy=greedy, need_top_k_sampling=not greedy, need_top_p_sampling=not greedy,
+        need_min_p_sampling=False, grammars=None, has_custom_logit_processor=False,
+        has_watermark_candidates=False, sampling_mask_batch_indices=None)
+
+
+class Runner:
+    """What around_sample touches on ModelRunner."""
+
+    def __init__(self) -> None:
+        self.preprocessed = 0
+        self.watermark_state = self.sampling_observer = None
+        self.sampler = SimpleNamespace(_preprocess_logits=lambda logits, info: logits)
+        self.ngram_embedding_manager = SimpleNamespace(update_after_decode=lambda **kw: None)
+
+    def _preprocess_logits(self, logits_output, info) -> None:
+        self.preprocessed += 1
+
+
+def forward_batch(info, n: int, logprob: bool = False) -> SimpleNamespace:
+    return SimpleNamespace(sampling_info=info, return_logprob=logprob, positions=torch.arange(n) + 10,
+                           seq_lens=torch.arange(n) + 11, forward_mode=SimpleNamespace(is_decode=lambda: True))
+
+
+def test_seeds_injected_from_requests_with_sglang_default(state):
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=s)) for s in (None, 123, None, -5)]
+    info = sp.after_from_schedule_batch(batch_info(4), None, SimpleNamespace(reqs=reqs), 460)
+    assert info.sampling_seed.tolist() == [42, 123, 42, -5] and info.sampling_seed.dtype == torch.int64
+
+
+def test_seeds_left_alone_when_sglang_provides_them(state):
+    state.inject_seeds = False
+    info = batch_info(2, seeds=[7, 8])
+    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=None))] * 2
+    assert sp.after_from_schedule_batch(info, None, SimpleNamespace(reqs=reqs), 460).sampling_seed.tolist() == [7, 8]
+
+
+def test_sp_path_samples_every_row_with_its_seed(state):
+    torch.manual_seed(0)
+    n, v = 5, 460
+    logits = torch.randn(n, v)
+    info = batch_info(n, seeds=[1, 2, 3, 4, 5])
+    runner, fb = Runner(), forward_batch(info, n)
+    out = SimpleNamespace(next_token_logits=logits.clone(), auxiliary_device_output="stale")
+
+    def orig(*a, **k):
+        raise AssertionError("SGLang's sampler must not run for a covered batch")
+
+    ids = sp.around_sample(orig, runner, out, fb)
+    want = sample_rows(logits, RowParams.from_sampling_info(info, fb.positions))
+    assert ids.tolist() == want.tolist() and runner.preprocessed == 1
+    assert out.auxiliary_device_output is None and state.sp_steps == 1
+    # a row's token does not depend on the rows around it
+    one = sample_rows(logits[2:3], RowParams.from_sampling_info(batch_info(1, seeds=[3]), fb.positions[2:3]))
+    assert one.tolist() == [ids[2].item()]
+
+
+def test_fallback_hides_injected_seeds_and_counts_once_per_reason(state):
+    info = batch_info(3, seeds=[1, 2, 3])
+    seen = []
+
+    def orig(runner, out, fb):
+        seen.append(fb.sampling_info.sampling_seed)
+        return torch.zeros(3, dtype=torch.int64)
+
+    for _ in range(2):
+        sp.around_sample(orig, Runner(), SimpleNamespace(next_token_logits=torch.zeros(3, 8)),
+                         forward_batch(info, 3, logprob=True))
+    assert seen == [None, None]  # the stock sampler ran unseeded, as without the flag
+    assert info.sampling_seed.tolist() == [1, 2, 3]  # and the rows keep their seeds afterwards
+    assert state.fallbacks == {"logprobs requested": 2} and state.sp_steps == 0
+
+
+def test_fallback_reasons(state):
+    runner = Runner()
+    out = SimpleNamespace(next_token_logits=torch.zeros(2, 8))
+    info = batch_info(2, seeds=[1, 2])
+    assert sp._fallback_reason(runner, forward_batch(info, 2), out) is None
+    info.grammars = [None, object()]
+    assert "grammar" in sp._fallback_reason(runner, forward_batch(info, 2), out)
+    info.grammars, info.has_custom_logit_processor = None, True
+    assert "custom" in sp._fallback_reason(runner, forward_batch(info, 2), out)
+    info.has_custom_logit_processor, info.sampling_seed = False, torch.tensor([1])
+    assert "seeds" in sp._fallback_reason(runner, forward_batch(info, 2), out)
+
+
+def test_flag_off_is_a_pass_through(monkeypatch):
+    monkeypatch.setattr(sp, "_STATE", None)
+    sentinel = object()
+    assert sp.around_sample(lambda *a, **k: sentinel, None, None, None) is sentinel
+    info = batch_info(2)
+    assert sp.after_from_schedule_batch(info, None, None, 460).sampling_seed is None

@@ -1,0 +1,54 @@
+"""Step timer accounting and the overhead bench's summary, on synthetic iterations."""
+
+from __future__ import annotations
+
+import json
+import time
+
+from bench.overhead import summarize
+from branchwise.albireo.step_timer import StepTimer
+
+
+def test_nested_spans_are_exclusive_and_records_flush_when_idle(tmp_path):
+    path = tmp_path / "steps.jsonl"
+    t = StepTimer(str(path))
+    t.begin_iteration(time.perf_counter())
+    t.run = ["decode", 4]
+    t.enter("prep")
+    time.sleep(0.01)
+    t.enter("forward")
+    time.sleep(0.03)
+    t.exit()
+    t.exit()
+    t.res = ["decode", 4]
+    t.add_worker(0.005)
+    t.begin_iteration(time.perf_counter())  # busy iteration: buffered, not written yet
+    assert not path.exists()
+    t.begin_iteration(time.perf_counter())  # the idle one flushes
+    recs = [json.loads(x) for x in path.read_text().splitlines()]
+    busy, idle = recs
+    assert busy["run"] == busy["res"] == ["decode", 4] and idle["run"] is None and idle["res"] is None
+    assert 0.03 <= busy["forward"] < busy["wall"] and 0.01 <= busy["prep"] < 0.03  # prep excludes forward
+    assert busy["worker"] == 0.005 and idle["worker"] == 0.0
+    assert busy["cpu"]["forward"] < 0.01  # sleeping is not CPU time
+
+
+def test_summary_takes_steady_decode_steps_only():
+    def rec(run, res, fwd, result, wall):
+        spans = {"recv": 0.0, "sched": 0.001, "prep": 0.001, "forward": fwd, "sample": 0.0005,
+                 "result": result, "stream": 0.0002, "worker": 0.0}
+        return {**spans, "wall": wall, "run": run, "res": res, "cpu": {**spans, "wall": wall}}
+
+    recs = [rec(["extend", 8], None, 0.05, 0.0, 0.06),  # prefill: not a decode step
+            rec(["decode", 8], ["extend", 8], 0.01, 0.002, 0.02),  # first decode: processes the prefill
+            rec(["decode", 8], ["decode", 8], 0.010, 0.002, 0.015),
+            rec(["decode", 8], ["decode", 8], 0.012, 0.002, 0.017),
+            rec(["decode", 4], ["decode", 8], 0.009, 0.002, 0.013),  # shrinking: mixed sizes
+            rec(None, ["decode", 4], 0.0, 0.002, 0.003)]
+    n, med, share = summarize(recs, 8)
+    assert n == 2
+    assert abs(med["wall"] - 16.0) < 1e-9 and abs(med["forward"] - 11.0) < 1e-9
+    assert abs(med["exposed"] - 5.0) < 1e-9  # wall - forward
+    assert abs(med["result"] - 2.2) < 1e-9  # T5 includes its send part
+    assert abs(med["other"] - (16.0 - 11.0 - 1.0 - 1.0 - 0.5 - 2.2)) < 1e-9
+    assert abs(sum(share[c] for c in ("sched", "prep", "forward", "sample", "result", "other")) - 1.0) < 1e-9
