@@ -51,7 +51,7 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
     for ax in axes[-3:]:
         ax.set_xlabel("minute")
     axes[1].legend(fontsize=8)
-    fig.tight_layout()
+    fig.subplots_adjust(left=0.05, right=0.98, bottom=0.05, top=0.96, wspace=0.22, hspace=0.25)
     path = out / "figure2.png"
     fig.savefig(path, dpi=90)
     plt.close(fig)

@@ -16,9 +16,14 @@ Engine model (SGLang-like, one server, see bench/README.md "Simulator"):
 * every step the policy sees a BatchView: per decoding request its ready rows' context lengths (the
   first unfinished branch is the protected row, then branch order) and its slack from slack.py.
 
-Policies whose plan cannot change between events (off, cap:K, eager) are advanced several steps at a
-time: until the next row finishes, an arrival could be admitted, or the pool would overflow. Step
-times inside such a run are exact (T grows linearly with context); only the noise is drawn once.
+Several steps run in one go when no step in between can differ: no row finishes, no arrival can
+be admitted, the pool cannot overflow, no refit is due. That holds outright for off, cap:K and eager
+(their widths depend on ready-row counts only) and for any step where no request has a second ready
+row. For TAPER it holds when the policy admitted every ready row and also admits every row of the
+window's worst case (contexts of its last step, the slack of its first; T is monotone and slack
+never shrinks while steps stay within the SLO). Step times inside a window are exact (T grows
+linearly with context); only the latency noise is drawn once per window. `macro_steps=False` steps
+one by one, and the unit tests hold both modes to the same deliveries.
 """
 
 from __future__ import annotations
@@ -224,7 +229,7 @@ class Simulator:
         return len(cl) > 1
 
     def run(self) -> SimResult:
-        t_wall = time.perf_counter()
+        t_wall, t_cpu = time.perf_counter(), time.process_time()
         cfg, m, pol = self.cfg, self.model, self.policy
         c0, cs, cc, ct = m.c0, m.c_seq, m.c_ctx, m.c_tok
         slo, cap, chunk_max = cfg.slo_s, cfg.max_running, cfg.chunk_tokens
@@ -372,7 +377,8 @@ class Simulator:
             if self.kv > cfg.kv_tokens:
                 self._retract(dec, wait)
         stats = {"retractions": self.retractions, "unadmitted": len(wait) + (n_specs - nxt),
-                 "iterations": len(self.log.t_s), "wall_s": time.perf_counter() - t_wall}
+                 "iterations": len(self.log.t_s), "wall_s": time.perf_counter() - t_wall,
+                 "cpu_s": time.process_time() - t_cpu}
         if refit is not None:
             stats["refits"] = refit.refits
             stats["model_after"] = list(pol.model.coefs()) if hasattr(pol.model, "coefs") else pol.model.value_s
@@ -535,7 +541,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kv-tokens", type=int, default=_DEF.kv_tokens)
     ap.add_argument("--chunk-tokens", type=int, default=_DEF.chunk_tokens)
     ap.add_argument("--noise", type=float, default=_DEF.noise)
-    ap.add_argument("--no-refit", action="store_true", help="keep TAPER's predictor fixed")
+    ap.add_argument("--refit-every-s", type=float, default=_DEF.refit_every_s,
+                    help="refit TAPER's T(S) from the last 200 decode steps this often (0: never)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
@@ -555,17 +562,20 @@ def main(argv: list[str] | None = None) -> int:
         print("error: the engine needs a linear latency model", file=sys.stderr)
         return 2
     specs = compose(trace, sched, a.preset, a.seed, trace_outputs=a.trace_outputs)
+    phase_s = {"workload": time.perf_counter() - t0}
     slo_s = a.slo_tpot_ms / 1e3
     cap = slo_sized_cap(model, slo_s, specs) if a.max_running == "auto" else int(a.max_running)
     cfg = EngineConfig(slo_s=slo_s, max_running=cap, kv_tokens=a.kv_tokens,
-                       chunk_tokens=a.chunk_tokens, noise=a.noise, refit_every_s=0.0 if a.no_refit else _DEF.refit_every_s,
+                       chunk_tokens=a.chunk_tokens, noise=a.noise, refit_every_s=a.refit_every_s,
                        drain_s=600.0 / a.compress)
     jobs = job_list(policies, a.rho, a.ablations)
     sims = run_jobs(jobs, specs, model, cfg, sched.duration_s, a.seed, a.jobs)
+    phase_s["simulate"] = time.perf_counter() - t0 - sum(phase_s.values())
     window = (0.0, sched.duration_s)
     regimes = [(g.name, g.start_s, g.end_s) for g in sched.regimes]
     results = {k: summarize(s.records, cfg.slo_s, window, regimes, s.steps) | {"sim": s.stats}
                for k, s in sims.items()}
+    phase_s["metrics"] = time.perf_counter() - t0 - sum(phase_s.values())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = {
@@ -576,13 +586,15 @@ def main(argv: list[str] | None = None) -> int:
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(specs), "duration_s": sched.duration_s,
         },
-        "wall_s": time.perf_counter() - t0,
+        "phase_s": phase_s,
     }
-    (out / "results.json").write_text(json.dumps(doc, indent=1))
     if not a.no_plots:
         from bench.plots import plot_run
 
         plot_run(sims, sched, cfg.slo_s, out)
+        phase_s["plots"] = time.perf_counter() - t0 - sum(phase_s.values())
+    doc["wall_s"] = time.perf_counter() - t0
+    (out / "results.json").write_text(json.dumps(doc, indent=1))
     print(table(results))
     print()
     print(regime_table(results))

@@ -367,3 +367,44 @@ def workload_stats(reqs: list[RequestSpec]) -> dict[str, float]:
         "mean_output_tokens": float(np.mean([r.output_tokens for r in reqs])) if reqs else 0.0,
         "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in reqs])) if reqs else 0.0,
     }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.workload synth OUT.csv [--rate R] [--duration S] [--seed N]`: write a synthetic
+    trace; `python -m bench.workload stats CSV [--schedule S] [--preset P]`: describe a workload."""
+    import argparse
+
+    ap = argparse.ArgumentParser(prog="python -m bench.workload")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    sy = sub.add_parser("synth", help="write a bursty synthetic trace CSV (same schema as Azure's)")
+    sy.add_argument("out")
+    sy.add_argument("--rate", type=float, default=4.0)
+    sy.add_argument("--duration", type=float, default=3600.0)
+    sy.add_argument("--seed", type=int, default=1)
+    st = sub.add_parser("stats", help="schedule and composer statistics of a trace")
+    st.add_argument("trace")
+    st.add_argument("--schedule", default="paper-3regime")
+    st.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    st.add_argument("--seed", type=int, default=0)
+    a = ap.parse_args(argv)
+    if a.cmd == "synth":
+        tr = synthetic_trace(a.duration, a.rate, a.seed)
+        write_trace(a.out, tr)
+        print(f"{a.out}: {len(tr)} requests over {tr.duration_s:.0f} s ({tr.mean_rate:.2f} req/s)")
+        return 0
+    try:
+        tr = load_trace(a.trace)
+        sched = build_schedule(tr, a.schedule)
+    except ValueError as e:
+        print(f"error: {e}")
+        return 2
+    print(f"trace {a.trace}: {len(tr)} rows, {tr.duration_s:.0f} s, {tr.mean_rate:.2f} req/s")
+    for g in sched.regimes:
+        print(f"  {g.name:<10} {g.start_s / 60:6.0f}-{g.end_s / 60:<6.0f} min  {sched.rate_in(g.start_s, g.end_s):.3f} req/s")
+    for k, v in workload_stats(compose(tr, sched, a.preset, a.seed)).items():
+        print(f"  {k:<24} {v:.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from bench.metrics import RequestRecord, StageRecord, StepLog, summarize, timeseries
@@ -92,3 +93,24 @@ def test_timeseries_bins() -> None:
     assert ts["t_s"].tolist() == [0.0, 2.0]
     assert ts["slo_attainment"].tolist() == [1.0, 1.0]
     assert ts["raw_throughput_tok_s"].tolist() == pytest.approx([11.0, 11.0])
+
+
+def test_timeseries_agrees_with_window_metrics() -> None:
+    rng = np.random.default_rng(0)
+    recs, log = [], StepLog()
+    for i in range(300):
+        t = float(rng.uniform(0, 90))
+        stages, prev = [], t + 0.2
+        for j in range(int(rng.integers(1, 5))):
+            dur = float(rng.choice([0.0, rng.uniform(0.01, 8.0)]))
+            stages.append((bool(j % 2), prev, prev + dur, int(rng.integers(1, 60))))
+            prev += dur
+        recs.append(RequestRecord(f"r{i}", t, t + 0.2, [StageRecord(*s) for s in stages], bool(i % 7)))
+        log.add(t, int(rng.integers(1, 4)), float(rng.uniform(0.01, 0.2)), 0.05, int(rng.integers(0, 9)), 1)
+    ts = timeseries(recs, SLO, (0.0, 100.0), 10.0, log)
+    for b, t0 in enumerate(ts["t_s"]):
+        w = summarize(recs, SLO, (t0, t0 + 10.0), steps=log)
+        for key, val in w.items():
+            if key != "per_regime" and key in ts and key != "step_latency_max_ms":
+                want = np.nan if val is None else val
+                assert ts[key][b] == pytest.approx(want, rel=1e-9, abs=1e-9, nan_ok=True), (key, b)
