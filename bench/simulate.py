@@ -48,6 +48,7 @@ from branchwise.taper import (
     CapPolicy,
     LinearLatencyModel,
     OnlineRefit,
+    Policy,
     RequestView,
     default_model,
     load_model,
@@ -81,7 +82,7 @@ class _Req:
 
     __slots__ = (
         "spec", "rid", "prefill_left", "ctx", "saved_ctx", "si", "left", "done", "stage_start", "stage_tok",
-        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "fixed", "rec", "view",
+        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "view",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -98,7 +99,6 @@ class _Req:
         self.br_left: list[int] = []  # empty outside a phase
         self.cl: list[int] = []
         self.phase_start, self.phase_tok = 0.0, 0
-        self.fixed: int | None = None  # taper-no-replan: width pinned for this phase
         self.rec = RequestRecord(spec.rid, spec.arrival_s, decomposable=spec.decomposable)
         self.view = RequestView(spec.rid, (1,), 0.0)
 
@@ -117,7 +117,7 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, specs: list[RequestSpec], policy, model: LinearLatencyModel, cfg: EngineConfig,
+    def __init__(self, specs: list[RequestSpec], policy: Policy, model: LinearLatencyModel, cfg: EngineConfig,
                  t_end: float, seed: int = 0) -> None:
         self.specs = sorted(specs, key=lambda s: s.arrival_s)
         self.policy, self.model, self.cfg = policy, model, cfg
@@ -148,6 +148,7 @@ class Simulator:
             return
         st = stages[r.si]
         r.stage_start, r.stage_tok = t, 0
+        _set(v, "fixed_width", None)  # a taper-no-replan pin lives for one phase
         if isinstance(st, tuple):
             n = len(st)
             r.br_left, r.cl = list(st), [r.ctx] * n
@@ -160,7 +161,6 @@ class Simulator:
             r.last_tok = t
             _set(v, "phase_id", None)
             _set(v, "phase_fanout", 1)
-            _set(v, "fixed_width", None)
 
     def _prefilled(self, r: _Req, t: float) -> None:
         """Prefill done at t: first token (or, after a retraction, resume where it was)."""
@@ -202,7 +202,7 @@ class Simulator:
         self.slots -= finished - 1  # the parent keeps one slot after the reduce
         r.rec.stages.append(StageRecord(True, r.phase_start, t, r.phase_tok))
         r.ctx += r.phase_tok  # the reduce: every branch's tokens join the parent's context
-        r.br_left, r.cl, r.fixed = [], [], None
+        r.br_left, r.cl = [], []
         self._next_stage(r, t)
         return False
 
@@ -293,10 +293,8 @@ class Simulator:
                 plan = pol.plan(batch)
                 width = plan.width
                 if pinning:
-                    for rid, w in pol.pins(batch, plan).items():
-                        r = next(x for x in par if x.rid == rid)
-                        r.fixed = w
-                        _set(r.view, "fixed_width", w)
+                    for rid, w in pol.pins(batch, plan).items():  # cleared when the phase reduces
+                        _set(next(x.view for x in par if x.rid == rid), "fixed_width", w)
                 need_k = macro and (static or macro_ok)  # k only bounds a multi-step window
                 for r in par:
                     w = width[r.rid]
@@ -364,10 +362,7 @@ class Simulator:
                     r.last_tok = t
                 elif not self._advance_phase(r, w, k, t):
                     continue
-                v = r.view
-                _set(v, "context_lens", tuple(r.cl))
-                _set(v, "slack_s", phase_slack(slo, t, r.phase_start, r.phase_tok))
-                wide = wide or len(r.cl) > 1
+                wide = self._phase_view(r, t) or wide
             for r in filled:
                 self._prefilled(r, t)
                 dec.append(r)
