@@ -4,6 +4,9 @@ import random
 import re
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
 from branchwise.grammars import (
     BranchClosed,
     GrammarError,
@@ -17,8 +20,6 @@ from branchwise.grammars import (
     parse,
 )
 from branchwise.phases import PhaseRegistry, branch_prompt
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 MV = """<Think>
 Let me split this. Note 3 < 4 and a<b> is not a tag, nor is <Pathway>.

@@ -10,6 +10,7 @@ from typing import Optional
 
 import pytest
 import torch
+
 from branchwise.albireo.parallel_sampler import (
     TOP_K_ALL,
     RowParams,

@@ -15,6 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
 from branchwise.albireo.parallel_sampler import RowParams, sample_rows, sp_sample, sp_sample_full
 
 WORLD = 4

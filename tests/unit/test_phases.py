@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from branchwise.phases import (
     ParallelPhase,
     PhaseError,

@@ -5,12 +5,13 @@ from __future__ import annotations
 import heapq
 import math
 
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from branchwise.taper.planner import plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel
 from branchwise.taper.state import BatchView, RequestView
 from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, Utility
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 EPS = 1e-12
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)

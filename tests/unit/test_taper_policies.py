@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from branchwise.taper.policies import (
     CONST_REF,
     POLICY_NAMES,
@@ -14,8 +17,6 @@ from branchwise.taper.policies import (
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.state import BatchView, RequestView
 from branchwise.taper.utility import CONCAVE
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
 

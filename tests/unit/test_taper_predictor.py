@@ -6,6 +6,9 @@ import json
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
 from branchwise.taper.predictor import (
     ConstantLatencyModel,
     LinearLatencyModel,
@@ -15,8 +18,6 @@ from branchwise.taper.predictor import (
     mape,
     model_from_json,
 )
-from hypothesis import given, settings
-from hypothesis import strategies as st
 
 TRUE = LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1e-7)
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import pytest
-from branchwise.taper.slack import SlackTracker, phase_slack, serial_slack, slack_budget
-from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, UTILITY_NAMES, parse_utility
 from hypothesis import given
 from hypothesis import strategies as st
+
+from branchwise.taper.slack import SlackTracker, phase_slack, serial_slack, slack_budget
+from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, UTILITY_NAMES, parse_utility
 
 SLO = 0.05
 
