@@ -1,0 +1,813 @@
+"""Replay a trace schedule against a live Branchwise server: goodput and SLO attainment per policy.
+
+    python -m bench.replay --url URL --schedule rate:6 --duration-s 60 --out DIR [--policy-label taper]
+    python -m bench.replay --launch --model models/tiny --compare --policies off,eager,taper --out runs/bench
+
+Every scheduled arrival (bench.workload: the trace's arrival pattern, the composer's phase structure)
+becomes a client-side program shaped like an SGLang frontend fork/join program: a serial stage is one
+streamed /generate on the sequence so far; a parallel phase forks one streamed /generate per branch on
+the shared prefix plus a branch header (stamped with phase id, branch, fanout and SLO; structured
+rids) and joins them in branch order before the next serial stage. Programs send token ids rather
+than text so that every shared prefix is exactly what sits in the radix cache. Token delivery times
+come from the stream; bench.metrics turns them into goodput, SLO attainment and per-class P99 TPOT
+(a stage's TPOT runs from the previous stage's last token, so the client-side fork/join cost counts;
+results.json reports those gaps). The step-latency and admission series come from /metrics.
+
+Lengths are scaled to what the server can serve (--output-scale and the caps); decoding is greedy with
+ignore_eos, so every stage has a fixed length. The operating point is measured, not assumed: by
+default a probe of the first server (decode step latency at 1, 8, 16 and 32 serial streams, fitted
+as T(b) = c0 + c1 b) sets the SLO to T(--slo-rows) (at least --slo-floor x T(1)) and the arrival rate
+so that the mean demand is --load x the decode rate at --slo-rows rows; taper servers get that fit as
+their --latency-model.
+Every server is probed before its run, so a change in the shared box's speed shows in the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import re
+import shlex
+import statistics
+import sys
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import numpy as np
+from tqdm import tqdm
+
+from bench.metrics import RequestRecord, StepLog, summarize
+from bench.workload import (
+    PRESETS,
+    Regime,
+    RequestSpec,
+    Schedule,
+    TraceError,
+    build_schedule,
+    compose,
+    load_trace,
+    workload_stats,
+)
+from branchwise import client
+from branchwise.client import GenerateError, Generation
+from branchwise.launch import LocalServer, ServerError, branchwise_report
+from branchwise.taper.predictor import LinearLatencyModel, load_model
+
+DEFAULT_TRACE = str(Path(__file__).parent / "data" / "AzureLLMInferenceTrace_conv.csv")
+GenerateFn = Callable[..., Awaitable[Generation]]
+
+
+# ------------------------------------------------------------------------- schedule -> programs
+@dataclass(frozen=True, slots=True)
+class Scaling:
+    """Trace token counts -> what the served model can do: n -> clamp(round(n * scale), 1, cap)."""
+
+    output_scale: float = 0.3
+    max_stage_tokens: int = 128  # per serial stage and per branch
+    prompt_scale: float = 0.05
+    max_prompt_tokens: int = 64
+    max_program_tokens: int = 1536  # all stages of one program: the joined context must fit the model
+
+    def __post_init__(self) -> None:
+        if not (self.output_scale > 0 and self.prompt_scale > 0 and self.max_stage_tokens >= 1
+                and self.max_prompt_tokens >= 1 and self.max_program_tokens >= 1):
+            raise ValueError(f"scales must be > 0 and caps >= 1, got {self}")
+
+
+_DEF = Scaling()
+
+
+def _scaled(n: int, scale: float, cap: int) -> int:
+    return int(min(max(round(n * scale), 1), cap))
+
+
+def scale_spec(spec: RequestSpec, s: Scaling) -> RequestSpec:
+    """The same program with every serial stage and branch length (and the prompt) scaled and capped."""
+    def scaled(f: float, cap: int) -> tuple[int | tuple[int, ...], ...]:
+        def one(n: int) -> int:
+            return _scaled(n, f, cap)
+
+        return tuple(tuple(one(b) for b in st) if isinstance(st, tuple) else one(st) for st in spec.stages)
+
+    f = s.output_scale
+    stages = scaled(f, s.max_stage_tokens)
+    while (total := RequestSpec("", 0.0, 0, stages).output_tokens) > s.max_program_tokens:
+        f *= 0.95 * s.max_program_tokens / total  # shrink the whole program, keeping its shape
+        stages = scaled(f, s.max_stage_tokens)
+    prompt = _scaled(spec.prompt_tokens, s.prompt_scale, s.max_prompt_tokens)
+    return RequestSpec(spec.rid, spec.arrival_s, prompt, stages)
+
+
+def fit_schedule(trace: Any, spec: str, duration_s: float, rate_scale: float = 1.0) -> Schedule:
+    """bench.workload's schedule compressed to `duration_s`, its arrival rates times `rate_scale`.
+
+    The workload's `compress` keeps every rate and shortens the run; a rate scale k then squeezes the
+    arrivals k-fold in time, so the paper's regimes keep their shape at k times the paper's req/s."""
+    if duration_s <= 0 or rate_scale <= 0:
+        raise ValueError(f"duration and rate scale must be > 0, got {duration_s}, {rate_scale}")
+    natural = build_schedule(trace, spec).duration_s
+    compress = natural / (duration_s * rate_scale)
+    if compress < 1.0:
+        raise ValueError(f"schedule {spec!r} lasts {natural:.0f} s at its own rate: it cannot fill "
+                         f"{duration_s:g} s x rate scale {rate_scale:g}; shorten --duration-s or lower --rate-scale")
+    s = build_schedule(trace, spec, compress)
+    k = 1.0 / rate_scale
+    regimes = tuple(Regime(g.name, g.start_s * k, g.end_s * k) for g in s.regimes)
+    name = spec if rate_scale == 1.0 else f"{spec} x{rate_scale:g}"
+    return Schedule(s.arrival_s * k, s.row, s.duration_s * k, regimes, name)
+
+
+def build_programs(trace: Any, schedule: Schedule, preset: str, seed: int, scaling: Scaling) -> list[RequestSpec]:
+    return [scale_spec(s, scaling) for s in compose(trace, schedule, preset, seed)]
+
+
+def prompt_ids(rid: str, tokens: int, seed: int, vocab: int = 400) -> list[int]:
+    """A deterministic prompt of random token ids. Programs send token ids, not text, so every
+    shared prefix is exactly the tokens in the radix cache (text would be re-tokenized at each seam)."""
+    rng = random.Random(f"{seed}:{rid}")
+    return [rng.randrange(10, vocab) for _ in range(tokens)]
+
+
+SEP_ID = 11  # a plain token (ids below 10 may be special): opens a branch header and closes the join
+
+
+def branch_head(i: int, vocab: int = 400) -> list[int]:
+    """The tokens that open branch i after the shared prefix (its header, as in `forks[i] += ...`)."""
+    return [SEP_ID, 12 + i % (vocab - 12)]
+
+
+# ----------------------------------------------------------------------------------- live replay
+class RequestFailed(RuntimeError):
+    """The server finished a request abnormally (aborted); the program counts as failed."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One program's deliveries so far: [(parallel, token times since the run start)] per stage."""
+
+    spec: RequestSpec
+    stages: list[tuple[bool, list[float]]] = field(default_factory=list)
+    started: bool = False
+    finished: bool = False
+    error: str | None = None
+
+    def record(self) -> RequestRecord:
+        return RequestRecord.from_token_times(self.spec.rid, self.spec.arrival_s, self.stages, self.finished)
+
+
+@dataclass(slots=True)
+class Target:
+    url: str
+    slo_tpot_ms: float
+    seed: int = 0
+    stream_interval: int = 8  # chunk every n tokens; stage TPOT is exact either way (stage ends are sent at once)
+    read_timeout_s: float = 300.0
+    vocab: int = 400  # prompt and header token ids are drawn below this
+    run_id: str = field(default_factory=lambda: "rp" + uuid.uuid4().hex[:6])
+    generate: GenerateFn = client.generate
+
+
+@dataclass(slots=True)
+class Run:
+    """One replay against one server, filled in as it goes: an interrupted run keeps what it has."""
+
+    label: str
+    outcomes: list[Outcome]
+    steps: StepLog = field(default_factory=StepLog)
+    t0: float = 0.0
+    t_stop: float | None = None  # seconds after t0 when the run ended early (error, Ctrl-C)
+    error: str | None = None  # the run ended early: dead server, Ctrl-C
+    warning: str | None = None  # it ran to the end but some programs did not finish in time
+    interrupted: bool = False
+    report_before: dict | None = None
+    report_after: dict | None = None
+    loop_lag_s: list[tuple[float, float]] = field(default_factory=list)  # (when, how late) per 50 ms tick
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        return [o.record() for o in self.outcomes if o.started]
+
+
+def _sp(tokens: int, tg: Target) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    if tg.stream_interval > 1:
+        sp["stream_interval"] = tg.stream_interval
+    return sp
+
+
+def token_times(g: Generation, t0: float) -> list[float]:
+    """Delivery time of each generated token (a chunk's tokens arrive together), relative to t0."""
+    out = [t - t0 for t, n in zip(g.chunk_times, g.chunk_tokens, strict=True) for _ in range(n)]
+    return out + [g.end - t0] * max(g.completion_tokens - len(out), 0)
+
+
+async def _gen(tg: Target, session: Any, ids: list[int], sp: dict, rid: str, tokens: int) -> Generation:
+    g = await tg.generate(tg.url, None, sp, rid, True, input_ids=ids, session=session)
+    if g.aborted or g.completion_tokens != tokens:
+        raise RequestFailed(f"{rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
+    return g
+
+
+async def run_program(o: Outcome, tg: Target, session: Any, t0: float) -> None:
+    """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ..."""
+    spec = o.spec
+    ids = prompt_ids(spec.rid, spec.prompt_tokens, tg.seed, tg.vocab)
+    for k, stage in enumerate(spec.stages):
+        if isinstance(stage, int):
+            sp = client.stamp_serial(_sp(stage, tg), tg.slo_tpot_ms)
+            g = await _gen(tg, session, ids, sp, f"{tg.run_id}-{spec.rid}-s{k}", stage)
+            o.stages.append((False, token_times(g, t0)))
+            ids = ids + g.output_ids
+            continue
+        n = len(stage)
+        group = client.new_group(f"{tg.run_id}-{spec.rid}-p{k}")
+        heads = [branch_head(i, tg.vocab) for i in range(n)]
+        tasks = [asyncio.ensure_future(_gen(
+            tg, session, ids + heads[i], client.stamp_branch(_sp(m, tg), group, i, n, tg.slo_tpot_ms),
+            client.branch_rid(group, i), m)) for i, m in enumerate(stage)]
+        try:
+            gens = await asyncio.gather(*tasks)
+        except BaseException:  # one branch failed or we were cancelled: don't leave siblings running
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
+        ids = ids + [x for h, g in zip(heads, gens, strict=True) for x in h + g.output_ids] + [SEP_ID]
+    o.finished = True
+
+
+async def _program_at(o: Outcome, tg: Target, session: Any, t0: float, bar: tqdm) -> None:
+    delay = o.spec.arrival_s - (time.perf_counter() - t0)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    o.started = True
+    try:
+        await run_program(o, tg, session, t0)
+    except (GenerateError, RequestFailed) as e:  # this request's problem: the run goes on
+        o.error = str(e)
+    except ConnectionError as e:  # a dead server ends the run; a dropped connection only this program
+        if not await _alive(tg.url, session):
+            raise
+        o.error = str(e)
+    bar.update()
+
+
+async def _alive(url: str, session: Any) -> bool:
+    try:
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+_METRIC = re.compile(r"^(branchwise:[a-z_]+)(?:\{[^}]*\})?\s+(\S+)$", re.M)
+STEP_SERIES = {"count": "branchwise:realized_step_seconds_count", "sum": "branchwise:realized_step_seconds_sum",
+               "eligible": "branchwise:candidate_branches_total", "admitted": "branchwise:admitted_branches_total"}
+
+
+def parse_step_series(text: str) -> dict[str, float] | None:
+    """The cumulative Branchwise step series of a /metrics page; None when the server exports none."""
+    vals: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        vals[name] = vals.get(name, 0.0) + float(value)
+    if STEP_SERIES["count"] not in vals:
+        return None
+    return {k: vals.get(name, 0.0) for k, name in STEP_SERIES.items()}
+
+
+async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
+    """Turn /metrics deltas into StepLog rows: steps, mean realized latency, offered/admitted branch rows."""
+    prev, t_prev = None, 0.0
+    while True:
+        try:
+            async with session.get(url + "/metrics") as r:
+                cur = parse_step_series(await r.text()) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            cur = None  # no series (no --enable-metrics) or no server: the step log just stays empty
+        now = time.perf_counter() - run.t0
+        if cur is not None and prev is not None and cur["count"] > prev["count"]:
+            d = {k: cur[k] - prev[k] for k in cur}
+            mean = d["sum"] / d["count"]
+            run.steps.add(t_prev, int(d["count"]), d["sum"], mean, int(d["eligible"]), int(d["admitted"]))
+        if cur is not None:
+            prev, t_prev = cur, now
+        await asyncio.sleep(every_s)
+
+
+async def watch_loop(run: Run, every_s: float = 0.05) -> None:
+    """The client's own event-loop lag: token times are only as good as the loop that stamps them."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(every_s)
+        run.loop_lag_s.append((t - run.t0, time.perf_counter() - t - every_s))
+
+
+async def replay(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> None:
+    """Start every program at its arrival time; stop at the first dead-server error or at the deadline."""
+    run.t0 = t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=tg.read_timeout_s)
+    bar = tqdm(total=len(run.outcomes), desc=run.label, unit="req", disable=not progress, leave=False)
+    # force_close: no keep-alive reuse, whose race with the server closing an idle connection shows up
+    # as "connection reset" on a healthy server (seen with uvicorn under load)
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        tasks = [asyncio.create_task(_program_at(o, tg, session, t0, bar)) for o in run.outcomes]
+        helpers = [asyncio.create_task(watch_loop(run))]
+        if poll_s > 0:
+            helpers.append(asyncio.create_task(poll_steps(run, tg.url.rstrip("/"), session, poll_s)))
+        try:
+            done, pending = await asyncio.wait(tasks, timeout=deadline_s, return_when=asyncio.FIRST_EXCEPTION)
+            failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+            if failed:
+                run.error = f"{type(failed[0]).__name__}: {failed[0]}"
+                run.t_stop = time.perf_counter() - t0
+            elif pending:
+                run.warning = (f"{len(pending)} of {len(tasks)} programs unfinished {deadline_s:.0f} s after the "
+                             f"start: the server is overloaded at this load (lower --load or --rate-scale)")
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us, then raises KeyboardInterrupt
+            run.interrupted, run.t_stop = True, time.perf_counter() - t0
+            raise
+        finally:
+            for t in [*tasks, *helpers]:
+                t.cancel()
+            await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+            bar.close()
+
+
+def execute(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> Run:
+    """Run `replay` to its end; Ctrl-C ends it early with run.interrupted set and what completed kept."""
+    run.report_before = _report(tg.url)
+    try:
+        asyncio.run(replay(run, tg, deadline_s, poll_s, progress))
+    except KeyboardInterrupt:
+        run.interrupted = True
+        if run.t_stop is None:
+            run.t_stop = time.perf_counter() - run.t0
+        run.error = run.error or "interrupted (Ctrl-C)"
+    run.report_after = _report(tg.url)
+    return run
+
+
+def _report(url: str) -> dict | None:
+    try:
+        return branchwise_report(url).get("taper")
+    except Exception:  # noqa: BLE001 - no server, stock SGLang or no controller: the report is optional
+        return None
+
+
+# --------------------------------------------------------------------------------- calibration
+@dataclass(frozen=True, slots=True)
+class Probe:
+    """Decode step latency of the live server with b concurrent serial streams, and its line fit."""
+
+    step_s: dict[int, float]
+    c0_s: float
+    c_row_s: float
+
+    def at(self, rows: float) -> float:
+        return self.c0_s + self.c_row_s * rows
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"step_ms": {str(b): 1e3 * t for b, t in self.step_s.items()}, "c0_ms": 1e3 * self.c0_s,
+                "c_row_ms": 1e3 * self.c_row_s}
+
+
+async def _probe_step(url: str, session: Any, b: int, tokens: int) -> float:
+    sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    gens = await asyncio.gather(*[client.generate(url, None, sp, stream=True, session=session,
+                                                  input_ids=prompt_ids(f"probe{i}", 8, b)) for i in range(b)])
+    steps = [(g.chunk_times[-1] - g.chunk_times[0]) / (g.completion_tokens - 1) for g in gens
+             if len(g.chunk_times) > 1 and g.completion_tokens > 1]
+    if not steps:
+        raise RuntimeError(f"probe at {b} streams: no streamed decode timings from {url}")
+    return statistics.median(steps)
+
+
+async def probe(url: str, sizes: tuple[int, ...] = (1, 8, 16, 32), tokens: int = 32, repeats: int = 3) -> Probe:
+    """Serial streams only, so the probe means the same under every branch policy. Sizes take turns
+    and each keeps its median, so a passing burst of load on a shared box bends no single point."""
+    seen: dict[int, list[float]] = {b: [] for b in sizes}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
+        await _probe_step(url, session, 1, 4)  # warm up
+        for _ in range(repeats):
+            for b in sizes:
+                seen[b].append(await _probe_step(url, session, b, tokens))
+    step = {b: statistics.median(v) for b, v in seen.items()}
+    c_row, c0 = np.polyfit(list(step), list(step.values()), 1)
+    return Probe(step, max(float(c0), 0.0), max(float(c_row), 1e-7))
+
+
+def mean_demand_tok_s(specs: list[RequestSpec], duration_s: float) -> float:
+    return sum(s.output_tokens for s in specs) / duration_s
+
+
+# ------------------------------------------------------------------------------------- results
+def server_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:
+    """The scheduler's TAPER counters over this run (the server may have served other work before)."""
+    if not after:
+        return None
+    b = before or {}
+    keys = ("steps", "planned_steps", "rows_run", "rows_deferred", "candidates", "admitted")
+    d: dict[str, Any] = {k: after.get(k, 0) - b.get(k, 0) for k in keys}
+    d["admission_rate"] = d["admitted"] / d["candidates"] if d["candidates"] else None
+    d["policy"], d["planner_ms_mean"], d["model"] = after.get("policy"), after.get("planner_ms_mean"), after.get("model")
+    return d
+
+
+def stage_gaps_ms(outcomes: list[Outcome]) -> dict[str, float | None]:
+    """Client-side fork/join cost: previous stage's last token -> a stage's first token (HTTP round
+    trip, queueing, prefill of the branch headers or of the joined text). Chained into stage TPOT."""
+    gaps: dict[bool, list[float]] = {True: [], False: []}
+    for o in outcomes:
+        prev = None
+        for par, ts in o.stages:
+            if ts:
+                if prev is not None:
+                    gaps[par].append(min(ts) - prev)
+                prev = max(ts)
+    out: dict[str, float | None] = {}
+    for name, par in (("fork", True), ("join", False)):
+        g = np.asarray(gaps[par])
+        for q in (50, 99):
+            out[f"{name}_gap_p{q}_ms"] = float(np.percentile(g, q) * 1e3) if len(g) else None
+    return out
+
+
+def client_stalls(lags: list[tuple[float, float]], over_s: float = 0.1) -> dict[str, float | int]:
+    """How long this process's event loop could not stamp deliveries: a starved client (a busy shared
+    box) delays every chunk it reads, and the stages in flight absorb the delay into their TPOT."""
+    late = [d for _, d in lags if d > over_s]
+    return {"max_ms": 1e3 * max((d for _, d in lags), default=0.0), "over_100ms": len(late),
+            "stalled_s": sum(late)}
+
+
+def summarize_run(run: Run, slo_s: float, schedule: Schedule) -> dict[str, Any]:
+    """The simulator's per-policy results (bench.metrics.summarize) plus the replay's bookkeeping."""
+    end = schedule.duration_s if run.t_stop is None else min(schedule.duration_s, run.t_stop)
+    window = (0.0, max(end, 1e-9))
+    regimes = [(g.name, g.start_s, min(g.end_s, end)) for g in schedule.regimes if g.start_s < end]
+    recs = run.records
+    out = summarize(recs, slo_s, window, regimes, run.steps) if recs else _empty(regimes)
+    srv = server_delta(run.report_before, run.report_after)
+    out["admission_rate"] = srv["admission_rate"] if srv else out.get("admission_rate")
+    started = [o for o in run.outcomes if o.started]
+    errors = [o.error for o in started if o.error]
+    out["run"] = {
+        "programs": len(run.outcomes), "started": len(started),
+        "finished": sum(o.finished for o in started), "failed": len(errors),
+        "first_failure": errors[0] if errors else None, "error": run.error, "warning": run.warning,
+        "interrupted": run.interrupted,
+        "window_s": window[1], "server": srv, "stage_gaps": stage_gaps_ms(started),
+        "client_stalls": client_stalls(run.loop_lag_s),
+    }
+    out["partial"] = run.interrupted or run.t_stop is not None
+    return out
+
+
+def _empty(regimes: list[tuple[str, float, float]]) -> dict[str, Any]:
+    keys = ("goodput_tok_s", "raw_throughput_tok_s", "slo_attainment", "p99_tpot_serial_ms", "p99_tpot_parallel_ms")
+    return {k: None for k in keys} | {"per_regime": {g: {} for g, _, _ in regimes}}
+
+
+@dataclass(slots=True)
+class _Plotted:  # what bench.plots reads from a run
+    records: list[RequestRecord]
+    steps: StepLog
+
+
+def write_results(out: Path, results: dict[str, dict], config: dict, partial: bool, wall_s: float) -> Path:
+    out.mkdir(parents=True, exist_ok=True)
+    doc = {"policies": results, "config": config, "partial": partial, "wall_s": wall_s}
+    path = out / "results.json"
+    tmp = path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=float))
+    tmp.replace(path)  # a Ctrl-C mid-write never leaves a truncated results.json
+    return path
+
+
+def write_records(out: Path, runs: dict[str, Run]) -> Path:
+    """Raw per-program token delivery times (seconds from the run start), for offline analysis."""
+    doc = {k: {"programs": [{"rid": o.spec.rid, "arrival_s": o.spec.arrival_s, "stages_spec": o.spec.stages,
+                             "finished": o.finished, "error": o.error,
+                             "stages": [[par, [round(t, 6) for t in ts]] for par, ts in o.stages]}
+                            for o in r.outcomes if o.started],
+               "client_stalls": [[round(t, 3), round(d, 4)] for t, d in r.loop_lag_s if d > 0.1],
+               "steps": {k2: list(v) for k2, v in r.steps.arrays().items()}} for k, r in runs.items()}
+    path = out / "records.json"
+    path.write_text(json.dumps(doc))
+    return path
+
+
+def _fmt(x: float | None, pct: bool = False, nd: int = 1) -> str:
+    if x is None:
+        return "-"
+    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
+
+
+def _ratio(r: dict, base: dict | None) -> float | None:
+    g, b = r.get("goodput_tok_s"), (base or {}).get("goodput_tok_s")
+    return g / b if g is not None and b else None
+
+
+def table(results: dict[str, dict]) -> str:
+    off, eager = results.get("off"), results.get("eager")
+    head = (f"{'policy':<10}{'goodput':>9}{'x off':>7}{'x eager':>8}{'raw tok/s':>10}{'attain':>8}"
+            f"{'P99 ser':>8}{'P99 par':>8}{'step ms':>8}{'admit':>7}{'done':>9}{'probe ms':>9}")
+    lines = [head, "-" * len(head)]
+    for k, r in results.items():
+        run = r.get("run", {})
+        done = f"{run.get('finished', 0)}/{run.get('started', 0)}"
+        lines.append(
+            f"{k:<10}{_fmt(r.get('goodput_tok_s')):>9}{_fmt(_ratio(r, off), nd=2):>7}"
+            f"{_fmt(_ratio(r, eager), nd=2):>8}{_fmt(r.get('raw_throughput_tok_s')):>10}"
+            f"{_fmt(r.get('slo_attainment'), True):>8}{_fmt(r.get('p99_tpot_serial_ms')):>8}"
+            f"{_fmt(r.get('p99_tpot_parallel_ms')):>8}{_fmt(r.get('step_latency_mean_ms')):>8}"
+            f"{_fmt(r.get('admission_rate'), True, 0):>7}{done:>9}"
+            f"{_fmt((run.get('probe') or {}).get('at_slo_rows_ms')):>9}")
+    return "\n".join(lines)
+
+
+def stall_note(results: dict[str, dict], worst_s: float = 0.25) -> str | None:
+    st = {k: r.get("run", {}).get("client_stalls") or {} for k, r in results.items()}
+    bad = {k: v for k, v in st.items() if v.get("max_ms", 0) > 1e3 * worst_s}
+    if not bad:
+        return None
+    return ("note: the client was starved of CPU (" + ", ".join(
+        f"{k}: {v['over_100ms']} stalls > 100 ms, worst {v['max_ms']:.0f} ms" for k, v in bad.items()) +
+        "): deliveries in flight were stamped late, which inflates those stages' TPOT")
+
+
+def drift_note(results: dict[str, dict], tolerance: float = 0.3) -> str | None:
+    """Policies run one after another: say so when the machine's speed moved in between."""
+    t = {k: (r.get("run", {}).get("probe") or {}).get("at_slo_rows_ms") for k, r in results.items()}
+    t = {k: v for k, v in t.items() if v}
+    if len(t) > 1 and max(t.values()) > (1 + tolerance) * min(t.values()):
+        return ("note: the probed step latency moved between policy runs (" +
+                ", ".join(f"{k} {v:.1f} ms" for k, v in t.items()) + "): the box's load changed; compare with care")
+    return None
+
+
+def regime_table(results: dict[str, dict]) -> str:
+    names = list(dict.fromkeys(g for r in results.values() for g in r.get("per_regime", {})))
+    if len(names) < 2:
+        return ""
+    head = f"{'attain':<10}" + "".join(f"{g:>12}" for g in names)
+    rows = [f"{k:<10}" + "".join(f"{_fmt(r['per_regime'].get(g, {}).get('slo_attainment'), True):>12}"
+                                 for g in names) for k, r in results.items()]
+    return "\n".join([head, "-" * len(head), *rows])
+
+
+# ------------------------------------------------------------------------------------------- CLI
+@dataclass(slots=True)
+class Point:
+    """The operating point: SLO and arrival-rate scale, given or calibrated from a probe."""
+
+    slo_tpot_ms: float
+    rate_scale: float
+    latency_model: str | None = None  # T(S) JSON passed to --launch servers
+    probe: Probe | None = None
+
+
+def solve_rate_scale(target: float, demand: Callable[[float], float], tries: int = 16) -> float:
+    """The rate scale whose schedule demands closest to `target` tok/s. Demand is only roughly linear in
+    the scale (each scale draws other programs and lengths), so iterate and keep the best."""
+    k, best = 1.0, (float("inf"), 1.0)
+    for _ in range(tries):
+        d = demand(k)
+        best = min(best, (abs(d - target), k))
+        if best[0] <= 0.02 * target:
+            break
+        k *= (target / max(d, 1e-9)) ** 0.8  # damped: a jump can land on a run of long programs
+    return best[1]
+
+
+def calibrate(a: argparse.Namespace, trace: Any, scaling: Scaling, p: Probe, out: Path) -> Point:
+    """Fill every `auto` from the probe: SLO = T(slo_rows), but at least slo_floor x T(1) (a stage's
+    TPOT also carries per-forward costs that do not grow with rows: prefills of arriving requests,
+    scheduling); rate scale such that the mean demanded token rate is `load` x the tokens/s the
+    server delivers at slo_rows rows; T(S) = the probe's line."""
+    slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * max(p.at(a.slo_rows), a.slo_floor * p.at(1))
+    rs = a.rate_scale
+    if rs is None:
+        rs = solve_rate_scale(a.load * a.slo_rows / p.at(a.slo_rows), lambda k: mean_demand_tok_s(
+            build_programs(trace, fit_schedule(trace, a.schedule, a.duration_s, k), a.preset, a.seed, scaling),
+            a.duration_s))
+    model = a.latency_model if a.launch and a.latency_model not in ("auto", "none") else None
+    if a.launch and a.latency_model == "auto":
+        out.mkdir(parents=True, exist_ok=True)
+        model = str(out / "latency_model.json")
+        LinearLatencyModel(p.c0_s, p.c_row_s, 0.0, 0.0).save(model)
+    return Point(slo_ms, rs, model, p)
+
+
+def _auto_float(text: str) -> float | None:
+    if text == "auto":
+        return None
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+    if not v > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
+    return v
+
+
+def server_args(policy: str, a: argparse.Namespace, pt: Point | None) -> list[str]:
+    args = ["--branch-policy", policy, "--taper-rho", f"{a.taper_rho:g}", "--enable-metrics"]
+    if pt is not None:  # requests carry their SLO stamp anyway; the flag covers unstamped ones
+        args += ["--branch-slo-tpot-ms", f"{pt.slo_tpot_ms:.6g}"]
+        if pt.latency_model:
+            args += ["--latency-model", pt.latency_model]
+    return args + shlex.split(a.server_args)
+
+
+def _server(a: argparse.Namespace, args: list[str]) -> LocalServer:
+    # torch's OpenMP threads spin at barriers: on a box shared with other servers and the client,
+    # more threads than free cores makes every step many times slower (measured: 8x at 64 rows)
+    env = {"OMP_NUM_THREADS": str(a.server_threads)} if a.server_threads else {}
+    return LocalServer(a.model, args, env=env, max_total_tokens=a.max_total_tokens)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server (its --branch-policy is fixed)")
+    where.add_argument("--launch", action="store_true", help="start a server per policy (branchwise.launch)")
+    ap.add_argument("--model", default="models/tiny", help="with --launch")
+    ap.add_argument("--compare", action="store_true", help="run the schedule once per --policies")
+    ap.add_argument("--policies", default="off,eager,taper")
+    ap.add_argument("--policy-label", help="name of a single --url run (default: the server's policy)")
+    ap.add_argument("--trace", default=DEFAULT_TRACE)
+    ap.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
+    ap.add_argument("--duration-s", type=float, default=60.0, help="the schedule is compressed to this")
+    ap.add_argument("--drain-s", type=float, default=30.0, help="wait this long after the schedule for stragglers")
+    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--output-scale", type=float, default=_DEF.output_scale)
+    ap.add_argument("--max-stage-tokens", type=int, default=_DEF.max_stage_tokens)
+    ap.add_argument("--prompt-scale", type=float, default=_DEF.prompt_scale)
+    ap.add_argument("--max-prompt-tokens", type=int, default=_DEF.max_prompt_tokens)
+    ap.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
+    g = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
+    g.add_argument("--slo-tpot-ms", type=_auto_float, default=None, help="ms | auto: the probed step latency at --slo-rows")
+    g.add_argument("--rate-scale", type=_auto_float, default=None,
+                   help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows")
+    g.add_argument("--slo-rows", type=float, default=32.0)
+    g.add_argument("--slo-floor", type=float, default=2.5, help="auto SLO >= this x the probed T(1)")
+    g.add_argument("--load", type=float, default=0.25)
+    g.add_argument("--latency-model", default="auto",
+                   help="T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online")
+    ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
+    ap.add_argument("--server-args", default="", help="extra flags for --launch servers")
+    ap.add_argument("--max-total-tokens", type=int, default=65536,
+                    help="KV pool of --launch servers: room for every live prefix, so no policy pays re-prefills")
+    ap.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
+    ap.add_argument("--server-threads", type=int, default=1, help="OMP threads of --launch servers; 0: torch's default")
+    ap.add_argument("--stream-interval", type=int, default=8,
+                    help="chunk every n tokens: 8x less detokenize/HTTP work; stage TPOT stays exact")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--poll-s", type=float, default=1.0, help="server /metrics poll period; 0: no step series")
+    ap.add_argument("--no-plots", action="store_true")
+    ap.add_argument("--no-progress", action="store_true")
+    return ap.parse_args(argv)
+
+
+def _needs_probe(a: argparse.Namespace) -> bool:
+    return a.slo_tpot_ms is None or a.rate_scale is None or (a.launch and a.latency_model == "auto")
+
+
+def _probe_url(url: str) -> Probe:
+    p = asyncio.run(probe(url))
+    steps = ", ".join(f"{b} rows {1e3 * t:.1f} ms" for b, t in p.step_s.items())
+    print(f"probe {url}: {steps} -> T(b) = {1e3 * p.c0_s:.2f} + {1e3 * p.c_row_s:.3f} b ms", flush=True)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    t_wall = time.perf_counter()
+    try:
+        trace = load_trace(a.trace)
+        fit_schedule(trace, a.schedule, a.duration_s, a.rate_scale or 1.0)  # a bad schedule fails now
+        scaling = Scaling(a.output_scale, a.max_stage_tokens, a.prompt_scale, a.max_prompt_tokens,
+                          a.max_program_tokens)
+        if a.latency_model not in ("auto", "none"):
+            load_model(a.latency_model)
+    except (TraceError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(a.out)
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()] if a.compare else [a.policy_label or ""]
+    if a.url and a.compare:
+        pol = (_report(a.url) or {}).get("policy") or "unknown"
+        print(f"note: --url {a.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
+              f"Use --launch to compare policies.")
+        policies = [a.policy_label or pol]
+    given_model = a.latency_model if a.launch and a.latency_model not in ("auto", "none") else None
+    pt = None if _needs_probe(a) else Point(a.slo_tpot_ms, a.rate_scale, given_model)
+    results: dict[str, dict] = {}
+    runs: dict[str, Run] = {}
+    stop, rc = False, 0
+    bench: dict[str, Any] = {}  # schedule, specs, config once the operating point is known
+    try:
+        if pt is None and a.launch and policies[0].startswith("taper"):  # its server needs the model at start
+            with _server(a, ["--branch-policy", "off"]) as srv:
+                pt = calibrate(a, trace, scaling, _probe_url(srv.url), out)
+        elif pt is None and a.url:
+            pt = calibrate(a, trace, scaling, _probe_url(a.url), out)
+    except (ServerError, ConnectionError, RuntimeError) as e:
+        print(f"error: calibration failed: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("interrupted during calibration; nothing measured", file=sys.stderr)
+        return 130
+    for policy in policies:
+        server = _server(a, server_args(policy, a, pt)) if a.launch else None
+        try:
+            url = server.start().url if server else a.url
+            p = _probe_url(url) if a.launch else (pt.probe if pt else None)
+            if pt is None:  # the first (non-taper) server calibrates the operating point
+                pt = calibrate(a, trace, scaling, p, out)
+            if not bench:
+                bench.update(_prepare(a, trace, scaling, pt))
+            if not policy:  # a single --url run is labelled by the server's own policy
+                policy = (_report(url) or {}).get("policy") or "server"
+            run = Run(policy, [Outcome(s) for s in bench["specs"]])
+            tg = Target(url, pt.slo_tpot_ms, a.seed, a.stream_interval, vocab=a.vocab)
+            execute(run, tg, bench["schedule"].duration_s + a.drain_s, a.poll_s, progress=not a.no_progress)
+            runs[policy] = run
+            results[policy] = summarize_run(run, pt.slo_tpot_ms / 1e3, bench["schedule"])
+            results[policy]["run"]["probe"] = p.as_dict() | {"at_slo_rows_ms": 1e3 * p.at(a.slo_rows)} if p else None
+            stop = run.interrupted or (run.error is not None and not a.launch)
+            if run.warning:
+                print(f"{policy}: warning: {run.warning}", file=sys.stderr)
+        except (ServerError, ConnectionError, RuntimeError) as e:  # start, probe or a bug in between
+            results[policy] = {"run": {"error": f"{type(e).__name__}: {e}"}, "partial": True}
+        except KeyboardInterrupt:  # during a server start or probe
+            results[policy] = {"run": {"error": "interrupted (Ctrl-C)", "interrupted": True}, "partial": True}
+            stop = True
+        finally:
+            if server is not None:
+                server.stop()
+        err = results[policy].get("run", {}).get("error")
+        if err:
+            print(f"{policy}: {err}", file=sys.stderr)
+            rc = 1
+        if bench:
+            partial = stop or any(r.get("partial") for r in results.values()) or len(results) < len(policies)
+            write_results(out, results, bench["config"], partial, time.perf_counter() - t_wall)
+            write_records(out, runs)
+        if stop:
+            break
+    if not bench:
+        print("error: no run started", file=sys.stderr)
+        return rc or 1
+    if not a.no_plots and runs:
+        from bench.plots import plot_run
+
+        plot_run({k: _Plotted(r.records, r.steps) for k, r in runs.items()}, bench["schedule"],
+                 pt.slo_tpot_ms / 1e3, out)
+    print(table(results))
+    regimes = regime_table(results)
+    if regimes:
+        print("\n" + regimes)
+    for note in (drift_note(results), stall_note(results)):
+        if note:
+            print("\n" + note)
+    print(f"\nwall {time.perf_counter() - t_wall:.0f} s -> {out / 'results.json'}"
+          + (" (PARTIAL)" if rc or stop else ""))
+    return 130 if stop and any(r.get("run", {}).get("interrupted") for r in results.values()) else rc
+
+
+def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling, pt: Point) -> dict[str, Any]:
+    schedule = fit_schedule(trace, a.schedule, a.duration_s, pt.rate_scale)
+    specs = build_programs(trace, schedule, a.preset, a.seed, scaling)
+    wl = workload_stats(specs)
+    config = {
+        "trace": a.trace, "schedule": schedule.name, "duration_s": schedule.duration_s,
+        "rate_scale": pt.rate_scale, "preset": a.preset, "seed": a.seed, "scaling": asdict(scaling),
+        "slo_tpot_ms": pt.slo_tpot_ms, "slo_rows": a.slo_rows if a.slo_tpot_ms is None else None,
+        "slo_floor": a.slo_floor if a.slo_tpot_ms is None else None,
+        "load": a.load if a.rate_scale is None else None, "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
+        "taper_rho": a.taper_rho if a.launch else None, "latency_model": pt.latency_model,
+        "calibration_probe": pt.probe.as_dict() if pt.probe else None,
+        "server": ("launch " + a.model) if a.launch else a.url, "server_threads": a.server_threads if a.launch else None,
+        "stream_interval": a.stream_interval, "workload": wl,
+        "step_series": "server /metrics deltas, polled every 1 s",
+    }
+    print(f"{len(specs)} programs over {schedule.duration_s:.0f} s ({schedule.name}), "
+          f"{config['demand_tok_s']:.0f} tok/s demanded, SLO {pt.slo_tpot_ms:.1f} ms, "
+          f"{wl['pdr']:.0%} decomposable, ABF {wl['abf']:.1f}", flush=True)
+    return {"schedule": schedule, "specs": specs, "config": config}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

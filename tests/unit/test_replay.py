@@ -1,0 +1,263 @@
+"""bench.replay without a server: schedule -> programs, the fork/join program, results, failures."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from bench import replay
+from bench.replay import Outcome, Run, Scaling, Target
+from bench.workload import RequestSpec, synthetic_trace, workload_stats, write_trace
+from branchwise import client, request_meta
+from branchwise.client import GenerateError, Generation
+from branchwise.launch import free_port
+
+SIM_KEYS = {"goodput_tok_s", "raw_throughput_tok_s", "slo_attainment", "p99_tpot_serial_ms",
+            "p99_tpot_parallel_ms", "admission_rate", "per_regime"}
+
+
+class FakeGenerate:
+    """Stands in for client.generate: records each call and streams max_new_tokens tokens at once; the
+    output ids name the call (1000 + its index). `hook(index)` may raise, or return an awaitable to block."""
+
+    def __init__(self, hook=None) -> None:
+        self.calls: list[tuple[list[int], dict, str]] = []
+        self.hook = hook
+
+    async def __call__(self, url, text, sp, rid, stream, *, input_ids=None, session=None) -> Generation:
+        assert text is None and stream
+        self.calls.append((input_ids, sp, rid))
+        if self.hook is not None and (wait := self.hook(len(self.calls) - 1)) is not None:
+            await wait
+        n, now = sp["max_new_tokens"], time.perf_counter()
+        times = [now + 1e-4 * i for i in range(n)]
+        meta = {"completion_tokens": n, "finish_reason": {"type": "length"}, "id": rid}
+        return Generation("", [999 + len(self.calls)] * n, meta, rid, now, times[-1], times, [1] * n)
+
+
+def spec(rid: str, stages: tuple, arrival: float = 0.0) -> RequestSpec:
+    return RequestSpec(rid, arrival, 5, stages)
+
+
+DEAD = f"http://127.0.0.1:{free_port()}"  # nothing listens: the fake stands in for /generate only
+
+
+def run_fake(specs: list[RequestSpec], fake: FakeGenerate, deadline_s: float = 30.0) -> Run:
+    run = Run("taper", [Outcome(s) for s in specs])
+    return replay.execute(run, Target(DEAD, 40.0, generate=fake), deadline_s, poll_s=0, progress=False)
+
+
+# ---- schedule -> programs -------------------------------------------------------------------------
+def test_scale_spec_scales_caps_and_keeps_the_phase_structure():
+    s = RequestSpec("r3", 1.5, 1000, (250, (40, 400, 3), 0, (10, 10)))
+    out = replay.scale_spec(s, Scaling(output_scale=0.1, max_stage_tokens=32, prompt_scale=0.05, max_prompt_tokens=16))
+    assert out == RequestSpec("r3", 1.5, 16, (25, (4, 32, 1), 1, (1, 1)))
+    assert out.decomposable and [len(x) for x in out.stages if isinstance(x, tuple)] == [3, 2]
+    big = RequestSpec("r4", 0.0, 10, (500, (900, 900, 900), 500))
+    small = replay.scale_spec(big, Scaling(output_scale=1.0, max_stage_tokens=1000, max_program_tokens=400))
+    assert small.output_tokens <= 400 and [len(x) for x in small.stages if isinstance(x, tuple)] == [3]
+    assert small.stages[0] == small.stages[2] and len(set(small.stages[1])) == 1  # the shape is kept
+    with pytest.raises(ValueError):
+        Scaling(output_scale=0)
+
+
+def test_fit_schedule_fills_the_duration_and_scales_rates():
+    trace = synthetic_trace(duration_s=3600, rate=2.0, seed=3)
+    base = replay.fit_schedule(trace, "paper-3regime", 60.0)
+    fast = replay.fit_schedule(trace, "paper-3regime", 60.0, rate_scale=4.0)
+    for s in (base, fast):
+        assert s.duration_s == pytest.approx(60.0) and np.all(np.diff(s.arrival_s) >= 0)
+        assert s.arrival_s[-1] <= 60.0
+        assert [g.name for g in s.regimes] == ["low", "transition", "high", "moderate"]
+        assert s.regimes[-1].end_s == pytest.approx(60.0)
+    mean_rate = (240 * 0.23 + 10 * 0.615 + 150 * 1.27 + 200 * 0.6) / 600  # the paper's envelope, req/s
+    assert len(fast) == pytest.approx(4 * mean_rate * 60, rel=0.2)
+    hi = fast.regimes[2]
+    assert fast.rate_in(hi.start_s, hi.end_s) == pytest.approx(4 * 1.27, rel=0.25)  # the surge, 4x
+    with pytest.raises(ValueError, match="cannot fill"):
+        replay.fit_schedule(trace, "rate:2", 10_000.0)
+
+
+def test_build_programs_is_reproducible_and_scaled():
+    trace = synthetic_trace(duration_s=600, rate=4.0, seed=1)
+    sched = replay.fit_schedule(trace, "rate:4", 30.0)
+    sc = Scaling(output_scale=0.05, max_stage_tokens=8)
+    a = replay.build_programs(trace, sched, "multiverse", 0, sc)
+    assert a == replay.build_programs(trace, sched, "multiverse", 0, sc) and len(a) == len(sched)
+    assert all(1 <= n <= 8 for p in a for st in p.stages for n in (st if isinstance(st, tuple) else (st,)))
+    assert 0.2 < workload_stats(a)["pdr"] < 0.8
+    assert replay.prompt_ids("r1", 12, 0) == replay.prompt_ids("r1", 12, 0) != replay.prompt_ids("r2", 12, 0)
+    assert len(replay.prompt_ids("r1", 12, 0)) == 12 and all(10 <= t < 400 for t in replay.prompt_ids("r1", 99, 0))
+
+
+# ---- one program ----------------------------------------------------------------------------------
+def test_program_is_serial_then_stamped_fork_then_join_in_branch_order():
+    fake = FakeGenerate()
+    run = run_fake([spec("r0", (3, (2, 4, 1), 2))], fake)
+    (o,) = run.outcomes
+    assert o.finished and o.error is None and run.error is None
+    ids, sps, rids = zip(*fake.calls, strict=True)
+    prompt = replay.prompt_ids("r0", 5, 0)
+    assert ids[0] == prompt and len(prompt) == 5
+    metas = [request_meta.parse(sp["custom_params"]) for sp in sps]
+    assert [m.slo_tpot_ms for m in metas] == [40.0] * 5
+    branches = metas[1:4]
+    group = branches[0].phase
+    assert group and all(m.phase == group and m.fanout == 3 for m in branches)
+    assert [m.branch for m in branches] == [0, 1, 2] and metas[0].phase is None is metas[4].phase
+    assert list(rids[1:4]) == [client.branch_rid(group, i) for i in range(3)]
+    assert [sp["max_new_tokens"] for sp in sps] == [3, 2, 4, 1, 2]
+    assert all(sp["temperature"] == 0 and sp["ignore_eos"] for sp in sps)
+    shared = prompt + [1000] * 3  # the prompt and the first serial stage's output
+    heads = [replay.branch_head(i) for i in range(3)]
+    assert list(ids[1:4]) == [shared + h for h in heads] and len({tuple(h) for h in heads}) == 3
+    # the next serial stage sees every branch after its header, in branch order, whatever finished first
+    joined = shared + heads[0] + [1001] * 2 + heads[1] + [1002] * 4 + heads[2] + [1003] + [replay.SEP_ID]
+    assert ids[4] == joined
+    assert [(p, len(t)) for p, t in o.stages] == [(False, 3), (True, 7), (False, 2)]
+    rec = o.record()
+    assert rec.finished and rec.decomposable and rec.output_tokens == 12
+
+
+def test_results_have_the_simulator_shape(tmp_path):
+    specs = [spec("r0", (4,)), spec("r1", (2, (3, 3), 2)), spec("r2", (5,), arrival=0.01)]
+    run = run_fake(specs, FakeGenerate())
+    sched = replay.Schedule(np.array([0.0, 0.0, 0.01]), np.arange(3), 1.0,
+                            (replay.Regime("low", 0.0, 0.5), replay.Regime("high", 0.5, 1.0)), "test")
+    res = replay.summarize_run(run, 0.040, sched)
+    assert SIM_KEYS <= set(res) and set(res["per_regime"]) == {"low", "high"}
+    assert res["slo_attainment"] == 1.0 and res["raw_throughput_tok_s"] == pytest.approx(19.0)
+    assert res["partial"] is False and res["run"]["finished"] == res["run"]["programs"] == 3
+    path = replay.write_results(tmp_path, {"eager": res, "taper": res}, {"x": 1}, False, 1.0)
+    doc = json.loads(path.read_text())
+    assert set(doc) == {"policies", "config", "partial", "wall_s"} and set(doc["policies"]) == {"eager", "taper"}
+    assert SIM_KEYS <= set(doc["policies"]["taper"])
+    table = replay.table({"off": res, "eager": res, "taper": res})
+    assert "x off" in table and "x eager" in table and table.count("1.00") >= 6
+
+
+def test_a_rejected_request_fails_its_program_only():
+    def hook(i):
+        if i == 0:
+            raise GenerateError("http://fake", 400, "Branchwise: nope")
+
+    run = run_fake([spec("r0", (2,)), spec("r1", (2,))], FakeGenerate(hook))
+    assert run.error is None
+    assert [(o.finished, o.error is not None) for o in run.outcomes] == [(False, True), (True, False)]
+
+
+# ---- failures keep partial results ----------------------------------------------------------------
+def test_server_dying_mid_run_keeps_what_completed():
+    def hook(i):
+        if i >= 2:
+            raise ConnectionError(f"SGLang server at {DEAD} unreachable")
+
+    specs = [spec(f"r{i}", (3,), arrival=0.001 * i) for i in range(5)]
+    run = run_fake(specs, FakeGenerate(hook))
+    assert run.error and DEAD in run.error
+    assert sum(o.finished for o in run.outcomes) == 2
+    res = replay.summarize_run(run, 0.04, replay.Schedule(np.zeros(5), np.arange(5), 1.0,
+                                                          (replay.Regime("all", 0, 1.0),), "t"))
+    assert res["partial"] is True and res["run"]["finished"] == 2 and res["raw_throughput_tok_s"] > 0
+
+
+def test_a_dropped_connection_on_a_live_server_fails_one_program(monkeypatch):
+    async def alive(url, session):
+        return True
+
+    def hook(i):
+        if i == 1:
+            raise ConnectionError("connection reset by peer")
+
+    monkeypatch.setattr(replay, "_alive", alive)
+    run = run_fake([spec(f"r{i}", (2,)) for i in range(3)], FakeGenerate(hook))
+    assert run.error is None and [o.finished for o in run.outcomes] == [True, False, True]
+    assert "reset" in run.outcomes[1].error
+
+
+def test_ctrl_c_keeps_what_completed():
+    def hook(i):
+        if i == 2:  # the third request: Ctrl-C while it is in flight
+            signal.raise_signal(signal.SIGINT)
+            return asyncio.Event().wait()  # never answered; the interrupt cancels it
+
+    run = run_fake([spec(f"r{i}", (2,)) for i in range(4)], FakeGenerate(hook))
+    assert run.interrupted and run.error == "interrupted (Ctrl-C)"
+    assert [o.finished for o in run.outcomes][:2] == [True, True] and not run.outcomes[2].finished
+
+
+def test_dead_server_is_a_clear_error_with_partial_results(tmp_path, capsys):
+    trace = tmp_path / "trace.csv"
+    write_trace(trace, synthetic_trace(duration_s=300, rate=4.0, seed=2))
+    url = f"http://127.0.0.1:{free_port()}"
+    rc = replay.main(["--url", url, "--trace", str(trace), "--schedule", "rate:4", "--duration-s", "5",
+                      "--rate-scale", "1", "--slo-tpot-ms", "50", "--out", str(tmp_path / "out"),
+                      "--no-plots", "--no-progress"])
+    assert rc == 1 and url in capsys.readouterr().err
+    doc = json.loads((tmp_path / "out" / "results.json").read_text())
+    (res,) = doc["policies"].values()
+    assert doc["partial"] is True and res["partial"] is True
+    assert "ConnectionError" in res["run"]["error"] and url in res["run"]["error"]
+
+
+def test_bad_trace_is_a_clear_error(tmp_path, capsys):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("TIMESTAMP,ContextTokens\n1,2\n")
+    rc = replay.main(["--url", "http://127.0.0.1:1", "--trace", str(bad), "--out", str(tmp_path / "o")])
+    err = capsys.readouterr().err
+    assert rc == 2 and str(bad) in err and "GeneratedTokens" in err
+    assert not (tmp_path / "o").exists()
+
+
+# ---- server-side series ---------------------------------------------------------------------------
+def test_step_series_and_server_deltas():
+    page = ("# HELP x\nbranchwise:realized_step_seconds_count 10.0\nbranchwise:realized_step_seconds_sum 0.5\n"
+            'branchwise:candidate_branches_total{pid="1"} 8.0\nbranchwise:admitted_branches_total 2.0\n'
+            "sglang:other 3\n")
+    assert replay.parse_step_series(page) == {"count": 10.0, "sum": 0.5, "eligible": 8.0, "admitted": 2.0}
+    assert replay.parse_step_series("sglang:other 3\n") is None
+    before = {"steps": 5, "candidates": 10, "admitted": 10, "rows_deferred": 0}
+    after = {"steps": 25, "candidates": 30, "admitted": 15, "rows_deferred": 15, "policy": "taper"}
+    d = replay.server_delta(before, after)
+    assert d["admission_rate"] == 0.25 and d["steps"] == 20 and d["policy"] == "taper"
+    assert replay.server_delta(None, None) is None
+
+
+# ---- calibration ----------------------------------------------------------------------------------
+def test_calibration_sets_slo_load_and_latency_model(tmp_path):
+    trace = synthetic_trace(duration_s=3600, rate=2.0, seed=5)
+    a = replay.parse_args(["--launch", "--out", str(tmp_path), "--duration-s", "60", "--load", "0.3"])
+    sc = Scaling()
+    steep = replay.Probe({1: 0.006, 32: 0.025}, c0_s=0.005, c_row_s=0.0006)
+    pt = replay.calibrate(a, trace, sc, steep, tmp_path)
+    assert pt.slo_tpot_ms == pytest.approx(1e3 * (0.005 + 32 * 0.0006))  # T(slo_rows)
+    specs = replay.build_programs(trace, replay.fit_schedule(trace, a.schedule, 60.0, pt.rate_scale), a.preset,
+                                  a.seed, sc)
+    target = 0.3 * 32 / steep.at(32)  # load x the decode tokens/s at slo_rows rows
+    assert replay.mean_demand_tok_s(specs, 60.0) == pytest.approx(target, rel=0.03)
+    model = json.loads((tmp_path / "latency_model.json").read_text())
+    assert pt.latency_model == str(tmp_path / "latency_model.json")
+    assert model["c0"] == pytest.approx(0.005) and model["c_seq"] == pytest.approx(0.0006)
+    flat = replay.Probe({1: 0.012, 32: 0.018}, c0_s=0.012, c_row_s=0.0002)
+    assert replay.calibrate(a, trace, sc, flat, tmp_path).slo_tpot_ms == pytest.approx(2.5 * 12.2)  # the floor
+    given = replay.parse_args(["--url", "http://x", "--out", str(tmp_path), "--slo-tpot-ms", "40", "--rate-scale", "2"])
+    pt = replay.calibrate(given, trace, sc, steep, tmp_path)
+    assert (pt.slo_tpot_ms, pt.rate_scale, pt.latency_model) == (40.0, 2.0, None)
+
+
+def test_notes_flag_a_drifting_box_and_a_starved_client():
+    def res(probe_ms, stall_ms):
+        return {"run": {"probe": {"at_slo_rows_ms": probe_ms}, "client_stalls": {"max_ms": stall_ms, "over_100ms": 1}}}
+
+    calm = {"off": res(20.0, 50.0), "taper": res(22.0, 80.0)}
+    assert replay.drift_note(calm) is None and replay.stall_note(calm) is None
+    rough = {"off": res(20.0, 50.0), "taper": res(30.0, 900.0)}
+    assert "taper 30.0 ms" in replay.drift_note(rough) and "taper" in replay.stall_note(rough)
+    lags = [(0.0, 0.01), (1.0, 0.3), (2.0, 0.15)]
+    assert replay.client_stalls(lags) == {"max_ms": pytest.approx(300.0), "over_100ms": 2,
+                                          "stalled_s": pytest.approx(0.45)}
