@@ -2,17 +2,20 @@
 
     python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1] [--stream] [--stop]
                              [--configs stock,bw-off,branchwise] [--overlap on,off] [--out runs/overhead.json]
+    python -m bench.overhead --ab [--rounds 3] [--send auto|thread|inline] [--stream] [--stop] ...
     python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
 
 --launch starts one real server per (config, overlap) pair, one at a time: `stock` is SGLang with
-only the timing hooks (env BRANCHWISE_STEP_TIMER=stock: no Branchwise hook at all), `bw-off` the
-plugin with every feature flag off (TAPER policy off: the cost of Branchwise's always-on hooks),
-`branchwise` the plugin with --async-output (+ --parallel-sampling when --tp > 1). For each batch
+only the timing hooks (env BRANCHWISE_STEP_TIMER=stock: no Branchwise hook at all), `albireo`
+stock + Albireo's hooks only with --async-output (+ --parallel-sampling when --tp > 1;
+`albireo-inline`: sends stay on the scheduler thread), `bw-off`
+the whole plugin with every feature flag off (the cost of Branchwise's always-on hooks: TAPER
+with policy off, fork), `branchwise` the whole plugin with the Albireo flags on. For each batch
 size it sends bs greedy requests in one /generate call (ignore_eos, --steps new tokens each), so
 decode runs at exactly bs rows (--stream: streamed, every step sends every row's output; --stop:
 stop strings that never match, every row's tail is decoded every step), and reads the scheduler's
 per-iteration records (albireo/step_timer.py). Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
-decode result of bs rows. Reported per step (median over those iterations, ms):
+decode result of bs rows. Reported per step (median over those iterations, or --quantile; ms):
 
   T1 sched    get_next_batch_to_run (filter, update_running_batch, prepare_for_decode)
   T2 prep     run_batch minus forward and sample (ForwardBatch build, FutureMap, D2H)
@@ -42,6 +45,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
+from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
 from branchwise.albireo.step_timer import records_path  # noqa: E402
 from branchwise.launch import LocalServer, post_json  # noqa: E402
 
@@ -65,25 +69,30 @@ def _prompts(bs: int) -> list[str]:
     return [f"request {i}: the plan is to count {i % 7} and" for i in range(bs)]
 
 
-def _read_until(path: str, offset: int, bs: int, timeout_s: float = 30.0) -> tuple[list[dict], int]:
-    """Records after `offset` up to the idle one that follows the last result of a bs-row decode."""
+def _read_until(path: str, offset: int, bs: int, timeout_s: float = 60.0) -> tuple[list[dict], int]:
+    """Records after `offset` up to the first idle one after a bs-row decode result (the request's end)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         with open(path) as f:
             f.seek(offset)
             text = f.read()
-        lines = [json.loads(x) for x in text.splitlines() if x.strip()]
-        for i, r in enumerate(lines):
-            if r["run"] is None and r["res"] == ["decode", bs]:  # the batch's final result
-                end = next((j for j in range(i + 1, len(lines)) if lines[j]["run"] is lines[j]["res"] is None), None)
-                if end is not None:
-                    used = "".join(x + "\n" for x in text.splitlines()[: end + 1])
-                    return lines[: end + 1], offset + len(used.encode())
+        lines = text.splitlines()
+        recs = [json.loads(x) for x in lines if x.strip()]
+        seen = False
+        for i, r in enumerate(recs):
+            seen = seen or r["res"] == ["decode", bs]
+            if seen and r["run"] is None and r["res"] is None:
+                return recs[: i + 1], offset + len("".join(x + "\n" for x in lines[: i + 1]).encode())
         time.sleep(0.2)
     raise TimeoutError(f"no finished bs={bs} decode in {path} after {timeout_s:.0f} s")
 
 
-def summarize(records: list[dict], bs: int, clock: str = "wall") -> tuple[int, dict[str, float], dict[str, float]]:
+def _quantile(xs: list[float], q: float) -> float:
+    return statistics.median(xs) if q == 0.5 else statistics.quantiles(xs, n=100, method="inclusive")[round(q * 100) - 1]
+
+
+def summarize(records: list[dict], bs: int, clock: str = "wall",
+              q: float = 0.5) -> tuple[int, dict[str, float], dict[str, float]]:
     steady = [r for r in records if r["run"] == ["decode", bs] and r["res"] == ["decode", bs]]
     if not steady:
         raise RuntimeError(f"no steady decode iteration at bs={bs} (max running requests too low?)")
@@ -94,7 +103,7 @@ def summarize(records: list[dict], bs: int, clock: str = "wall") -> tuple[int, d
         spans = r["sched"] + r["prep"] + r["forward"] + r["sample"] + r["result"]
         r["other"] = max(r["wall"] - spans, 0.0)
         r["exposed"] = r["wall"] - r["forward"]
-    med = {c: 1e3 * statistics.median(r.get(c, 0.0) for r in steady) for c in COLUMNS}
+    med = {c: 1e3 * _quantile([r.get(c, 0.0) for r in steady], q) for c in COLUMNS}
     wall = statistics.fmean(r["wall"] for r in steady)
     share = {c: statistics.fmean(r.get(c, 0.0) for r in steady) / wall for c in COLUMNS}
     return len(steady), med, share
@@ -111,32 +120,63 @@ def _post(url: str, payload: dict, stream: bool) -> None:
             pass
 
 
-def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int,
-            stream: bool = False, stop: bool = False) -> list[Row]:
-    sp = {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True} | ({"stop": STOP} if stop else {})
+def _sampling(steps: int, stop: bool) -> dict:
+    return {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True} | ({"stop": STOP} if stop else {})
+
+
+def _start(url: str, path: str) -> int:
+    """Warm up; returns the records offset after it."""
     with open(path) as f:
         offset = len(f.read().encode())
-    post_json(url + "/generate", {"text": _prompts(4), "sampling_params": sp | {"max_new_tokens": 8}})  # warm-up
-    _, offset = _read_until(path, offset, 4)
-    rows = []
+    post_json(url + "/generate", {"text": _prompts(4), "sampling_params": _sampling(8, False)})
+    return _read_until(path, offset, 4)[1]
+
+
+def _row(config: str, overlap: bool, bs: int, records: list[dict], q: float) -> Row:
+    n, med, share = summarize(records, bs, q=q)
+    _, cpu, _ = summarize(records, bs, "cpu", q=q)
+    print(f"  {config:10s} overlap={'on ' if overlap else 'off'} bs={bs:4d}: step {med['wall']:.2f} ms, "
+          f"exposed {med['exposed']:.2f} ms wall / {cpu['exposed']:.2f} ms cpu ({n} steps)", flush=True)
+    return Row(config, overlap, bs, n, med, cpu, share, bs / (med["wall"] / 1e3))
+
+
+def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int,
+            stream: bool = False, stop: bool = False, q: float = 0.5) -> list[Row]:
+    offset, rows = _start(url, path), []
     for bs in batch_sizes:
-        _post(url, {"text": _prompts(bs), "sampling_params": sp}, stream)
+        _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
         records, offset = _read_until(path, offset, bs)
-        n, med, share = summarize(records, bs)
-        _, cpu, _ = summarize(records, bs, "cpu")
-        rows.append(Row(config, overlap, bs, n, med, cpu, share, bs / (med["wall"] / 1e3)))
-        print(f"  {config:10s} overlap={'on ' if overlap else 'off'} bs={bs:4d}: step {med['wall']:.2f} ms, "
-              f"exposed {med['exposed']:.2f} ms wall / {cpu['exposed']:.2f} ms cpu ({n} steps)", flush=True)
+        rows.append(_row(config, overlap, bs, records, q))
+    return rows
+
+
+def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps: int, rounds: int,
+               stream: bool = False, stop: bool = False, q: float = 0.5) -> list[Row]:
+    """One server with --async-output, switched off/on at runtime in alternating rounds: both arms
+    see the same machine load, so the comparison survives a shared, noisy machine."""
+    offset, rows = _start(url, path), []
+    for bs in batch_sizes:
+        got: dict[str, list[dict]] = {"stock": [], "albireo": []}
+        for r in range(rounds):
+            for arm in (("stock", "albireo") if r % 2 == 0 else ("albireo", "stock")):
+                post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})
+                _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+                records, offset = _read_until(path, offset, bs)
+                got[arm] += records
+        rows += [_row(arm, overlap, bs, recs, q) for arm, recs in got.items()]
     return rows
 
 
 def launch_args(config: str, overlap: bool, tp: int) -> tuple[list[str], dict[str, str]]:
     args = [] if overlap else ["--disable-overlap-schedule"]
-    env = {"BRANCHWISE_STEP_TIMER": "stock" if config == "stock" else "1", "OMP_NUM_THREADS": "1"}
-    if config == "branchwise":
+    modes = {"stock": "stock", "albireo": "albireo", "albireo-inline": "albireo", "bw-off": "1", "branchwise": "1"}
+    if config not in modes:
+        raise ValueError(f"unknown config {config!r}: {', '.join(modes)}")
+    env = {"BRANCHWISE_STEP_TIMER": modes[config], "OMP_NUM_THREADS": "1"}
+    if config in ("albireo", "albireo-inline", "branchwise"):
         args += ["--async-output"] + (["--parallel-sampling"] if tp > 1 else [])
-    elif config not in ("stock", "bw-off"):
-        raise ValueError(f"unknown config {config!r}: stock, bw-off, branchwise")
+    if config == "albireo-inline":  # sends stay on the scheduler thread
+        env["BRANCHWISE_ASYNC_SEND"] = "inline"
     return args, env
 
 
@@ -161,6 +201,8 @@ def ratios(rows: list[Row]) -> str:
     out = []
     for (cfg, ov, bs), r in by.items():
         for ref in ("stock", "bw-off"):
+            if cfg == "branchwise" and ref == "stock" or cfg.startswith("albireo") and ref == "bw-off":
+                continue
             base = by.get((ref, ov, bs))
             if cfg in ("stock", ref) or base is None:
                 continue
@@ -180,18 +222,39 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--batch-sizes", default="1,32,128")
     ap.add_argument("--steps", type=int, default=96, help="new tokens per request")
     ap.add_argument("--tp", type=int, default=1)
-    ap.add_argument("--configs", default="stock,bw-off,branchwise")
+    ap.add_argument("--configs", default="stock,albireo,bw-off,branchwise")
     ap.add_argument("--overlap", default="on,off")
     ap.add_argument("--label", default="server", help="config name in --url mode")
     ap.add_argument("--stream", action="store_true", help="streaming requests: one output message per step")
     ap.add_argument("--stop", action="store_true", help="requests carry stop strings (checked every step)")
+    src.add_argument("--ab", action="store_true",
+                    help="A/B in one server per overlap setting: --async-output switched off/on at runtime "
+                         "in alternating rounds (rows `stock` = switched off: SGLang's own paths)")
+    ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds per batch size (each runs both arms)")
+    ap.add_argument("--send", choices=("auto", "thread", "inline"), default="auto",
+                    help="--ab: where --async-output sends (BRANCHWISE_ASYNC_SEND)")
+    ap.add_argument("--quantile", type=float, default=0.5,
+                    help="per-column statistic over the steady steps (0.5 = median; lower = less disturbed "
+                         "by other load on a shared machine)")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
     batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     rows: list[Row] = []
     if a.url:
         port = urllib.parse.urlparse(a.url).port
-        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, a.stop)
+        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, a.stop,
+                        a.quantile)
+    elif a.ab:
+        for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
+            args, env = launch_args("albireo", overlap, a.tp)
+            srv = LocalServer(a.model, args, env=env | {"BRANCHWISE_ASYNC_SEND": a.send}, tp=a.tp,
+                              max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
+            try:
+                srv.start()
+                rows += measure_ab(srv.url, records_path(srv.port), overlap, batch_sizes, a.steps, a.rounds,
+                                   a.stream, a.stop, a.quantile)
+            finally:
+                srv.stop()
     else:
         for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
             for config in a.configs.split(","):
@@ -201,11 +264,12 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     srv.start()
                     rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps,
-                                    a.stream, a.stop)
+                                    a.stream, a.stop, a.quantile)
                 finally:
                     srv.stop()
-    print("\nwall clock, ms per decode step (median over steady-state steps):\n" + table(rows))
-    print("\nscheduler-thread CPU time, ms per decode step (median):\n" + table(rows, "cpu"))
+    stat = "median" if a.quantile == 0.5 else f"p{round(a.quantile * 100)}"
+    print(f"\nwall clock, ms per decode step ({stat} over steady-state steps, per column):\n" + table(rows))
+    print(f"\nscheduler-thread CPU time, ms per decode step ({stat}):\n" + table(rows, "cpu"))
     if any(r.config == "stock" for r in rows) and any(r.config != "stock" for r in rows):
         print("\n" + ratios(rows))
     if a.out:

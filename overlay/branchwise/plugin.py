@@ -33,6 +33,8 @@ def _albireo_hooks(HookType):
             (f"{SCHEDULER}.get_internal_state", ao.after_get_internal_state, HookType.AFTER),
             (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
              HookType.AROUND),
+            (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
+            (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
         ]
     if _flag_declared("parallel_sampling"):
         hooks += [
@@ -87,16 +89,18 @@ def register() -> None:
     from branchwise import scheduler_hook as sh
     from branchwise.albireo import step_timer
 
-    timer_mode = step_timer.enabled()  # "stock": stock SGLang + the timer, no Branchwise hooks
-    hooks = [] if timer_mode == "stock" else [
+    # bench modes: "stock" = SGLang + the timer only; "albireo" = + Albireo's hooks, no other Branchwise hook
+    timer_mode = step_timer.enabled()
+    hooks = [] if timer_mode in ("stock", "albireo") else [
         (f"{SCHEDULER}.__init__", sh.after_init, HookType.AFTER),
         (f"{SCHEDULER}.get_internal_state", sh.after_get_internal_state, HookType.AFTER),
         (f"{SCHEDULER}._create_generation_req", sh.after_create_generation_req, HookType.AFTER),
         (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
     ]
-    if timer_mode != "stock":
+    if timer_mode not in ("stock", "albireo"):
         hooks += _fork_hooks(HookType)
+    if timer_mode != "stock":
         hooks += _albireo_hooks(HookType)
     if timer_mode:
         hooks += _step_timer_hooks(HookType)

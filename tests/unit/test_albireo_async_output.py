@@ -16,6 +16,7 @@ from branchwise.albireo.async_output import (
     TableTokenizer,
     TokenTable,
     _may_finish,
+    check_match_stop_str_prefix,
 )
 from branchwise.tiny_model import build_tokenizer
 
@@ -159,3 +160,34 @@ def test_gate_never_skips_a_row_sglang_would_finish(sglang_req):
                 req.to_finish = SimpleNamespace(to_json=lambda: {"type": "abort"})
         finished += 1
     assert finished == 3000 and skipped > 1000  # the gate does skip most rows
+
+
+def test_stop_prefix_scan_equals_sglang(sglang_req):
+    Req, _ = sglang_req
+    rng = random.Random(3)
+    alphabet = "ab c\n</>é"
+    hits = 0
+    for _ in range(20000):
+        tail = "".join(rng.choice(alphabet) for _ in range(rng.randint(0, 12)))
+        stops = ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 6))) for _ in range(rng.randint(0, 3))]
+        req = SimpleNamespace(sampling_params=SimpleNamespace(stop_strs=stops), tail_str=lambda t=tail: t)
+        want = Req.check_match_stop_str_prefix(req)
+        assert check_match_stop_str_prefix(req) == want, (tail, stops)
+        hits += want
+    assert 2000 < hits < 18000  # both outcomes well covered
+
+
+def test_send_thread_unless_inline_or_rust_egress(monkeypatch):
+    from branchwise.albireo.async_output import SEND_ENV, _send_on_thread
+
+    def sched(rust: object = None) -> SimpleNamespace:
+        return SimpleNamespace(server_args=SimpleNamespace(device="cpu"), rust_server=rust)
+
+    monkeypatch.delenv(SEND_ENV, raising=False)
+    assert _send_on_thread(sched())
+    assert not _send_on_thread(sched(rust=object()))  # the Rust egress ring has its own thread
+    monkeypatch.setenv(SEND_ENV, "inline")
+    assert not _send_on_thread(sched())
+    monkeypatch.setenv(SEND_ENV, "sometimes")
+    with pytest.raises(ValueError, match="auto, thread or inline"):
+        _send_on_thread(sched())

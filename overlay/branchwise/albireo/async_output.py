@@ -4,17 +4,22 @@ SGLang runs result processing (T5) on the scheduler thread, serial with scheduli
 (map §2.3). It has two halves:
 
 * The send half (payload serialisation + ZMQ send to the detokenizer) reads only the payload the
-  streamer just built (fresh lists, slices of the requests' state), so it moves to an ordered
+  streamer just built (fresh lists, slices of the requests' state), so it can move to an ordered
   worker thread: `OrderedSender` replaces the scheduler's detokenizer sender, so every message on
   that socket goes through one FIFO thread. Step order and order with control messages are kept,
-  and only the worker ever touches the socket (ZMQ sockets are not thread-safe).
+  and only the worker ever touches the socket (ZMQ sockets are not thread-safe). On GPU the worker
+  runs while the overlap loop waits with the GIL released; on CPU the forward holds the GIL most of
+  the time, so the worker partly contends with it (still a net gain when streaming large batches;
+  env BRANCHWISE_ASYNC_SEND=inline keeps the send on the scheduler thread).
 * The state half (output_ids, finish state, KV release, send offsets) mutates requests, the
   radix tree and the allocator, so it stays on the scheduler thread. It gets cheaper instead:
   `fast_decode_result` replaces SGLang's per-request decode loop for plain batches (no logprobs,
   grammar, speculative, beam, hidden states, ...) by a lean one that only calls SGLang's finish
   check for rows that can finish this step, and SGLang's finish handling (KV release) for rows
   that did; `TableTokenizer` turns the stop-string checks' `tokenizer.decode(tail)` into a byte
-  lookup table (exact for byte-level BPE tokenizers; verified at start-up, else not used).
+  lookup table (exact for byte-level BPE tokenizers; verified at start-up, else not used), and
+  the streaming hold-back check (does the tail end in a stop string's prefix?) scans only where
+  the stop string's first character occurs instead of every suffix length.
 
 Everything else, and every batch the fast path does not qualify for, runs SGLang's own code.
 Overlap mode is unchanged: a row that finished at step k is still in step k+1 (its KV slot is
@@ -25,6 +30,7 @@ by SGLang's `release_kv_cache`, when the finish is processed.
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import random
 import threading
@@ -36,6 +42,7 @@ from branchwise.albireo import step_timer
 
 logger = logging.getLogger("branchwise")
 _STOP = object()
+SEND_ENV = "BRANCHWISE_ASYNC_SEND"  # auto (default) | thread | inline
 
 
 # ---------------------------------------------------------------- send half: ordered worker
@@ -52,6 +59,7 @@ class OrderedSender:
         self.socket = inner.socket  # SGLang code reads .socket to test "am I the sending rank"
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.error: BaseException | None = None
+        self.inline = False  # set_enabled(False): send on the calling thread (queue drained first)
         self.sent = 0
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -59,7 +67,9 @@ class OrderedSender:
     def send_output(self, output: Any, recv_obj: Any = None) -> None:
         if self.error is not None:
             raise RuntimeError("Branchwise async output: a send failed in the worker") from self.error
-        if self.socket is not None:  # non-entry TP ranks have no socket: nothing to send, as in SGLang
+        if self.inline:
+            self.inner.send_output(output, recv_obj)
+        elif self.socket is not None:  # non-entry TP ranks have no socket: nothing to send, as in SGLang
             self.q.put((output, recv_obj))
 
     def _run(self) -> None:
@@ -154,6 +164,34 @@ class TokenTable:
         return tt, "ok"
 
 
+def suffix_is_prefix(tail: str, stop: str) -> bool:
+    """Whether some non-empty suffix of `tail` is a prefix of `stop` (SGLang's streaming hold-back).
+
+    Same answer as SGLang's loop `any(tail[-i:] == stop[:i] for i in 1..min(len))`, but it only
+    visits the places where `stop[0]` occurs in the window, found by str.find.
+    """
+    n = min(len(tail), len(stop))
+    if n == 0:
+        return False
+    first, j = stop[0], tail.find(stop[0], len(tail) - n)
+    while j != -1:
+        if stop.startswith(tail[j:]):
+            return True
+        j = tail.find(first, j + 1)
+    return False
+
+
+def check_match_stop_str_prefix(req: Any) -> bool:
+    """Req.check_match_stop_str_prefix with the prefix scan above (called per streamed row per step)."""
+    stops = req.sampling_params.stop_strs
+    if not stops:
+        return False
+    tail = req.tail_str()
+    if not tail:
+        return False
+    return any(s and (s in tail or suffix_is_prefix(tail, s)) for s in stops)
+
+
 class TableTokenizer:
     """The scheduler's tokenizer with decode(ids) served by a TokenTable (plain calls only).
 
@@ -164,9 +202,10 @@ class TableTokenizer:
     def __init__(self, tokenizer: Any, table: TokenTable) -> None:
         self._tok = tokenizer
         self._table = table
+        self.enabled = True
 
     def decode(self, ids: Any, *args: Any, **kwargs: Any) -> str:
-        if not (args or kwargs):
+        if self.enabled and not (args or kwargs):
             try:
                 return self._table.decode(ids)
             except KeyError:  # an id the table does not know: the tokenizer decides
@@ -193,6 +232,8 @@ class AsyncOutput:
     force_interval: int
     no_mamba: bool
     check_all: bool  # Req.update_finish_state has a foreign hook: call it on every row
+    table_tok: TableTokenizer | None = None
+    enabled: bool = True  # runtime switch (bench A/B in one process): False = SGLang's own paths
     stats: dict[str, int] = field(default_factory=lambda: {"fast": 0, "stock": 0})
 
 
@@ -206,12 +247,12 @@ def install(scheduler: Any) -> AsyncOutput | None:
 
     proc = scheduler.batch_result_processor
     sender = None
-    if getattr(scheduler, "rust_server", None) is None:  # the Rust egress ring has its own thread
+    if _send_on_thread(scheduler):
         inner = scheduler.ipc_channels.send_to_detokenizer
         sender = OrderedSender(inner)
         object.__setattr__(scheduler.ipc_channels, "send_to_detokenizer", sender)  # frozen dataclass
         scheduler.output_streamer.send_to_detokenizer = sender
-    tok = scheduler.tokenizer
+    tok, table_tok = scheduler.tokenizer, None
     stop_ids = set(scheduler.model_config.hf_eos_token_id or ())
     if tok is not None:
         if tok.eos_token_id is not None:
@@ -219,7 +260,7 @@ def install(scheduler: Any) -> AsyncOutput | None:
         stop_ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
         table, why = TokenTable.build(tok)
         if table is not None:
-            scheduler.tokenizer = TableTokenizer(tok, table)
+            scheduler.tokenizer = table_tok = TableTokenizer(tok, table)
         else:
             logger.info("Branchwise async output: stop strings keep tokenizer.decode (%s)", why)
     state = AsyncOutput(
@@ -230,9 +271,24 @@ def install(scheduler: Any) -> AsyncOutput | None:
         force_interval=os_mod.DEFAULT_FORCE_STREAM_INTERVAL,
         no_mamba=getattr(scheduler.req_to_token_pool, "mamba_pool", None) is None,
         check_all=_foreign_finish_hooks(Req),
+        table_tok=table_tok,
     )
     _STATE[id(proc)] = state
     return state
+
+
+def _send_on_thread(scheduler: Any) -> bool:
+    """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline).
+
+    Measured on CPU (bench.overhead --ab --stream --stop, bs 128): the worker takes ~3 ms/step of
+    pickling + send off the scheduler thread and costs ~1 ms of GIL waiting there, a net gain; at
+    bs 1 it is a wash. `inline` keeps SGLang's placement (the other savings stay)."""
+    if getattr(scheduler, "rust_server", None) is not None:  # the Rust egress ring has its own thread
+        return False
+    mode = os.environ.get(SEND_ENV, "auto").strip().lower()
+    if mode not in ("auto", "thread", "inline"):
+        raise ValueError(f"{SEND_ENV} must be auto, thread or inline, got {mode!r}")
+    return mode != "inline"
 
 
 def _foreign_finish_hooks(req_cls: Any) -> bool:
@@ -249,6 +305,16 @@ def _foreign_finish_hooks(req_cls: Any) -> bool:
 
 def state_of(proc: Any) -> AsyncOutput | None:
     return _STATE.get(id(proc))
+
+
+def set_enabled(st: AsyncOutput, on: bool) -> None:
+    """Switch every part at once, between steps (the sender drains first: order is kept)."""
+    if st.sender is not None:
+        st.sender.drain()
+        st.sender.inline = not on
+    if st.table_tok is not None:
+        st.table_tok.enabled = on
+    st.enabled = on
 
 
 def _qualifies(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> bool:
@@ -333,7 +399,7 @@ def fast_decode_result(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> N
 
 def around_process_batch_result_decode(orig: Any, self: Any, batch: Any, result: Any) -> Any:
     st = _STATE.get(id(self))
-    if st is None or not _qualifies(st, self, batch, result):
+    if st is None or not st.enabled or not _qualifies(st, self, batch, result):
         if st is not None:
             st.stats["stock"] += 1
         return orig(self, batch, result)
@@ -348,15 +414,40 @@ def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> 
     if not BranchwiseConfig.from_server_args(self.server_args).async_output:
         return
     st = install(self)
-    logger.info("Branchwise async output on: ordered sender %s, stop-string lookup table %s",
-                "on" if st.sender else "off (Rust egress)",
+    logger.info("Branchwise async output on: sends on %s, stop-string lookup table %s",
+                "a worker thread" if st.sender else "the scheduler thread",
                 "on" if isinstance(self.tokenizer, TableTokenizer) else "off")
+
+
+def around_check_match_stop_str_prefix(orig: Any, req: Any) -> bool:
+    on = any(st.enabled for st in _STATE.values())
+    return check_match_stop_str_prefix(req) if on else orig(req)
+
+
+SWITCH_KEY = "branchwise_async_output"  # POST /set_internal_state {"server_args": {SWITCH_KEY: 0 | 1}}
+
+
+def around_set_internal_state(orig: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang."""
+    req_args = getattr(recv_req, "server_args", None) or {}
+    if SWITCH_KEY not in req_args:
+        return orig(self, recv_req, *args, **kwargs)
+    from sglang.srt.managers.io_struct import SetInternalStateReqOutput
+
+    st = state_of(self.batch_result_processor)
+    if st is not None:
+        set_enabled(st, bool(req_args[SWITCH_KEY]))
+    rest = {k: v for k, v in req_args.items() if k != SWITCH_KEY}
+    if rest:
+        recv_req.server_args = rest
+        return orig(self, recv_req, *args, **kwargs)
+    return SetInternalStateReqOutput(updated=st is not None)
 
 
 def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     st = state_of(self.batch_result_processor)
     if st is not None and isinstance(getattr(result, "internal_state", None), dict):
         result.internal_state["branchwise_async_output"] = {
-            **st.stats, "sent": st.sender.sent if st.sender else 0,
+            **st.stats, "enabled": st.enabled, "sent": st.sender.sent if st.sender else 0,
             "table": isinstance(self.tokenizer, TableTokenizer)}
     return result

@@ -1,8 +1,10 @@
 """Per-iteration CPU time split of the SGLang scheduler loop (Albireo §3.1, T1..T5); bench only.
 
 Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise,
-"stock": the only hooks, so stock SGLang is measured with the same instrument). Every scheduler
-loop iteration (both event loops start it with `ingest_requests`) becomes one JSON line:
+"stock": the only hooks, so stock SGLang is measured with the same instrument, "albireo": plus
+Albireo's hooks only, so --async-output / --parallel-sampling are measured against stock alone).
+Every scheduler loop iteration (both event loops start it with `ingest_requests`) becomes one
+JSON line:
 
     {"wall": s, "recv": s, "sched": s, "prep": s, "forward": s, "sample": s, "result": s,
      "stream": s, "worker": s, "cpu": {span: s, "wall": s}, "run": [mode, bs], "res": [mode, bs]}
@@ -36,9 +38,9 @@ FLUSH_EVERY = 2048
 
 
 def enabled() -> str | None:
-    """None, "1" (with Branchwise) or "stock" (timer only)."""
+    """None, "1" (with Branchwise), "stock" (timer only) or "albireo" (timer + Albireo's hooks)."""
     value = os.environ.get(ENV, "").strip().lower()
-    return value if value in ("1", "stock") else None
+    return value if value in ("1", "stock", "albireo") else None
 
 
 def records_path(port: int | str, tp_rank: int = 0) -> str:
