@@ -15,10 +15,10 @@ results.json reports those gaps). The step-latency and admission series come fro
 
 Lengths are scaled to what the server can serve (--output-scale and the caps); decoding is greedy with
 ignore_eos, so every stage has a fixed length. The operating point is measured, not assumed: by
-default a probe of the first server (decode step latency at 1, 8, 16 and 32 serial streams, fitted
-as T(b) = c0 + c1 b) sets the SLO to T(--slo-rows) (at least --slo-floor x T(1)) and the arrival rate
-so that the mean demand is --load x the decode rate at --slo-rows rows; taper servers get that fit as
-their --latency-model.
+default a probe of the first server (decode step latency at 1..32 serial streams of short and long
+prompts, fitted as T(S) = c0 + c_seq rows + c_ctx context tokens) sets the SLO to T(--slo-rows rows of
+--slo-context tokens) (at least --slo-floor x T(1 row)) and the arrival rate so that the mean demand
+is --load x the decode rate at that composition; taper servers get the fit as their --latency-model.
 Every server is probed before its run, so a change in the shared box's speed shows in the table.
 """
 
@@ -366,24 +366,26 @@ def _report(url: str) -> dict | None:
 # --------------------------------------------------------------------------------- calibration
 @dataclass(frozen=True, slots=True)
 class Probe:
-    """Decode step latency of the live server with b concurrent serial streams, and its line fit."""
+    """Decode step latency of the live server with b concurrent serial streams of ctx-token prompts,
+    and T(S) fitted to it (bench.profile's model: rows and context tokens, NNLS, monotone)."""
 
-    step_s: dict[int, float]
-    c0_s: float
-    c_row_s: float
+    step_s: dict[tuple[int, int], float]  # (streams, prompt tokens) -> median step
+    model: LinearLatencyModel
+    tokens: int = 32
 
-    def at(self, rows: float) -> float:
-        return self.c0_s + self.c_row_s * rows
+    def at(self, rows: float, ctx: float) -> float:
+        """Predicted step with `rows` rows whose KV holds `ctx` tokens each."""
+        return self.model.predict(rows, rows * ctx)
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step_ms": {str(b): 1e3 * t for b, t in self.step_s.items()}, "c0_ms": 1e3 * self.c0_s,
-                "c_row_ms": 1e3 * self.c_row_s}
+        return {"step_ms": {f"{b}x{c}": 1e3 * t for (b, c), t in self.step_s.items()},
+                "model": json.loads(self.model.to_json())}
 
 
-async def _probe_step(url: str, session: Any, b: int, tokens: int) -> float:
+async def _probe_step(url: str, session: Any, b: int, ctx: int, tokens: int) -> float:
     sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
     gens = await asyncio.gather(*[client.generate(url, None, sp, stream=True, session=session,
-                                                  input_ids=prompt_ids(f"probe{i}", 8, b)) for i in range(b)])
+                                                  input_ids=prompt_ids(f"probe{i}", ctx, b)) for i in range(b)])
     steps = [(g.chunk_times[-1] - g.chunk_times[0]) / (g.completion_tokens - 1) for g in gens
              if len(g.chunk_times) > 1 and g.completion_tokens > 1]
     if not steps:
@@ -391,18 +393,22 @@ async def _probe_step(url: str, session: Any, b: int, tokens: int) -> float:
     return statistics.median(steps)
 
 
-async def probe(url: str, sizes: tuple[int, ...] = (1, 8, 16, 32), tokens: int = 32, repeats: int = 3) -> Probe:
-    """Serial streams only, so the probe means the same under every branch policy. Sizes take turns
-    and each keeps its median, so a passing burst of load on a shared box bends no single point."""
-    seen: dict[int, list[float]] = {b: [] for b in sizes}
+async def probe(url: str, sizes: tuple[int, ...] = (1, 8, 16, 32), contexts: tuple[int, ...] = (32, 512),
+                tokens: int = 32, repeats: int = 2) -> Probe:
+    """Serial streams only, so the probe means the same under every branch policy. Grid points take
+    turns and each keeps its median, so a passing burst of load on a shared box bends no single point.
+    Contexts matter: a replay's rows hold hundreds of tokens, and a fit on short prompts alone
+    under-predicts its steps (measured: by ~30%)."""
+    grid = [(b, c) for c in contexts for b in sizes]
+    seen: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _probe_step(url, session, 1, 4)  # warm up
+        await _probe_step(url, session, 1, 8, 4)  # warm up
         for _ in range(repeats):
-            for b in sizes:
-                seen[b].append(await _probe_step(url, session, b, tokens))
-    step = {b: statistics.median(v) for b, v in seen.items()}
-    c_row, c0 = np.polyfit(list(step), list(step.values()), 1)
-    return Probe(step, max(float(c0), 0.0), max(float(c_row), 1e-7))
+            for b, c in grid:
+                seen[b, c].append(await _probe_step(url, session, b, c, tokens))
+    step = {g: statistics.median(v) for g, v in seen.items()}
+    model = LinearLatencyModel.fit([(b, b * (c + tokens // 2), t) for (b, c), t in step.items()])
+    return Probe(step, model, tokens)
 
 
 def mean_demand_tok_s(specs: list[RequestSpec], duration_s: float) -> float:
@@ -594,17 +600,18 @@ def calibrate(a: argparse.Namespace, trace: Any, scaling: Scaling, p: Probe, out
     TPOT also carries per-forward costs that do not grow with rows: prefills of arriving requests,
     scheduling); rate scale such that the mean demanded token rate is `load` x the tokens/s the
     server delivers at slo_rows rows; T(S) = the probe's line."""
-    slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * max(p.at(a.slo_rows), a.slo_floor * p.at(1))
+    t_slo, t_one = p.at(a.slo_rows, a.slo_context), p.at(1, a.slo_context)
+    slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * max(t_slo, a.slo_floor * t_one)
     rs = a.rate_scale
     if rs is None:
-        rs = solve_rate_scale(a.load * a.slo_rows / p.at(a.slo_rows), lambda k: mean_demand_tok_s(
+        rs = solve_rate_scale(a.load * a.slo_rows / t_slo, lambda k: mean_demand_tok_s(
             build_programs(trace, fit_schedule(trace, a.schedule, a.duration_s, k), a.preset, a.seed, scaling),
             a.duration_s))
     model = a.latency_model if a.launch and a.latency_model not in ("auto", "none") else None
     if a.launch and a.latency_model == "auto":
         out.mkdir(parents=True, exist_ok=True)
         model = str(out / "latency_model.json")
-        LinearLatencyModel(p.c0_s, p.c_row_s, 0.0, 0.0).save(model)
+        p.model.save(model)
     return Point(slo_ms, rs, model, p)
 
 
@@ -661,8 +668,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--rate-scale", type=_auto_float, default=None,
                    help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows")
     g.add_argument("--slo-rows", type=float, default=32.0)
+    g.add_argument("--slo-context", type=float, default=256.0,
+                   help="KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)")
     g.add_argument("--slo-floor", type=float, default=2.5, help="auto SLO >= this x the probed T(1)")
-    g.add_argument("--load", type=float, default=0.25)
+    g.add_argument("--load", type=float, default=0.28)
     g.add_argument("--latency-model", default="auto",
                    help="T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online")
     ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
@@ -686,14 +695,88 @@ def _needs_probe(a: argparse.Namespace) -> bool:
 
 def _probe_url(url: str) -> Probe:
     p = asyncio.run(probe(url))
-    steps = ", ".join(f"{b} rows {1e3 * t:.1f} ms" for b, t in p.step_s.items())
-    print(f"probe {url}: {steps} -> T(b) = {1e3 * p.c0_s:.2f} + {1e3 * p.c_row_s:.3f} b ms", flush=True)
+    steps = ", ".join(f"{b}x{c} {1e3 * t:.1f}" for (b, c), t in p.step_s.items())
+    m = p.model
+    print(f"probe {url}: ms at streams x prompt tokens: {steps} -> T = {1e3 * m.c0:.2f} ms + "
+          f"{1e3 * m.c_seq:.3f} ms/row + {1e6 * m.c_ctx:.3f} us/ctx token", flush=True)
     return p
+
+
+@dataclass(slots=True)
+class Bench:
+    """One invocation: the operating point once known, and what each policy's run produced."""
+
+    a: argparse.Namespace
+    trace: Any
+    scaling: Scaling
+    out: Path
+    pt: Point | None = None
+    schedule: Schedule | None = None
+    specs: list[RequestSpec] = field(default_factory=list)
+    config: dict[str, Any] = field(default_factory=dict)
+    results: dict[str, dict] = field(default_factory=dict)
+    runs: dict[str, Run] = field(default_factory=dict)
+    t_wall: float = field(default_factory=time.perf_counter)
+
+    def point(self, p: Probe | None) -> Point:
+        if self.pt is None:
+            self.pt = calibrate(self.a, self.trace, self.scaling, p, self.out)
+        if self.schedule is None:
+            self.schedule, self.specs, self.config = _prepare(self.a, self.trace, self.scaling, self.pt)
+        return self.pt
+
+    def run_policy(self, policy: str) -> bool:
+        """Start (or reuse) the server, probe it, replay; False when the whole bench must stop."""
+        a = self.a
+        server = _server(a, server_args(policy, a, self.pt)) if a.launch else None
+        stop = False
+        try:
+            url = server.start().url if server else a.url
+            p = _probe_url(url) if a.launch else (self.pt.probe if self.pt else None)
+            pt = self.point(p)  # the first (non-taper) server calibrates the operating point
+            policy = policy or (_report(url) or {}).get("policy") or "server"  # --url: the server's own
+            run = Run(policy, [Outcome(s) for s in self.specs])
+            tg = Target(url, pt.slo_tpot_ms, a.seed, a.stream_interval, vocab=a.vocab)
+            execute(run, tg, self.schedule.duration_s + a.drain_s, a.poll_s, progress=not a.no_progress)
+            res = summarize_run(run, pt.slo_tpot_ms / 1e3, self.schedule)
+            res["run"]["probe"] = p.as_dict() | {"at_slo_rows_ms": 1e3 * p.at(a.slo_rows, a.slo_context)} if p else None
+            self.runs[policy], self.results[policy] = run, res
+            stop = run.interrupted or (run.error is not None and not a.launch)
+            if run.warning:
+                print(f"{policy}: warning: {run.warning}", file=sys.stderr)
+        except (ServerError, ConnectionError, RuntimeError) as e:  # start, probe or a bug in between
+            self.results[policy] = {"run": {"error": f"{type(e).__name__}: {e}"}, "partial": True}
+        except KeyboardInterrupt:  # during a server start or probe
+            self.results[policy] = {"run": {"error": "interrupted (Ctrl-C)", "interrupted": True}, "partial": True}
+            stop = True
+        finally:
+            if server is not None:
+                server.stop()
+        if err := self.results[policy].get("run", {}).get("error"):
+            print(f"{policy}: {err}", file=sys.stderr)
+        return not stop
+
+    def save(self, expected: int, stopped: bool) -> None:
+        if self.schedule is None:
+            return
+        partial = stopped or any(r.get("partial") for r in self.results.values()) or len(self.results) < expected
+        write_results(self.out, self.results, self.config, partial, time.perf_counter() - self.t_wall)
+        write_records(self.out, self.runs)
+
+    def report(self, plots: bool) -> None:
+        if plots and self.runs:
+            from bench.plots import plot_run
+
+            plot_run({k: _Plotted(r.records, r.steps) for k, r in self.runs.items()}, self.schedule,
+                     self.pt.slo_tpot_ms / 1e3, self.out)
+        print(table(self.results))
+        for extra in (regime_table(self.results), drift_note(self.results), stall_note(self.results)):
+            if extra:
+                print("\n" + extra)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    t_wall = time.perf_counter()
     try:
         trace = load_trace(a.trace)
         fit_schedule(trace, a.schedule, a.duration_s, a.rate_scale or 1.0)  # a bad schedule fails now
@@ -704,90 +787,47 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    out = Path(a.out)
+    b = Bench(a, trace, scaling, Path(a.out))
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] if a.compare else [a.policy_label or ""]
     if a.url and a.compare:
         pol = (_report(a.url) or {}).get("policy") or "unknown"
         print(f"note: --url {a.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
               f"Use --launch to compare policies.")
         policies = [a.policy_label or pol]
-    given_model = a.latency_model if a.launch and a.latency_model not in ("auto", "none") else None
-    pt = None if _needs_probe(a) else Point(a.slo_tpot_ms, a.rate_scale, given_model)
-    results: dict[str, dict] = {}
-    runs: dict[str, Run] = {}
-    stop, rc = False, 0
-    bench: dict[str, Any] = {}  # schedule, specs, config once the operating point is known
+    if not _needs_probe(a):
+        b.pt = Point(a.slo_tpot_ms, a.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
     try:
-        if pt is None and a.launch and policies[0].startswith("taper"):  # its server needs the model at start
+        if b.pt is None and a.launch and policies[0].startswith("taper"):  # its server needs the model at start
             with _server(a, ["--branch-policy", "off"]) as srv:
-                pt = calibrate(a, trace, scaling, _probe_url(srv.url), out)
-        elif pt is None and a.url:
-            pt = calibrate(a, trace, scaling, _probe_url(a.url), out)
+                b.point(_probe_url(srv.url))
+        elif b.pt is None and a.url:
+            b.point(_probe_url(a.url))
     except (ServerError, ConnectionError, RuntimeError) as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted during calibration; nothing measured", file=sys.stderr)
         return 130
+    stopped = False
     for policy in policies:
-        server = _server(a, server_args(policy, a, pt)) if a.launch else None
-        try:
-            url = server.start().url if server else a.url
-            p = _probe_url(url) if a.launch else (pt.probe if pt else None)
-            if pt is None:  # the first (non-taper) server calibrates the operating point
-                pt = calibrate(a, trace, scaling, p, out)
-            if not bench:
-                bench.update(_prepare(a, trace, scaling, pt))
-            if not policy:  # a single --url run is labelled by the server's own policy
-                policy = (_report(url) or {}).get("policy") or "server"
-            run = Run(policy, [Outcome(s) for s in bench["specs"]])
-            tg = Target(url, pt.slo_tpot_ms, a.seed, a.stream_interval, vocab=a.vocab)
-            execute(run, tg, bench["schedule"].duration_s + a.drain_s, a.poll_s, progress=not a.no_progress)
-            runs[policy] = run
-            results[policy] = summarize_run(run, pt.slo_tpot_ms / 1e3, bench["schedule"])
-            results[policy]["run"]["probe"] = p.as_dict() | {"at_slo_rows_ms": 1e3 * p.at(a.slo_rows)} if p else None
-            stop = run.interrupted or (run.error is not None and not a.launch)
-            if run.warning:
-                print(f"{policy}: warning: {run.warning}", file=sys.stderr)
-        except (ServerError, ConnectionError, RuntimeError) as e:  # start, probe or a bug in between
-            results[policy] = {"run": {"error": f"{type(e).__name__}: {e}"}, "partial": True}
-        except KeyboardInterrupt:  # during a server start or probe
-            results[policy] = {"run": {"error": "interrupted (Ctrl-C)", "interrupted": True}, "partial": True}
-            stop = True
-        finally:
-            if server is not None:
-                server.stop()
-        err = results[policy].get("run", {}).get("error")
-        if err:
-            print(f"{policy}: {err}", file=sys.stderr)
-            rc = 1
-        if bench:
-            partial = stop or any(r.get("partial") for r in results.values()) or len(results) < len(policies)
-            write_results(out, results, bench["config"], partial, time.perf_counter() - t_wall)
-            write_records(out, runs)
-        if stop:
+        stopped = not b.run_policy(policy)
+        b.save(len(policies), stopped)
+        if stopped:
             break
-    if not bench:
+    if b.schedule is None:
         print("error: no run started", file=sys.stderr)
-        return rc or 1
-    if not a.no_plots and runs:
-        from bench.plots import plot_run
-
-        plot_run({k: _Plotted(r.records, r.steps) for k, r in runs.items()}, bench["schedule"],
-                 pt.slo_tpot_ms / 1e3, out)
-    print(table(results))
-    regimes = regime_table(results)
-    if regimes:
-        print("\n" + regimes)
-    for note in (drift_note(results), stall_note(results)):
-        if note:
-            print("\n" + note)
-    print(f"\nwall {time.perf_counter() - t_wall:.0f} s -> {out / 'results.json'}"
-          + (" (PARTIAL)" if rc or stop else ""))
-    return 130 if stop and any(r.get("run", {}).get("interrupted") for r in results.values()) else rc
+        return 1
+    b.report(not a.no_plots)
+    failed = any(r.get("run", {}).get("error") for r in b.results.values())
+    print(f"\nwall {time.perf_counter() - b.t_wall:.0f} s -> {b.out / 'results.json'}"
+          + (" (PARTIAL)" if failed or stopped else ""))
+    if stopped and any(r.get("run", {}).get("interrupted") for r in b.results.values()):
+        return 130
+    return 1 if failed else 0
 
 
-def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling, pt: Point) -> dict[str, Any]:
+def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling,
+             pt: Point) -> tuple[Schedule, list[RequestSpec], dict[str, Any]]:
     schedule = fit_schedule(trace, a.schedule, a.duration_s, pt.rate_scale)
     specs = build_programs(trace, schedule, a.preset, a.seed, scaling)
     wl = workload_stats(specs)
@@ -796,6 +836,7 @@ def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling, pt: Point) -> 
         "rate_scale": pt.rate_scale, "preset": a.preset, "seed": a.seed, "scaling": asdict(scaling),
         "slo_tpot_ms": pt.slo_tpot_ms, "slo_rows": a.slo_rows if a.slo_tpot_ms is None else None,
         "slo_floor": a.slo_floor if a.slo_tpot_ms is None else None,
+        "slo_context": a.slo_context if a.slo_tpot_ms is None else None,
         "load": a.load if a.rate_scale is None else None, "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
         "taper_rho": a.taper_rho if a.launch else None, "latency_model": pt.latency_model,
         "calibration_probe": pt.probe.as_dict() if pt.probe else None,
@@ -806,7 +847,7 @@ def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling, pt: Point) -> 
     print(f"{len(specs)} programs over {schedule.duration_s:.0f} s ({schedule.name}), "
           f"{config['demand_tok_s']:.0f} tok/s demanded, SLO {pt.slo_tpot_ms:.1f} ms, "
           f"{wl['pdr']:.0%} decomposable, ABF {wl['abf']:.1f}", flush=True)
-    return {"schedule": schedule, "specs": specs, "config": config}
+    return schedule, specs, config
 
 
 if __name__ == "__main__":

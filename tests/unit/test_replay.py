@@ -230,20 +230,22 @@ def test_step_series_and_server_deltas():
 
 # ---- calibration ----------------------------------------------------------------------------------
 def test_calibration_sets_slo_load_and_latency_model(tmp_path):
+    from branchwise.taper.predictor import LinearLatencyModel
+
     trace = synthetic_trace(duration_s=3600, rate=2.0, seed=5)
     a = replay.parse_args(["--launch", "--out", str(tmp_path), "--duration-s", "60", "--load", "0.3"])
     sc = Scaling()
-    steep = replay.Probe({1: 0.006, 32: 0.025}, c0_s=0.005, c_row_s=0.0006)
+    steep = replay.Probe({}, LinearLatencyModel(0.005, 0.0006, 2e-7))
     pt = replay.calibrate(a, trace, sc, steep, tmp_path)
-    assert pt.slo_tpot_ms == pytest.approx(1e3 * (0.005 + 32 * 0.0006))  # T(slo_rows)
+    t_slo = 0.005 + 32 * 0.0006 + 32 * 256 * 2e-7  # 32 rows of 256 KV tokens
+    assert pt.slo_tpot_ms == pytest.approx(1e3 * t_slo)
     specs = replay.build_programs(trace, replay.fit_schedule(trace, a.schedule, 60.0, pt.rate_scale), a.preset,
                                   a.seed, sc)
-    target = 0.3 * 32 / steep.at(32)  # load x the decode tokens/s at slo_rows rows
+    target = 0.3 * 32 / t_slo  # load x the decode tokens/s of that composition
     assert replay.mean_demand_tok_s(specs, 60.0) == pytest.approx(target, rel=0.03)
-    model = json.loads((tmp_path / "latency_model.json").read_text())
     assert pt.latency_model == str(tmp_path / "latency_model.json")
-    assert model["c0"] == pytest.approx(0.005) and model["c_seq"] == pytest.approx(0.0006)
-    flat = replay.Probe({1: 0.012, 32: 0.018}, c0_s=0.012, c_row_s=0.0002)
+    assert LinearLatencyModel.load(pt.latency_model) == steep.model  # taper servers plan with the fit
+    flat = replay.Probe({}, LinearLatencyModel(0.012, 0.0002, 0.0))
     assert replay.calibrate(a, trace, sc, flat, tmp_path).slo_tpot_ms == pytest.approx(2.5 * 12.2)  # the floor
     given = replay.parse_args(["--url", "http://x", "--out", str(tmp_path), "--slo-tpot-ms", "40", "--rate-scale", "2"])
     pt = replay.calibrate(given, trace, sc, steep, tmp_path)
