@@ -8,11 +8,25 @@ put. Only the sub-batch is prepared; its new seq_lens are written back into the 
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
+import types
+import weakref
+from collections.abc import Iterator
 from typing import Any
 
 import torch
+
+# Per-row state that SGLang's penalizers change in cumulate_output_tokens (sampling/penaltylib/*).
+# Everything else a penalizer holds is a per-request constant. A penalizer class missing here
+# (a new SGLang version, a custom one) makes the step run in full rather than risk its state.
+PENALIZER_ACCUMULATORS: dict[str, tuple[str, ...]] = {
+    "BatchedFrequencyPenalizer": ("cumulated_frequency_penalties",),
+    "BatchedPresencePenalizer": ("cumulated_presence_penalties",),
+    "BatchedRepetitionPenalizer": ("cumulated_repetition_penalties",),
+    "BatchedMinNewTokensPenalizer": ("len_output_tokens",),
+}
 
 
 def why_unsupported(scheduler: Any) -> str | None:
@@ -35,8 +49,10 @@ def why_unsupported(scheduler: Any) -> str | None:
 
 def batch_needs_full_step(batch: Any) -> str | None:
     """Per-step conditions under which the whole batch runs (no deferral this step)."""
-    if batch.sampling_info.penalizer_orchestrator.is_required:
-        return "penalties"  # the orchestrator is shared and filtered in place (decode-deferral.md §2)
+    orch = batch.sampling_info.penalizer_orchestrator
+    if orch.is_required and any(p.is_prepared() and type(p).__name__ not in PENALIZER_ACCUMULATORS
+                                for p in orch.penalizers.values()):
+        return "unknown penalizer"
     if any(r.beam_group is not None for r in batch.reqs):
         return "beam search"
     return None
@@ -57,9 +73,17 @@ def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any
     sub = copy.copy(batch)
     sub.sampling_info = dataclasses.replace(batch.sampling_info)
     sub.input_ids = None  # decode inputs come from the FutureMap slot of each row
+    orch = batch.sampling_info.penalizer_orchestrator
+    penalties = orch.is_required
+    if penalties:
+        sub.sampling_info.penalizer_orchestrator = _fork_penalizers(orch, sub)
     sub.filter_batch(keep_indices=idx)
+    if penalties and scheduler.enable_overlap:
+        pin_penalty_tokens(sub)  # bound to the sub (copy.copy would carry one bound to `batch`)
     sub.prepare_for_decode()
     _write_back(batch, sub, idx)
+    if penalties:
+        _write_back_penalizers(orch, sub.sampling_info.penalizer_orchestrator, idx, batch.seq_lens.device)
     scheduler.new_token_ratio_tracker.decay_step()
     return sub
 
@@ -76,3 +100,79 @@ def _write_back(batch: Any, sub: Any, idx: list[int]) -> None:
     batch.out_cache_loc = None
     batch.input_ids = None
     batch.forward_mode = sub.forward_mode  # the merged prefill batch may still say EXTEND
+
+
+def _fork_penalizers(orch: Any, sub: Any) -> Any:
+    """A shallow copy of the orchestrator (and each penalizer) bound to `sub`.
+
+    SGLang's orchestrator is shared by every copy of a batch and `filter` replaces its tensors in
+    place, so filtering the sub directly would drop the deferred rows' penalty state. Penalizer
+    `_filter` re-binds attributes (`t[keep]` is a new tensor), so on copies it leaves `orch` intact.
+    """
+    forked = copy.copy(orch)
+    forked.penalizers = {}
+    ref = weakref.ref(forked)
+    for cls, pen in orch.penalizers.items():
+        clone = copy.copy(pen)
+        clone._orchestrator_ref = ref
+        forked.penalizers[cls] = clone
+    forked.batch = sub
+    return forked
+
+
+def _write_back_penalizers(orch: Any, forked: Any, idx: list[int], device: Any) -> None:
+    """Copy the sub's updated accumulators into the rows of the full batch that ran.
+
+    In place is safe: overlap forwards read penalties through copies taken in copy_for_forward.
+    A penalizer the sub tore down (no active row needs it) has nothing to write: for rows with a
+    neutral parameter its accumulator is never read.
+    """
+    rows = torch.tensor(idx, dtype=torch.int64, device=device)
+    for cls, pen in orch.penalizers.items():
+        mine = forked.penalizers.get(cls)
+        if not pen.is_prepared() or mine is None or not mine.is_prepared():
+            continue
+        for name in PENALIZER_ACCUMULATORS[cls.__name__]:
+            getattr(pen, name).index_copy_(0, rows, getattr(mine, name))
+
+
+def _pinned_cumulate(batch: Any) -> None:
+    """Cumulate, per row, the token an every-step (eager) schedule would cumulate at this step.
+
+    Under overlap SGLang cumulates `output_ids[-1]`, which for a row that ran in the previous step
+    is the second-newest token (the newest is still in flight). A row that sat out the previous
+    step already has its newest token in output_ids; taking it would count one token twice and
+    skip another. Such rows take the second-newest, so every row cumulates one token per step it
+    runs, in order, whatever the rows around it did. (Non-overlap needs nothing: every row's
+    newest token is always in output_ids, and SGLang takes exactly that.)
+    """
+    tokens = []
+    for req in batch.reqs:
+        out = req.output_ids
+        produced = req.kv.kv_committed_len - len(req.origin_input_ids) + 1  # tokens sampled so far
+        pos = -1 if len(out) < produced else -2  # shorter: the newest is still in flight
+        tokens.append(out[pos] if len(out) >= -pos else req.origin_input_ids[-1])
+    ids = torch.tensor(tokens, dtype=torch.int64, device=batch.device)
+    batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
+
+
+def pin_penalty_tokens(batch: Any) -> None:
+    """Make `batch.prepare_for_decode` cumulate penalty tokens with `_pinned_cumulate`."""
+    batch.cumulate_penalty_output_tokens = types.MethodType(_pinned_cumulate, batch)
+
+
+@contextlib.contextmanager
+def penalty_tokens_pinned(scheduler: Any, batch: Any) -> Iterator[None]:
+    """Pin penalty tokens for one update_running_batch call on the (persistent) running batch.
+
+    Needed on full steps too: after a deferral, rows that sat out the previous step are not in
+    flight, and SGLang's own rule would double-count their newest token.
+    """
+    if not (scheduler.enable_overlap and batch.sampling_info.penalizer_orchestrator.is_required):
+        yield
+        return
+    pin_penalty_tokens(batch)
+    try:
+        yield
+    finally:
+        batch.__dict__.pop("cumulate_penalty_output_tokens", None)

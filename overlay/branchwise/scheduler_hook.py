@@ -57,6 +57,12 @@ class BranchwiseState:
     counters: dict[str, int] = field(default_factory=dict)
     last_step: LastStep | None = None
     last_summary: float = field(default_factory=time.monotonic)
+    # False until this scheduler creates its first phase (branch) request: until then no batch
+    # can defer a row or need per-row bookkeeping, and the per-step hooks exit in O(1).
+    phases_seen: bool = False
+    # Time of the last decode step whose batch had no phase rows (per-row bookkeeping skipped);
+    # None while steps with phase rows keep the serial rows' delivery clocks current.
+    quiet_ts: float | None = None
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -129,7 +135,22 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
         st.bump("bad_requests")
     if req.bw_meta.is_branch:
         st.bump("branch_requests")
+        st.phases_seen = True
     return req
+
+
+def note_phase_requests(scheduler: Any) -> None:
+    """Server-side fork created branch requests (they bypass _create_generation_req)."""
+    st = state_of(scheduler)
+    if st is not None:
+        st.phases_seen = True
+
+
+def _has_phase_rows(st: BranchwiseState, reqs: list[Any]) -> bool:
+    """Whether a row belongs to a parallel phase: only then can a step defer rows, and only then
+    does TAPER need per-row bookkeeping. A function of batch composition, so TP ranks agree."""
+    serial = request_meta.SERIAL
+    return st.phases_seen and any(getattr(r, "bw_meta", serial).phase is not None for r in reqs)
 
 
 def _meta(req: Any) -> request_meta.RequestMeta:
@@ -150,7 +171,11 @@ def _row(req: Any, cfg: BranchwiseConfig) -> Row:
 
 def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
-    active = st.controller.select(rows, time.monotonic()) if st.tp_rank == 0 else []
+    active: list[int] = []
+    if st.tp_rank == 0:
+        if st.quiet_ts is not None:
+            _resume_serial_clocks(st, rows)
+        active = st.controller.select(rows, time.monotonic())
     if st.tp_size == 1:
         return active
     import torch
@@ -164,8 +189,16 @@ def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
 
 def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     st = state_of(self)
-    if st is None or st.controller is None or batch.is_empty() or deferral.batch_needs_full_step(batch):
-        return orig(self, batch)
+    if (st is None or st.controller is None or batch.is_empty() or not _has_phase_rows(st, batch.reqs)
+            or deferral.batch_needs_full_step(batch)):
+        return orig(self, batch)  # serial rows only: one row per request, nothing to defer
+    if st.controller.policy.name == "off":  # off must equal stock SGLang: no penalty-token pinning
+        return _update_running_batch(orig, self, st, batch)
+    with deferral.penalty_tokens_pinned(self, batch):
+        return _update_running_batch(orig, self, st, batch)
+
+
+def _update_running_batch(orig: Any, self: Any, st: BranchwiseState, batch: Any) -> Any:
     finishing = self._reqs_finishing_inflight(batch)
     excluded = set(finishing)
     live = [r for r in batch.reqs if r not in excluded and not r.finished()]
@@ -185,6 +218,37 @@ def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     return sub
 
 
+def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, tuple[int, float, bool]], int]:
+    """Tokens delivered per key this step -> (tokens, slo_s, in a phase), and the context sum."""
+    default_slo_ms = st.config.branch_slo_tpot_ms
+    serial = request_meta.SERIAL
+    delivered: dict[str, tuple[int, float, bool]] = {}
+    ctx = 0
+    for req in reqs:
+        m = getattr(req, "bw_meta", serial)
+        key = m.phase if m.phase is not None else req.rid
+        got = delivered.get(key)
+        if got is None:
+            slo_ms = m.slo_tpot_ms if m.slo_tpot_ms is not None else default_slo_ms
+            delivered[key] = (1, slo_ms / 1e3, m.is_branch)
+        else:
+            delivered[key] = (got[0] + 1, got[1], got[2])
+        ctx += req.kv.kv_committed_len
+    return delivered, ctx
+
+
+def _resume_serial_clocks(st: BranchwiseState, rows: list[Row]) -> None:
+    """First plan after steps without phase rows, whose bookkeeping was skipped: every serial row
+    of those steps delivered a token at the last of them (`quiet_ts`), which is what per-step
+    bookkeeping would have recorded. A serial row that joined later (prefill) gets that time too,
+    which understates its slack by at most that prefill step (conservative: defers more)."""
+    ctl = st.controller
+    assert ctl is not None and st.quiet_ts is not None
+    fresh = {r.key: (0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
+    ctl.on_step_done(fresh, st.quiet_ts, 0)
+    st.quiet_ts = None
+
+
 def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     st = state_of(self)
     if st is None:
@@ -194,15 +258,18 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
         st.last_step = None
         return result
     now = time.monotonic()
-    delivered: dict[str, tuple[int, float, bool]] = {}
-    ctx = 0
-    for req in batch.reqs:
-        row = _row(req, st.config)
-        n = delivered.get(row.key, (0,))[0]
-        delivered[row.key] = (n + 1, row.slo_s, row.phase)
-        ctx += row.ctx
     ctl = st.controller
-    ctl.on_step_done(delivered, now, len(batch.reqs))
+    reqs = batch.reqs
+    if _has_phase_rows(st, reqs):
+        delivered, ctx = _deliveries(st, reqs)
+        ctl.on_step_done(delivered, now, len(reqs))
+        st.quiet_ts = None
+    else:  # serial rows only: their clocks matter only once a phase row joins (_resume_serial_clocks)
+        ctl.on_step_done({}, now, len(reqs))
+        if st.quiet_ts is None:
+            ctl.forget({k for k, tr in ctl.trackers.items() if tr.in_phase})  # serial clocks go stale
+        st.quiet_ts = now
+        ctx = sum(r.kv.kv_committed_len for r in reqs)
     prev = st.last_step
     fi, ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
     if prev is not None and fi is not None and fi == prev.forward_iter + 1:
@@ -211,7 +278,7 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
         ctl.on_latency(prev.rows, prev.ctx, latency)
         if st.metrics:
             st.metrics.observe_step(latency, ctl.stats)
-    st.last_step = LastStep(fi, ts, len(batch.reqs), ctx) if fi is not None and ts is not None else None
+    st.last_step = LastStep(fi, ts, len(reqs), ctx) if fi is not None and ts is not None else None
     if now - st.last_summary >= SUMMARY_EVERY_S:
         st.last_summary = now
         s = ctl.stats
