@@ -30,7 +30,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from branchwise.taper.policies import parse_policy  # noqa: E402
 from branchwise.taper.predictor import default_model  # noqa: E402
-from branchwise.taper.state import BatchView, RequestView  # noqa: E402
+from branchwise.taper.state import ArrayBatch, BatchView, RequestView  # noqa: E402
 
 GOAL_MEDIAN_MS, GOAL_P99_MS = 0.1, 0.3
 PAPER_MEDIAN_MS, PAPER_P99_MS = 0.31, 0.81  # TAPER Table 7 (their hardware, their batches)
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="taper")
     ap.add_argument("--utility", default="linear")
     ap.add_argument("--rho", type=float, default=0.8)
+    ap.add_argument("--views", action="store_true",
+                    help="pass tuple-based BatchViews (converted to arrays inside every call) instead of "
+                         "the ArrayBatch the scheduler hook builds")
     ap.add_argument("--repeat", type=int, default=1,
                     help="plan each batch R times and keep the fastest (filters out other processes' load)")
     args = ap.parse_args(argv)
@@ -74,6 +77,8 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     policy = parse_policy(args.policy, rho=args.rho, utility=args.utility)
     batches = [random_batch(rng, args.requests, args.fanout, args.rho) for _ in range(args.steps)]
+    if not args.views:
+        batches = [ArrayBatch.from_view(b) for b in batches]
     for b in batches[:50]:  # warm up caches and numpy dispatch
         policy.plan(b)
     gc.collect()
@@ -89,12 +94,13 @@ def main(argv: list[str] | None = None) -> None:
         times.append(best_wall)
         cpu.append(best_cpu)
         w = plan.rows
-        paths["protected" if w == len(b.requests) else
-              "eager" if w == sum(r.ready for r in b.requests) else "greedy"] += 1
+        a = ArrayBatch.from_view(b) if args.views else b
+        paths["protected" if w == len(a.rids) else "eager" if w == len(a.ctx) else "greedy"] += 1
     med, p99 = _pct(times, 0.5), _pct(times, 0.99)
-    rows = sum(sum(r.ready for r in b.requests) for b in batches) / len(batches)
+    rows = sum(len(ArrayBatch.from_view(b).ctx if args.views else b.ctx) for b in batches) / len(batches)
     print(f"policy={policy.name} utility={args.utility} requests={args.requests} fanout={args.fanout} "
-          f"steps={args.steps} seed={args.seed} repeat={args.repeat} mean rows/step={rows:.0f}")
+          f"steps={args.steps} seed={args.seed} repeat={args.repeat} mean rows/step={rows:.0f} "
+          f"input={'BatchView' if args.views else 'ArrayBatch'}")
     print("steps by outcome: " + ", ".join(f"{k} {v / len(batches):.0%}" for k, v in paths.items()))
     print(f"planner per step: median {med:.3f} ms, P99 {p99:.3f} ms, max {max(times) / 1e6:.3f} ms (wall)")
     print(f"                  median {_pct(cpu, 0.5):.3f} ms, P99 {_pct(cpu, 0.99):.3f} ms (thread CPU time); "

@@ -10,10 +10,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from branchwise.taper.policies import Policy
 from branchwise.taper.predictor import OnlineRefit
 from branchwise.taper.slack import SlackTracker
-from branchwise.taper.state import BatchView, RequestView, StepPlan
+from branchwise.taper.state import ArrayBatch, StepPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -59,35 +61,49 @@ class StepController:
         for i in sorted(range(len(rows)), key=lambda i: (rows[i].key, rows[i].order)):
             groups.setdefault(rows[i].key, []).append(i)
         self.stats.steps += 1
-        if all(len(g) == 1 for g in groups.values()):
+        if len(groups) == len(rows):
             return list(range(len(rows)))  # nothing to defer: skip the planner
-        views = [self._view(key, [rows[i] for i in idx], now) for key, idx in groups.items()]
+        batch = self._snapshot(rows, groups, now)
         t0 = time.perf_counter()
-        batch = BatchView(tuple(views))
         plan = self.policy.plan(batch)
         self.fixed.update(self.policy.pins(batch, plan))
-        self._account(plan, views, time.perf_counter() - t0)
+        self._account(plan, batch, time.perf_counter() - t0)
+        width = plan.width
         active = [i for key, idx in groups.items() for n, i in enumerate(idx)
-                  if n < plan.width[key] or rows[i].forced]
+                  if n < width[key] or rows[i].forced]
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _view(self, key: str, rows: list[Row], now: float) -> RequestView:
-        head = rows[0]
-        tr = self.trackers.get(key)
+    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], now: float) -> ArrayBatch:
+        """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
+        n = len(groups)
+        heads = [rows[idx[0]] for idx in groups.values()]
+        slack = [self._tracker(h, now).slack(now) for h in heads]
+        fixed = None
+        if self.fixed:
+            f = [self.fixed.get(k, 0) for k in groups]
+            fixed = np.array(f, dtype=np.int64) if any(f) else None
+        return ArrayBatch(
+            list(groups), np.fromiter(map(len, groups.values()), np.int64, n),
+            np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
+            np.array(slack, dtype=np.float64), np.array([h.weight for h in heads], dtype=np.float64),
+            np.array([h.phase for h in heads], dtype=bool), fixed)
+
+    def _tracker(self, head: Row, now: float) -> SlackTracker:
+        tr = self.trackers.get(head.key)
         if tr is None:
-            tr = self.trackers[key] = SlackTracker(head.slo_s, now)
+            tr = self.trackers[head.key] = SlackTracker(head.slo_s, now)
             if head.phase:
                 tr.start_phase(now)
-        return RequestView(key, tuple(r.ctx for r in rows), tr.slack(now), head.weight,
-                           key if head.phase else None, max(head.fanout, len(rows)), self.fixed.get(key))
+        return tr
 
-    def _account(self, plan: StepPlan, views: list[RequestView], planner_s: float) -> None:
+    def _account(self, plan: StepPlan, batch: ArrayBatch, planner_s: float) -> None:
         st = self.stats
         st.planned_steps += 1
         st.planner_s += planner_s
-        st.candidates += sum(v.ready - 1 for v in views)
-        st.admitted += sum(plan.width[v.rid] - 1 for v in views)
+        n = len(batch.rids)
+        st.candidates += len(batch.ctx) - n
+        st.admitted += plan.rows - n
         st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
 
     def on_step_done(self, delivered: dict[str, tuple[int, float, bool]], now: float, n_rows: int) -> None:

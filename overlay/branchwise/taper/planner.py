@@ -21,13 +21,11 @@ later rows cost at least as much as the one that failed. `fill=True` runs the pr
 from __future__ import annotations
 
 import math
-from itertools import chain
-from operator import itemgetter
 
 import numpy as np
 
 from branchwise.taper.predictor import LatencyModel
-from branchwise.taper.state import BatchView, StepPlan
+from branchwise.taper.state import ArrayBatch, BatchView, StepPlan, as_arrays
 from branchwise.taper.utility import LINEAR, Utility
 
 # The greedy order is one sort of int64 keys packing (price, row index): the price's float bits
@@ -40,7 +38,6 @@ _ROW_BITS = 20  # < 2^20 rows and requests per step
 _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)
-_first = itemgetter(0)
 
 
 def _arange(n: int) -> np.ndarray:
@@ -52,47 +49,50 @@ def _arange(n: int) -> np.ndarray:
     return _ROWS[:n]
 
 
-def plan_step(batch: BatchView, model: LatencyModel, budget_s: float, utility: Utility = LINEAR, *,
-              pinned: bool = False, fill: bool = False) -> StepPlan:
+def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
+              *, pinned: bool = False, fill: bool = False) -> StepPlan:
     """Widths per request for one decode step.
 
-    pinned: honour RequestView.fixed_width (taper-no-replan): such a request runs exactly
+    pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
     min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
-    reqs = batch.requests
-    n = len(reqs)
+    a = as_arrays(batch)
+    rids = a.rids
+    n = len(rids)
     if n == 0:
         return StepPlan({}, 0.0, budget_s)
-    rids = [r.rid for r in reqs]
-    lens = [r.context_lens for r in reqs]
+    ready, ctx = a.ready, a.ctx
+    starts = ready.cumsum()
+    starts -= ready  # index of each request's first (protected) row
     lo = None  # rows per request that run no matter what; None: one (the protected row)
-    if pinned:
-        pins = [r.fixed_width for r in reqs]
-        if any(pins):
-            lo = [min(f, len(c)) if f else 1 for c, f in zip(lens, pins, strict=True)]
-            lens = [c[:w] if f else c for c, f, w in zip(lens, pins, lo, strict=True)]
-    if lo is None:
-        t0 = model.predict(n, sum(map(_first, lens)), batch.extra_tokens)  # T(S0)
+    fixed = a.fixed_width if pinned else None
+    if fixed is not None and fixed.any():
+        lo = np.where(fixed > 0, np.minimum(fixed, ready), 1)
+        cap = np.where(fixed > 0, lo, ready)  # a pinned request is never widened past its width
+        seg = _arange(n).repeat(ready)
+        ctx = ctx[_arange(len(ctx)) - starts[seg] < cap[seg]]
+        ready = cap
+        starts = ready.cumsum()
+        starts -= ready
+    else:
+        t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
         if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
             return StepPlan(dict.fromkeys(rids, 1), t0, budget_s, notes={"protected_s": t0})
 
-    ready = np.fromiter(map(len, lens), np.int64, n)
-    ctx = np.fromiter(chain.from_iterable(lens), np.int64)
     total = len(ctx)
     seg = _arange(n).repeat(ready)  # request index of every row
-    starts = ready.cumsum()
-    starts -= ready
     pos = _arange(total) - starts[seg] if lo is not None or fill or utility is not LINEAR else None
-    cost = np.asarray(model.row_costs(ctx), dtype=np.float64)  # owned, >= 0: its bits sort like values
+    cost = model.row_costs(ctx)  # a new float64 array, >= 0: its bits sort like its values
     if lo is None:
         forced = starts
     else:
-        forced = np.flatnonzero(pos < np.array(lo)[seg])
-        t0 = model.predict(0, 0, batch.extra_tokens) + float(cost[forced].sum())  # T is separable
+        forced = np.flatnonzero(pos < lo[seg])
+        t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
         if t0 > budget_s:
-            return StepPlan(dict(zip(rids, lo, strict=True)), t0, budget_s, notes={"protected_s": t0})
+            return StepPlan(dict(zip(rids, lo.tolist(), strict=True)), t0, budget_s,
+                            notes={"protected_s": t0})
     notes = {"protected_s": t0}
     cost[forced] = 0.0  # in t0 already
     considered = total - len(forced)
@@ -105,8 +105,8 @@ def plan_step(batch: BatchView, model: LatencyModel, budget_s: float, utility: U
     price = cost
     if utility is not LINEAR:
         gain = utility.table(int(ready.max()))[pos]
-        if utility.weighted:
-            gain *= np.array([r.weight for r in reqs])[seg]
+        if utility.weighted and a.weight is not None:
+            gain *= a.weight[seg]
         price = cost / np.maximum(gain, _TINY)
     key = price.view(np.int64) >> _Q_SHIFT
     # a request's row waits for its predecessors: running max of price along each request's rows,

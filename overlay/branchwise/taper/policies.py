@@ -20,9 +20,11 @@ import re
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
+
 from branchwise.taper.planner import plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, default_model
-from branchwise.taper.state import BatchView, StepPlan
+from branchwise.taper.state import ArrayBatch, BatchView, StepPlan
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-slack", "taper-no-replan",
@@ -38,9 +40,9 @@ class Policy(Protocol):
     name: str
     model: LatencyModel | None
 
-    def plan(self, batch: BatchView) -> StepPlan: ...
+    def plan(self, batch: BatchView | ArrayBatch) -> StepPlan: ...
 
-    def pins(self, batch: BatchView, plan: StepPlan) -> dict[str, int]: ...
+    def pins(self, batch: BatchView | ArrayBatch, plan: StepPlan) -> dict[str, int]: ...
 
 
 @dataclass(slots=True)
@@ -51,7 +53,9 @@ class CapPolicy:
     cap: int | None
     model: LatencyModel | None = None
 
-    def plan(self, batch: BatchView) -> StepPlan:
+    def plan(self, batch: BatchView | ArrayBatch) -> StepPlan:
+        if isinstance(batch, ArrayBatch):
+            return self._plan_arrays(batch)
         reqs = batch.requests
         k = self.cap
         if k == 1:
@@ -64,7 +68,17 @@ class CapPolicy:
             predicted = self.model.predict(sum(width.values()), ctx, batch.extra_tokens)
         return StepPlan(width, predicted)
 
-    def pins(self, batch: BatchView, plan: StepPlan) -> dict[str, int]:
+    def _plan_arrays(self, a: ArrayBatch) -> StepPlan:
+        w = a.ready if self.cap is None else np.minimum(a.ready, self.cap)
+        predicted = 0.0
+        if self.model is not None and len(a.rids):
+            starts = a.ready.cumsum() - a.ready
+            pos = np.arange(len(a.ctx)) - starts.repeat(a.ready)
+            keep = pos < w.repeat(a.ready)
+            predicted = self.model.predict(int(w.sum()), int(a.ctx[keep].sum()), a.extra_tokens)
+        return StepPlan(dict(zip(a.rids, w.tolist(), strict=True)), predicted)
+
+    def pins(self, batch: BatchView | ArrayBatch, plan: StepPlan) -> dict[str, int]:
         return {}
 
 
@@ -84,18 +98,27 @@ class TaperPolicy:
         if not 0.0 < self.rho <= 1.0:
             raise ValueError(f"rho must be in (0, 1], got {self.rho}")
 
-    def budget(self, batch: BatchView) -> float:
+    def budget(self, batch: BatchView | ArrayBatch) -> float:
+        if isinstance(batch, ArrayBatch):
+            if not self.use_slack or not len(batch.rids):
+                return float("inf")
+            return self.rho * float(batch.slack_s.min())
         if not self.use_slack or not batch.requests:
             return float("inf")
         return self.rho * min([r.slack_s for r in batch.requests])
 
-    def plan(self, batch: BatchView) -> StepPlan:
+    def plan(self, batch: BatchView | ArrayBatch) -> StepPlan:
         return plan_step(batch, self.model, self.budget(batch), self.utility,
                          pinned=not self.replan, fill=self.fill)
 
-    def pins(self, batch: BatchView, plan: StepPlan) -> dict[str, int]:
+    def pins(self, batch: BatchView | ArrayBatch, plan: StepPlan) -> dict[str, int]:
         if self.replan:
             return {}
+        if isinstance(batch, ArrayBatch):
+            phase = batch.phase if batch.phase is not None else np.zeros(len(batch.rids), bool)
+            fixed = batch.fixed_width if batch.fixed_width is not None else np.zeros(len(batch.rids), np.int64)
+            return {rid: plan.width[rid] for rid, p, f in zip(batch.rids, phase.tolist(), fixed.tolist(),
+                                                             strict=True) if p and not f}
         return {r.rid: plan.width[r.rid] for r in batch.requests
                 if r.phase_id is not None and r.fixed_width is None}
 

@@ -5,7 +5,10 @@ Pure data, no SGLang import: the scheduler hook and the simulator both build the
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+import numpy as np
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,6 +37,54 @@ class RequestView:
 class BatchView:
     requests: tuple[RequestView, ...]
     extra_tokens: int = 0  # tokens in the same forward that are not decode rows (mixed prefill)
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArrayBatch:
+    """The same snapshot as a BatchView, as flat arrays: what the planner computes on.
+
+    Producers that already hold per-row numbers (the scheduler hook, the benchmark) build this
+    directly and skip one Python object per request; `from_view` converts a BatchView.
+    """
+
+    rids: Sequence[str]  # n requests
+    ready: np.ndarray  # int64[n], ready rows per request (>= 1)
+    ctx: np.ndarray  # int64[sum(ready)], row context lengths, request-major, protected row first
+    slack_s: np.ndarray  # float64[n]
+    weight: np.ndarray | None = None  # float64[n]; None: all 1.0
+    phase: np.ndarray | None = None  # bool[n], in a parallel phase; None: none is
+    fixed_width: np.ndarray | None = None  # int64[n], 0 = not pinned (taper-no-replan)
+    extra_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        n = len(self.rids)
+        if self.ready.shape != (n,) or self.slack_s.shape != (n,):
+            raise ValueError(f"ArrayBatch: ready and slack_s need one entry per request ({n})")
+        if n and int(self.ready.min()) < 1:
+            raise ValueError("ArrayBatch: every request needs at least one ready row")
+        if self.ctx.shape != (int(self.ready.sum()),):
+            raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
+        for name in ("weight", "phase", "fixed_width"):
+            a = getattr(self, name)
+            if a is not None and a.shape != (n,):
+                raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
+
+    @classmethod
+    def from_view(cls, batch: BatchView) -> ArrayBatch:
+        reqs = batch.requests
+        n = len(reqs)
+        fixed = [r.fixed_width or 0 for r in reqs]
+        return cls(
+            [r.rid for r in reqs], np.fromiter((len(r.context_lens) for r in reqs), np.int64, n),
+            np.fromiter((c for r in reqs for c in r.context_lens), np.int64),
+            np.fromiter((r.slack_s for r in reqs), np.float64, n),
+            np.fromiter((r.weight for r in reqs), np.float64, n),
+            np.fromiter((r.phase_id is not None for r in reqs), bool, n),
+            np.array(fixed, dtype=np.int64) if any(fixed) else None, batch.extra_tokens)
+
+
+def as_arrays(batch: BatchView | ArrayBatch) -> ArrayBatch:
+    return batch if isinstance(batch, ArrayBatch) else ArrayBatch.from_view(batch)
 
 
 @dataclass(slots=True)
