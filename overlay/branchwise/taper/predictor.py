@@ -229,9 +229,12 @@ class OnlineRefit:
     Feed it pure decode steps only (no prefill tokens in the forward); mixed steps are ignored.
     Every `every` observations it fits the window with NNLS and moves each coefficient a fraction
     `blend` toward the fit (1.0 = replace). Coefficients stay >= 0 (a convex mix of non-negative
-    numbers), so T stays monotone. It skips a refit when the window cannot separate the
-    coefficients (one batch size, collinear rows/context) or when the update would predict the
-    window worse than the current model. c_tok is never touched (decode windows carry no signal).
+    numbers), so T stays monotone. When the window cannot separate the coefficients (one batch
+    size, or rows and context moving together, as in most real decode windows) it corrects only
+    the intercept: c0 moves toward the mean residual of the window under the current slopes,
+    clipped at 0, so drift (a slower or faster machine, other load) is still tracked while the
+    slopes, and with them monotonicity, stay as they are. Any update that would predict the window
+    worse than the current model is skipped. c_tok is never touched (decode windows carry no signal).
     A ConstantLatencyModel is set to the slowest step in the window instead.
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
@@ -242,6 +245,7 @@ class OnlineRefit:
     blend: float = 0.5
     min_samples: int = 32
     refits: int = field(default=0, init=False)
+    intercept_refits: int = field(default=0, init=False)  # of `refits`, c0-only corrections
     skipped: int = field(default=0, init=False)
     last_skip: str = field(default="", init=False)
     _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
@@ -274,17 +278,25 @@ class OnlineRefit:
             m.value_s = float(lat.max())
             self.refits += changed
             return changed
+        b = self.blend
         why = _degenerate(n, ctx)
         if why:
-            return self._skip(why)
-        new = _fit(n, ctx, lat, np.zeros_like(n))
-        b = self.blend
-        cand = LinearLatencyModel(*((1 - b) * old + b * fit for old, fit in
-                                    zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok)
+            c0_fit = max(0.0, float(np.mean(lat - m.c_seq * n - m.c_ctx * ctx)))
+            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok)
+        else:
+            new = _fit(n, ctx, lat, np.zeros_like(n))
+            cand = LinearLatencyModel(*((1 - b) * old + b * fit for old, fit in
+                                        zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok)
+        if cand.coefs() == m.coefs():
+            return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
         if mape(cand, self._buf) > mape(m, self._buf) + 1e-9:  # worse beyond rounding
-            return self._skip("update would fit the window worse")
+            return self._skip(f"{why}; intercept update would fit the window worse" if why
+                              else "update would fit the window worse")
         m.c0, m.c_seq, m.c_ctx = cand.c0, cand.c_seq, cand.c_ctx
         self.refits += 1
+        self.intercept_refits += bool(why)
+        if why:
+            self.last_skip = f"slopes kept ({why})"
         return True
 
     def _skip(self, why: str) -> bool:
