@@ -13,8 +13,9 @@ Engine model (SGLang-like, one server, see bench/README.md "Simulator"):
   only its generated tokens; deferred branches keep their KV; the reduce is free and the parent
   resumes with every branch's tokens in its context; when the pool overflows the newest request is
   retracted (KV freed, recomputed on re-admission);
-* every step the policy sees a BatchView: per decoding request its ready rows' context lengths (the
-  first unfinished branch is the protected row, then branch order) and its slack from slack.py.
+* every step the policy sees the batch (an ArrayBatch, the planner's own input): per decoding request
+  its ready rows' context lengths (the first unfinished branch is the protected row, then branch
+  order) and its slack from slack.py.
 
 Several steps run in one go when no step in between can differ: no row finishes, no arrival can
 be admitted, the pool cannot overflow, no refit is due. That holds outright for off, cap:K and eager
@@ -44,21 +45,19 @@ import numpy as np
 from bench.metrics import RequestRecord, StageRecord, StepLog, summarize
 from bench.workload import PRESETS, RequestSpec, build_schedule, compose, load_trace, workload_stats
 from branchwise.taper import (
-    BatchView,
     CapPolicy,
     LinearLatencyModel,
     OnlineRefit,
     Policy,
-    RequestView,
     default_model,
     load_model,
     parse_policy,
     phase_slack,
     serial_slack,
 )
+from branchwise.taper.state import ArrayBatch
 
 _BIG = 1 << 62
-_set = object.__setattr__  # views are reused across steps (see _Req.view); the planner never keeps them
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,7 +81,7 @@ class _Req:
 
     __slots__ = (
         "spec", "rid", "prefill_left", "ctx", "saved_ctx", "si", "left", "done", "stage_start", "stage_tok",
-        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "view",
+        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "idx", "off", "fixed",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -100,7 +99,9 @@ class _Req:
         self.cl: list[int] = []
         self.phase_start, self.phase_tok = 0.0, 0
         self.rec = RequestRecord(spec.rid, spec.arrival_s, decomposable=spec.decomposable)
-        self.view = RequestView(spec.rid, (1,), 0.0)
+        # its place in the step's batch arrays (set when the decode set is rebuilt), and the width a
+        # taper-no-replan pin holds for the open phase (0: none)
+        self.idx = self.off = self.fixed = 0
 
     @property
     def kv(self) -> int:
@@ -140,7 +141,6 @@ class Simulator:
         self.dirty = True
         r.si += 1
         stages = r.spec.stages
-        v = r.view
         if r.si == len(stages):
             r.done = r.rec.finished = True
             self.slots -= 1
@@ -148,19 +148,15 @@ class Simulator:
             return
         st = stages[r.si]
         r.stage_start, r.stage_tok = t, 0
-        _set(v, "fixed_width", None)  # a taper-no-replan pin lives for one phase
+        r.fixed = 0  # a taper-no-replan pin lives for one phase
         if isinstance(st, tuple):
             n = len(st)
             r.br_left, r.cl = list(st), [r.ctx] * n
             r.phase_start, r.phase_tok = t, 0
             self.slots += n - 1
-            _set(v, "phase_id", f"{r.rid}/p{r.si}")
-            _set(v, "phase_fanout", n)
         else:
             r.left = st
             r.last_tok = t
-            _set(v, "phase_id", None)
-            _set(v, "phase_fanout", 1)
 
     def _prefilled(self, r: _Req, t: float) -> None:
         """Prefill done at t: first token (or, after a retraction, resume where it was)."""
@@ -207,26 +203,34 @@ class Simulator:
         return False
 
     # ------------------------------------------------------------------------------------ loop
-    def _prepare(self, ser: list[_Req], par: list[_Req], now: float) -> tuple[int, int, bool]:
-        """Write every decoding request's view for a step starting at `now`; returns the serial rows'
-        context sum, their fewest tokens left, and whether any request has more than one ready row."""
+    def _prepare(self, dec: list[_Req], now: float) -> tuple[int, int, bool]:
+        """Lay out the batch of a step starting at `now`, in decode (admission) order: every request's
+        place in the row arrays (r.idx, r.off), its rows' contexts and its slack (what the server's
+        step controller writes into RequestViews). Returns the serial rows' context sum, their fewest
+        tokens left, and whether any request has more than one ready row."""
         slo = self.cfg.slo_s
-        ctx, k = 0, _BIG
-        for r in ser:
-            ctx += r.ctx
-            k = min(k, r.left)
-            _set(r.view, "context_lens", (r.ctx,))
-            _set(r.view, "slack_s", serial_slack(slo, now, r.last_tok))
-        wide = False
-        for r in par:
-            wide = self._phase_view(r, now) or wide
+        ctx, k, wide = 0, _BIG, False
+        rows: list[int] = []
+        ready: list[int] = []
+        slack: list[float] = []
+        for i, r in enumerate(dec):
+            r.idx, r.off = i, len(rows)
+            if r.br_left:
+                rows += r.cl
+                ready.append(len(r.cl))
+                slack.append(phase_slack(slo, now, r.phase_start, r.phase_tok))
+                wide = wide or len(r.cl) > 1
+            else:
+                rows.append(r.ctx)
+                ready.append(1)
+                slack.append(serial_slack(slo, now, r.last_tok))
+                ctx += r.ctx
+                k = min(k, r.left)
+        self.rids = [r.rid for r in dec]
+        self.ready = np.array(ready, dtype=np.int64)
+        self.phase = np.array([bool(r.br_left) for r in dec], dtype=bool)
+        self.row_ctx, self.slack = rows, slack
         return ctx, k, wide
-
-    def _phase_view(self, r: _Req, now: float) -> bool:
-        cl = tuple(r.cl)
-        _set(r.view, "context_lens", cl)
-        _set(r.view, "slack_s", phase_slack(self.cfg.slo_s, now, r.phase_start, r.phase_tok))
-        return len(cl) > 1
 
     def run(self) -> SimResult:
         t_wall, t_cpu = time.perf_counter(), time.process_time()
@@ -239,7 +243,11 @@ class Simulator:
         dec: list[_Req] = []
         ser: list[_Req] = []
         par: list[_Req] = []
-        views: tuple[RequestView, ...] = ()
+        rids: list[str] = []
+        ready = phase = np.zeros(0)
+        row_ctx: list[int] = []  # per ready row, request-major: the batch's ctx, kept current every step
+        slack: list[float] = []  # per request, for the next step
+        by_rid: dict[str, _Req] = {}
         everyone: list[_Req] = []
         noise, nz, nmask = self.noise, 0, len(self.noise) - 1
         kv_admit = cfg.kv_tokens * cfg.admit_kv_frac
@@ -259,12 +267,14 @@ class Simulator:
                 r = wait.popleft()
                 pre.append(r)
                 self.slots += max(len(r.br_left), 1)
-            if self.dirty:  # composition changed: rebuild partitions and every view
+            if self.dirty:  # composition changed: rebuild partitions and the batch layout
                 dec = [r for r in dec if not r.done]
                 ser = [r for r in dec if not r.br_left]
                 par = [r for r in dec if r.br_left]
-                views = tuple([r.view for r in dec])
-                ser_ctx, ser_k, wide = self._prepare(ser, par, now)
+                ser_ctx, ser_k, wide = self._prepare(dec, now)
+                rids, ready, phase, row_ctx, slack = self.rids, self.ready, self.phase, self.row_ctx, self.slack
+                if pinning:
+                    by_rid = {r.rid: r for r in par}
                 self.dirty = False
                 macro_ok = not pinning
             if not dec and not pre:
@@ -289,27 +299,35 @@ class Simulator:
             elig = adm = 0
             width: dict[str, int] | None = None
             if wide:  # otherwise every width is 1 (1 <= width <= ready), whatever the policy
-                batch = BatchView(views, chunk)
+                fixed = np.array([r.fixed for r in dec], dtype=np.int64) if pinning else None
+                batch = ArrayBatch(rids, ready, np.array(row_ctx, dtype=np.int64), np.array(slack), None, phase,
+                                   fixed, chunk)
                 plan = pol.plan(batch)
                 width = plan.width
                 if pinning:
                     for rid, w in pol.pins(batch, plan).items():  # cleared when the phase reduces
-                        _set(next(x.view for x in par if x.rid == rid), "fixed_width", w)
+                        by_rid[rid].fixed = w
                 need_k = macro and (static or macro_ok)  # k only bounds a multi-step window
                 for r in par:
                     w = width[r.rid]
-                    cl = r.view.context_lens
-                    ctx += sum(cl[:w])
+                    cl = r.cl
+                    elig += len(cl)
                     rows += w
-                    elig += len(cl) - 1
-                    adm += w - 1
-                    if need_k:
-                        k = min(k, min(r.br_left[:w]))
+                    if w == 1:  # most rows under load: no slices
+                        ctx += cl[0]
+                        if need_k and r.br_left[0] < k:
+                            k = r.br_left[0]
+                    else:
+                        ctx += sum(cl[:w])
+                        if need_k:
+                            k = min(k, min(r.br_left[:w]))
+                adm = rows - len(ser) - len(par)
+                elig -= len(par)
             else:
                 for r in par:
-                    ctx += r.view.context_lens[0]
-                    rows += 1
+                    ctx += r.cl[0]
                     k = min(k, r.br_left[0])
+                rows += len(par)
             base = c0 + cs * rows + cc * ctx + ct * chunk
             d = cc * rows  # every run row's context grows by one per step
             f = noise[nz]
@@ -322,7 +340,7 @@ class Simulator:
                     horizon = min(horizon, next_refit)
                 k = min(k, _steps_until(base, d, horizon - now))
                 if not static and width is not None and k > 1:
-                    k = self._all_fit_steps(views, k, base, d, f, adm == elig)
+                    k = self._all_fit_steps(batch, k, base, d, f, adm == elig)
                     macro_ok = k > 1
             else:
                 k = 1
@@ -336,33 +354,38 @@ class Simulator:
                     refit.refit()
                     next_refit += cfg.refit_every_s
             self.kv += rows * k
-            # advance every row k tokens; views are written for the next step, which starts at t
+            # advance every row k tokens and lay out the next step (it starts at t); a request whose
+            # rows change (a branch ends, a stage closes) sets dirty, and the layout is rebuilt
             ser_ctx, ser_k, wide = 0, _BIG, False
             for r in ser:
-                r.left -= k
-                r.ctx += k
                 r.stage_tok += k
                 r.last_tok = t
-                if r.left == 0:
+                left = r.left = r.left - k
+                c = r.ctx = r.ctx + k
+                if left == 0:
                     self._close_serial(r, t)
                     continue
-                ser_ctx += r.ctx
-                if r.left < ser_k:
-                    ser_k = r.left
-                v = r.view
-                _set(v, "context_lens", (r.ctx,))
-                _set(v, "slack_s", slo)  # serial_slack(slo, t, last token at t)
+                ser_ctx += c
+                if left < ser_k:
+                    ser_k = left
+                row_ctx[r.off] = c
+                slack[r.idx] = slo  # serial_slack(slo, t, last token at t)
             for r in par:
                 w = width[r.rid] if width else 1
-                left, cl = r.br_left, r.cl
+                left = r.br_left
                 if w == 1 and left[0] > k:  # the common case, inlined: no branch ends
                     left[0] -= k
-                    cl[0] += k
+                    r.cl[0] += k
                     r.phase_tok += k
                     r.last_tok = t
                 elif not self._advance_phase(r, w, k, t):
                     continue
-                wide = self._phase_view(r, t) or wide
+                cl = r.cl
+                o = r.off
+                row_ctx[o:o + len(cl)] = cl
+                slack[r.idx] = phase_slack(slo, t, r.phase_start, r.phase_tok)
+                if len(cl) > 1:
+                    wide = True
             for r in filled:
                 self._prefilled(r, t)
                 dec.append(r)
@@ -379,7 +402,7 @@ class Simulator:
             stats["model_after"] = list(pol.model.coefs()) if hasattr(pol.model, "coefs") else pol.model.value_s
         return SimResult(pol.name, [r.rec for r in everyone], self.log, stats["wall_s"], stats)
 
-    def _all_fit_steps(self, views: tuple[RequestView, ...], k: int, base: float, d: float, f: float,
+    def _all_fit_steps(self, batch: ArrayBatch, k: int, base: float, d: float, f: float,
                        all_admitted: bool) -> int:
         """k if the policy provably admits every ready row in each of the next k steps, else 1.
 
@@ -397,10 +420,10 @@ class Simulator:
             if k <= 1:
                 return 1
         g = k - 1
-        worst = tuple([RequestView(v.rid, tuple([c + g for c in v.context_lens]), v.slack_s, v.weight,
-                                   v.phase_id, v.phase_fanout, v.fixed_width) for v in views])
-        plan = self.policy.plan(BatchView(worst, 0))
-        return k if all(plan.width[v.rid] == v.ready for v in worst) else 1
+        b = batch
+        worst = ArrayBatch(b.rids, b.ready, b.ctx + g, b.slack_s, b.weight, b.phase, b.fixed_width, 0)
+        width = self.policy.plan(worst).width
+        return k if all(width[rid] == n for rid, n in zip(b.rids, b.ready.tolist(), strict=True)) else 1
 
     def _retract(self, dec: list[_Req], wait: deque[_Req]) -> None:
         """Free the newest requests' KV until the pool fits; they re-prefill what they held."""

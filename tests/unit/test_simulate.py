@@ -10,8 +10,8 @@ import pytest
 
 from bench.metrics import summarize
 from bench.simulate import EngineConfig, Simulator, _steps_until, main, slo_sized_cap
-from bench.workload import build_schedule, compose, load_trace, synthetic_trace, write_trace
-from branchwise.taper import LinearLatencyModel, default_model, parse_policy
+from bench.workload import RequestSpec, build_schedule, compose, load_trace, synthetic_trace, write_trace
+from branchwise.taper import LinearLatencyModel, default_model, parse_policy, phase_slack
 
 AZURE = Path(__file__).resolve().parents[2] / "bench" / "data" / "AzureLLMInferenceTrace_conv.csv"
 POLICIES = ("off", "cap:2", "eager", "taper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
@@ -62,6 +62,36 @@ def test_multi_step_windows_are_exact(small, policy: str) -> None:
     a, b = ([(s.parallel, s.tokens, s.start_s, s.end_s) for r in x.records for s in r.stages] for x in runs)
     assert [s[:2] for s in a] == [s[:2] for s in b]
     np.testing.assert_allclose([s[2:] for s in a], [s[2:] for s in b], rtol=0, atol=1e-9)
+
+
+def test_batch_layout_matches_request_state() -> None:
+    """The planner's ArrayBatch: decode order, rows of a phase's ready branches, serial contexts,
+    and slack from slack.py, both right after a rebuild and after an in-place step."""
+    seen = []
+
+    class Recorder:
+        name, model = "eager", None
+
+        def plan(self, batch):
+            seen.append((list(batch.rids), batch.ready.tolist(), batch.ctx.tolist(), batch.slack_s.tolist(),
+                         batch.phase.tolist()))
+            return parse_policy("eager").plan(batch)
+
+        def pins(self, batch, plan):
+            return {}
+
+    specs = [RequestSpec("b", 0.0, 3, (6,)), RequestSpec("a", 0.0, 4, (2, (3, 2), 1))]
+    m = default_model()
+    cfg = EngineConfig(noise=0.0, refit_every_s=0.0, macro_steps=False)
+    Simulator(specs, Recorder(), m, cfg, 1e9).run()
+    slo = cfg.slo_s
+    # step 1 prefills both (b: ctx 3 + 1, a: 4 + 1), step 2 closes a's serial stage (ctx 6) and forks it
+    assert seen[0] == (["b", "a"], [1, 2], [5, 6, 6], [slo, slo], [False, True])
+    # step 3 ran 3 rows over 17 context tokens; a's phase now has 2 tokens in it
+    t3 = m.predict(3, 17)
+    assert seen[1][:3] == (["b", "a"], [1, 2], [6, 7, 7]) and seen[1][4] == [False, True]
+    assert seen[1][3] == [slo, pytest.approx(phase_slack(slo, t3, 0.0, 2))]
+    assert len(seen) == 2  # a's second branch then ends: one ready row each, nothing to plan
 
 
 def test_taper_keeps_attainment_under_overload() -> None:
