@@ -256,6 +256,9 @@ class Simulator:
         pinning = getattr(pol, "replan", True) is False
         static, macro = self.static, cfg.macro_steps
         macro_ok, wide, ser_ctx, ser_k = False, False, 0, _BIG
+        # serial rows all run every step: while none of them closes its stage they advance lazily, by
+        # `lag` tokens since the layout was built (last at t_lag); _catch_up writes it into them
+        lag, t_lag, ser_pos, ser_slo = 0, 0.0, np.zeros(0, dtype=np.int64), False
         now = 0.0
         while now < self.t_end:
             while nxt < n_specs and specs[nxt].arrival_s <= now:
@@ -268,11 +271,14 @@ class Simulator:
                 pre.append(r)
                 self.slots += max(len(r.br_left), 1)
             if self.dirty:  # composition changed: rebuild partitions and the batch layout
+                if lag:
+                    lag = _catch_up(ser, lag, t_lag)
                 dec = [r for r in dec if not r.done]
                 ser = [r for r in dec if not r.br_left]
                 par = [r for r in dec if r.br_left]
                 ser_ctx, ser_k, wide = self._prepare(dec, now)
                 rids, ready, phase, row_ctx, slack = self.rids, self.ready, self.phase, self.row_ctx, self.slack
+                ser_pos, ser_slo = np.array([r.off for r in ser], dtype=np.int64), False
                 if pinning:
                     by_rid = {r.rid: r for r in par}
                 self.dirty = False
@@ -300,8 +306,10 @@ class Simulator:
             width: dict[str, int] | None = None
             if wide:  # otherwise every width is 1 (1 <= width <= ready), whatever the policy
                 fixed = np.array([r.fixed for r in dec], dtype=np.int64) if pinning else None
-                batch = ArrayBatch(rids, ready, np.array(row_ctx, dtype=np.int64), np.array(slack), None, phase,
-                                   fixed, chunk)
+                row = np.array(row_ctx, dtype=np.int64)
+                if lag:
+                    row[ser_pos] += lag
+                batch = ArrayBatch(rids, ready, row, np.array(slack), None, phase, fixed, chunk)
                 plan = pol.plan(batch)
                 width = plan.width
                 if pinning:
@@ -356,20 +364,32 @@ class Simulator:
             self.kv += rows * k
             # advance every row k tokens and lay out the next step (it starts at t); a request whose
             # rows change (a branch ends, a stage closes) sets dirty, and the layout is rebuilt
-            ser_ctx, ser_k, wide = 0, _BIG, False
-            for r in ser:
-                r.stage_tok += k
-                r.last_tok = t
-                left = r.left = r.left - k
-                c = r.ctx = r.ctx + k
-                if left == 0:
-                    self._close_serial(r, t)
-                    continue
-                ser_ctx += c
-                if left < ser_k:
-                    ser_k = left
-                row_ctx[r.off] = c
-                slack[r.idx] = slo  # serial_slack(slo, t, last token at t)
+            wide = False
+            if k < ser_k:  # no serial stage closes: move the serial rows on lazily
+                lag, t_lag = lag + k, t
+                ser_ctx += k * len(ser)
+                if ser:
+                    ser_k -= k
+                if not ser_slo:
+                    for r in ser:
+                        slack[r.idx] = slo  # serial_slack(slo, t, last token at t)
+                    ser_slo = True
+            else:
+                kk, lag = k + lag, 0
+                ser_ctx, ser_k, ser_slo = 0, _BIG, True
+                for r in ser:
+                    r.stage_tok += kk
+                    r.last_tok = t
+                    left = r.left = r.left - kk
+                    c = r.ctx = r.ctx + kk
+                    if left == 0:
+                        self._close_serial(r, t)
+                        continue
+                    ser_ctx += c
+                    if left < ser_k:
+                        ser_k = left
+                    row_ctx[r.off] = c
+                    slack[r.idx] = slo
             for r in par:
                 w = width[r.rid] if width else 1
                 left = r.br_left
@@ -393,7 +413,11 @@ class Simulator:
                 pre = [r for r in pre if r.prefill_left > 0]
             now = t
             if self.kv > cfg.kv_tokens:
+                if lag:
+                    lag = _catch_up(ser, lag, t_lag)
                 self._retract(dec, wait)
+        if lag:
+            _catch_up(ser, lag, t_lag)
         stats = {"retractions": self.retractions, "unadmitted": len(wait) + (n_specs - nxt),
                  "iterations": len(self.log.t_s), "wall_s": time.perf_counter() - t_wall,
                  "cpu_s": time.process_time() - t_cpu}
@@ -438,6 +462,16 @@ class Simulator:
             r.prefill_left, r.saved_ctx, r.ctx = kv, r.ctx, 0
             wait.appendleft(r)
         self.dirty = True
+
+
+def _catch_up(ser: list[_Req], lag: int, t: float) -> int:
+    """Write `lag` tokens, the last delivered at t, into serial requests that advanced lazily; 0."""
+    for r in ser:
+        r.stage_tok += lag
+        r.last_tok = t
+        r.left -= lag
+        r.ctx += lag
+    return 0
 
 
 def _steps_until(base: float, d: float, span: float) -> int:
