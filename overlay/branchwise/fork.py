@@ -19,8 +19,9 @@ A grammar detector (branchwise.grammars) watches a request's generated text. Whe
          prefix + branch 0 in the radix tree and computes the rest, then it continues decoding.
   nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
 
-Where: detection runs per sequence right after SGLang appends a step's tokens
-(AROUND Req.update_finish_state, before KV release and streaming); parking, spawning and joining
+Where: detection runs per sequence right after SGLang appends a step's tokens (a hook on
+Req.update_finish_state, before KV release and streaming, installed on the tracked Req instances
+only, so the rows of every other request pay nothing per step); parking, spawning and joining
 run at the top of the next loop iteration (AFTER Scheduler.ingest_requests), the scheduling point
 where SGLang itself changes queues, so get_next_batch_to_run always sees a consistent state.
 A grammar error stops branching for that sequence (it continues serial, already joined text kept);
@@ -246,8 +247,13 @@ class ForkManager:
         return g
 
     def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
+        from branchwise import plugin
+
+        global _tracking
         t = Track(self, req, det, TextStream(self.decode), grammar, branch)
         req.bw_fork = t
+        plugin.hook_tracked_request(req)
+        _tracking = True
         return t
 
     # ---- per token (Req.update_finish_state) ----------------------------------------------------
@@ -381,6 +387,9 @@ class ForkManager:
             return
         prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: t.keep])
         parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
+        from branchwise.scheduler_hook import note_phase_requests
+
+        note_phase_requests(sched)  # before they can reach a batch: TAPER must see their phase
         for i, b in enumerate(ph.branches):
             assert b is not None
             hdr = t.headers[i]
@@ -586,6 +595,11 @@ def _plain_mode(sched: Any) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
+# Set by the first ForkManager.track in this process (one scheduler per process) and never reset:
+# a finished branch may still sit in an in-flight batch whose output must be filtered.
+_tracking = False
+
+
 def manager(sched: Any) -> ForkManager | None:
     return getattr(sched, "_bw_fork", None)
 
@@ -616,7 +630,8 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
 
 def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, **kwargs: Any) -> Any:
     """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
-    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
+    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent.
+    Installed per tracked Req (plugin.hook_tracked_request), so `req.bw_fork` is always set."""
     out = orig(req, *args, **kwargs)
     t = getattr(req, "bw_fork", None)
     if t is not None:
@@ -655,8 +670,9 @@ def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any
 
 
 def around_stream_output(orig: Callable[..., Any], self: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
-    """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it."""
-    if any(getattr(r, "bw_fork", None) is not None for r in reqs):
+    """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it.
+    Until this process tracks a first request no row can need filtering: no per-row scan."""
+    if _tracking and any(getattr(r, "bw_fork", None) is not None for r in reqs):
         reqs = [r for r in reqs if visible(r)]
     return orig(self, reqs, *args, **kwargs)
 

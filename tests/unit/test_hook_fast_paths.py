@@ -1,0 +1,130 @@
+"""Always-on hooks stay out of the way of batches that do not use Branchwise (issue 5: their cost).
+
+Serial-only batches skip TAPER's per-row work (and resume the serial rows' delivery clocks when a
+phase row joins), the output-stream filter does not scan rows before any request is tracked, and
+server-side fork's per-token hook sits on the tracked Req instances only.
+"""
+
+from __future__ import annotations
+
+import os
+from array import array
+from types import SimpleNamespace
+
+import pytest
+
+from branchwise import fork, plugin, request_meta
+from branchwise import scheduler_hook as sh
+from branchwise.config import BranchwiseConfig
+from branchwise.taper.controller import StepController
+from branchwise.taper.policies import parse_policy
+from branchwise.taper.predictor import LinearLatencyModel
+
+MODEL = LinearLatencyModel(c0=2e-3, c_seq=1e-3, c_ctx=0.0)
+
+
+def req(rid: str, phase: str | None = None, branch: int = 0, ctx: int = 100) -> SimpleNamespace:
+    meta = request_meta.RequestMeta(phase, branch, 4) if phase else request_meta.SERIAL
+    return SimpleNamespace(rid=rid, bw_meta=meta, kv=SimpleNamespace(kv_committed_len=ctx), to_finish=None,
+                           finished=lambda: False)
+
+
+def decode_batch(reqs: list, it: int) -> SimpleNamespace:
+    """No sampling_info: a hook that reaches deferral's per-batch checks fails loudly."""
+    return SimpleNamespace(reqs=reqs, forward_mode=SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False),
+                           forward_iter=it, launch_ts=0.01 * it, is_empty=lambda: not reqs)
+
+
+def scheduler(policy: str = "taper") -> SimpleNamespace:
+    cfg = BranchwiseConfig(branch_policy=policy)
+    st = sh.BranchwiseState(cfg, controller=StepController(parse_policy(policy, model=MODEL)))
+    return SimpleNamespace(_branchwise=st)
+
+
+def test_serial_batches_skip_per_row_bookkeeping_but_count_rows():
+    s = scheduler()
+    st, ctl = s._branchwise, s._branchwise.controller
+    for it in range(3):
+        sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], it))
+    assert ctl.trackers == {}  # no per-request state for serial-only steps
+    assert ctl.stats.rows_run == 6
+    assert st.last_step is not None and st.last_step.ctx == 200  # the refit still sees the steps
+
+
+def test_serial_batches_pass_update_running_batch_through_untouched():
+    s = scheduler()
+    calls = []
+
+    def orig(self, batch):
+        calls.append(batch)
+        return batch
+
+    b = decode_batch([req("a"), req("b")], 0)
+    assert sh.around_update_running_batch(orig, s, b) is b and calls == [b]
+    s._branchwise.phases_seen = True  # a phase request exists elsewhere; this batch is still serial
+    assert sh.around_update_running_batch(orig, s, b) is b and len(calls) == 2
+
+
+def test_phase_rows_restart_bookkeeping_and_serial_clocks_resume_at_the_last_quiet_step():
+    s = scheduler()
+    st, ctl = s._branchwise, s._branchwise.controller
+    st.phases_seen = True
+    mixed = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    sh.after_process_batch_result(None, s, decode_batch(mixed, 0))
+    assert set(ctl.trackers) == {"a", "ph"} and ctl.trackers["ph"].phase_tokens == 2
+    # the phase leaves the batch: serial clocks would go stale, so they are dropped; the phase's kept
+    sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], 1))
+    assert set(ctl.trackers) == {"ph"} and st.quiet_ts is not None
+    quiet = st.quiet_ts
+    sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], 2))
+    assert st.quiet_ts > quiet
+    quiet = st.quiet_ts
+    # a phase rejoins: the plan sees the serial rows as delivered at the last quiet step
+    rows = [sh._row(r, st.config) for r in [req("a"), req("q/0", "q", 0), req("q/1", "q", 1)]]
+    active = sh._decide(st, None, rows)
+    assert ctl.trackers["a"].last_token_s == quiet and st.quiet_ts is None
+    assert 0 in active  # the serial row is protected
+
+
+def test_stream_filter_does_not_scan_before_anything_is_tracked(monkeypatch):
+    monkeypatch.setattr(fork, "_tracking", False)
+    seen = []
+    reqs = [SimpleNamespace(bw_fork=SimpleNamespace(branch=True))]  # would be filtered if scanned
+
+    def orig(self, rs, *args):
+        seen.append(rs)
+
+    fork.around_stream_output(orig, None, reqs)
+    assert seen[-1] is reqs
+    monkeypatch.setattr(fork, "_tracking", True)
+    fork.around_stream_output(orig, None, reqs)
+    assert seen[-1] == []  # a branch row never reaches the detokenizer
+
+
+@pytest.fixture(scope="module")
+def sglang_req():
+    os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    def make(rid: str) -> Req:
+        sp = SamplingParams(max_new_tokens=2, ignore_eos=True)
+        sp.normalize(None)  # stop lists as SGLang's tokenizer manager leaves them
+        return Req(rid, "x", array("q", [1, 2, 3]), sp, vocab_size=100)
+
+    return make
+
+
+def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req):
+    tracked, plain = sglang_req("t"), sglang_req("p")
+    seen = []
+    mgr = SimpleNamespace(on_tokens=lambda t: seen.append((len(t.req.output_ids), t.req.finished())))
+    tracked.bw_fork = SimpleNamespace(mgr=mgr, req=tracked)
+    plugin.hook_tracked_request(tracked)
+    for r in (tracked, plain):
+        for tok in (7, 8):
+            r.output_ids.append(tok)
+            r.update_finish_state(1)
+    # after SGLang's own check on every step (finished by length at the 2nd token), tracked only
+    assert seen == [(1, False), (2, True)]
+    assert plain.finished() and "update_finish_state" not in vars(plain)
