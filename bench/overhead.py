@@ -23,9 +23,15 @@ decode result of bs rows. Reported per step (median over those iterations, or --
   T4 sample   ModelRunner.sample
   T5 result   process_batch_result incl. the output stream (the `stream` column is its send part)
   other       receive/broadcast + loop glue (wall minus the spans)
-  exposed     wall minus forward: CPU time the next forward waits for (on CPU the forward runs on
-              the scheduler thread, so all of it is on the critical path)
+  exposed     time the forward waits for the CPU per step. Without the forward thread the forward
+              runs on the scheduler thread, so exposed = wall minus forward (all of the scheduler's
+              non-forward work is on the critical path). With it (--async-output on CPU,
+              albireo/forward_thread.py) exposed = the time the forward thread sat idle before this
+              step's decode forward (T1/T5 that overlap the previous forward no longer count);
+              T3/T4 are then the forward thread's spans.
   worker      time the async-output worker thread spent per step (off the scheduler thread)
+  tok/s       bs / median step (steady decode); e2e tok/s: bs * steps / the whole request's time
+              (prefill and ramp included) as the client saw it
 """
 
 from __future__ import annotations
@@ -63,6 +69,8 @@ class Row:
     cpu_ms: dict[str, float]  # scheduler-thread CPU time, median per column
     share: dict[str, float]  # wall: mean span / mean step
     tok_s: float  # bs / median step (wall)
+    e2e_tok_s: float = 0.0  # bs * steps / request wall time (client side)
+    fthread_steps: int = 0  # steady steps whose forward ran on the forward thread
 
 
 def _prompts(bs: int) -> list[str]:
@@ -96,13 +104,20 @@ def summarize(records: list[dict], bs: int, clock: str = "wall",
     steady = [r for r in records if r["run"] == ["decode", bs] and r["res"] == ["decode", bs]]
     if not steady:
         raise RuntimeError(f"no steady decode iteration at bs={bs} (max running requests too low?)")
+    idle = [r["fthread"]["idle"] if "fthread" in r else None for r in steady]
     if clock == "cpu":
         steady = [r["cpu"] | {"worker": r["worker"]} for r in steady]
-    for r in steady:
+    else:
+        steady = [dict(r) for r in steady]
+    for r, fidle in zip(steady, idle, strict=True):
         r["result"] += r["stream"]  # T5 includes its send part; `stream` stays as a sub-column
-        spans = r["sched"] + r["prep"] + r["forward"] + r["sample"] + r["result"]
-        r["other"] = max(r["wall"] - spans, 0.0)
-        r["exposed"] = r["wall"] - r["forward"]
+        if fidle is None:  # forward on the scheduler thread: every non-forward ms is exposed
+            spans = r["sched"] + r["prep"] + r["forward"] + r["sample"] + r["result"]
+            r["other"] = max(r["wall"] - spans, 0.0)
+            r["exposed"] = r["wall"] - r["forward"]
+        else:  # forward thread: T3/T4 ran concurrently with the scheduler thread's spans
+            r["other"] = max(r["wall"] - r["sched"] - r["prep"] - r["result"], 0.0)
+            r["exposed"] = fidle
     med = {c: 1e3 * _quantile([r.get(c, 0.0) for r in steady], q) for c in COLUMNS}
     wall = statistics.fmean(r["wall"] for r in steady)
     share = {c: statistics.fmean(r.get(c, 0.0) for r in steady) / wall for c in COLUMNS}
@@ -132,21 +147,25 @@ def _start(url: str, path: str) -> int:
     return _read_until(path, offset, 4)[1]
 
 
-def _row(config: str, overlap: bool, bs: int, records: list[dict], q: float) -> Row:
+def _row(config: str, overlap: bool, bs: int, records: list[dict], q: float, e2e_tok_s: float = 0.0) -> Row:
     n, med, share = summarize(records, bs, q=q)
     _, cpu, _ = summarize(records, bs, "cpu", q=q)
+    nf = sum(1 for r in records if r["run"] == ["decode", bs] and r["res"] == ["decode", bs] and "fthread" in r)
     print(f"  {config:10s} overlap={'on ' if overlap else 'off'} bs={bs:4d}: step {med['wall']:.2f} ms, "
-          f"exposed {med['exposed']:.2f} ms wall / {cpu['exposed']:.2f} ms cpu ({n} steps)", flush=True)
-    return Row(config, overlap, bs, n, med, cpu, share, bs / (med["wall"] / 1e3))
+          f"exposed {med['exposed']:.2f} ms ({n} steps, {nf} on the forward thread), "
+          f"e2e {e2e_tok_s:.0f} tok/s", flush=True)
+    return Row(config, overlap, bs, n, med, cpu, share, bs / (med["wall"] / 1e3), e2e_tok_s, nf)
 
 
 def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int,
             stream: bool = False, stop: bool = False, q: float = 0.5) -> list[Row]:
     offset, rows = _start(url, path), []
     for bs in batch_sizes:
+        t0 = time.perf_counter()
         _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+        e2e = bs * steps / (time.perf_counter() - t0)
         records, offset = _read_until(path, offset, bs)
-        rows.append(_row(config, overlap, bs, records, q))
+        rows.append(_row(config, overlap, bs, records, q, e2e))
     return rows
 
 
@@ -157,33 +176,39 @@ def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps
     offset, rows = _start(url, path), []
     for bs in batch_sizes:
         got: dict[str, list[dict]] = {"stock": [], "albireo": []}
+        secs = {"stock": 0.0, "albireo": 0.0}
         for r in range(rounds):
             for arm in (("stock", "albireo") if r % 2 == 0 else ("albireo", "stock")):
                 post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})
+                t0 = time.perf_counter()
                 _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+                secs[arm] += time.perf_counter() - t0
                 records, offset = _read_until(path, offset, bs)
                 got[arm] += records
-        rows += [_row(arm, overlap, bs, recs, q) for arm, recs in got.items()]
+        rows += [_row(arm, overlap, bs, recs, q, rounds * bs * steps / secs[arm]) for arm, recs in got.items()]
     return rows
 
 
 def launch_args(config: str, overlap: bool, tp: int) -> tuple[list[str], dict[str, str]]:
     args = [] if overlap else ["--disable-overlap-schedule"]
-    modes = {"stock": "stock", "albireo": "albireo", "albireo-inline": "albireo", "bw-off": "1", "branchwise": "1"}
+    modes = {"stock": "stock", "albireo": "albireo", "albireo-inline": "albireo", "bw-off": "1", "branchwise": "1",
+             "bw-nofwd": "1"}
     if config not in modes:
         raise ValueError(f"unknown config {config!r}: {', '.join(modes)}")
     env = {"BRANCHWISE_STEP_TIMER": modes[config], "OMP_NUM_THREADS": "1"}
-    if config in ("albireo", "albireo-inline", "branchwise"):
+    if config in ("albireo", "albireo-inline", "branchwise", "bw-nofwd"):
         args += ["--async-output"] + (["--parallel-sampling"] if tp > 1 else [])
     if config == "albireo-inline":  # sends stay on the scheduler thread
         env["BRANCHWISE_ASYNC_SEND"] = "inline"
+    if config == "bw-nofwd":  # --async-output without the CPU forward thread
+        env["BRANCHWISE_FORWARD_THREAD"] = "0"
     return args, env
 
 
 def table(rows: list[Row], clock: str = "wall") -> str:
     head = (f"{'config':10s} {'overlap':7s} {'bs':>4s} | {'T1 sched':>8s} {'T2 prep':>8s} {'T3 fwd':>8s} "
             f"{'T4 samp':>8s} {'T5 res':>8s} {'(send)':>7s} {'other':>7s} | {'step':>7s} {'exposed':>8s} "
-            f"{'worker':>7s} | {'fwd %':>5s} {'T1+4+5 %':>8s} {'tok/s':>8s}")
+            f"{'worker':>7s} | {'fwd %':>5s} {'T1+4+5 %':>8s} {'tok/s':>8s} {'e2e tok/s':>9s}")
     out = [head, "-" * len(head)]
     for r in rows:
         m, s = (r.ms if clock == "wall" else r.cpu_ms), r.share
@@ -191,7 +216,7 @@ def table(rows: list[Row], clock: str = "wall") -> str:
                    f"{m['forward']:8.3f} {m['sample']:8.3f} {m['result']:8.3f} {m['stream']:7.3f} "
                    f"{m['other']:7.3f} | {m['wall']:7.3f} {m['exposed']:8.3f} {m['worker']:7.3f} | "
                    f"{100 * s['forward']:5.1f} {100 * (s['sched'] + s['sample'] + s['result']):8.1f} "
-                   f"{r.tok_s:8.0f}")
+                   f"{r.tok_s:8.0f} {r.e2e_tok_s:9.0f}")
     return "\n".join(out)
 
 
@@ -201,15 +226,17 @@ def ratios(rows: list[Row]) -> str:
     out = []
     for (cfg, ov, bs), r in by.items():
         for ref in ("stock", "bw-off"):
-            if cfg == "branchwise" and ref == "stock" or cfg.startswith("albireo") and ref == "bw-off":
+            if cfg.startswith("albireo") and ref == "bw-off":
                 continue
             base = by.get((ref, ov, bs))
             if cfg in ("stock", ref) or base is None:
                 continue
+            cpu = ("n/a (forward thread: exposed is its idle time)" if r.fthread_steps else
+                   f"{base.cpu_ms['exposed'] / max(r.cpu_ms['exposed'], 1e-9):.2f}x")
             out.append(f"overlap {'on ' if ov else 'off'} bs {bs:4d}: {cfg} vs {ref}: exposed "
-                       f"{base.ms['exposed'] / max(r.ms['exposed'], 1e-9):.2f}x lower (wall), "
-                       f"{base.cpu_ms['exposed'] / max(r.cpu_ms['exposed'], 1e-9):.2f}x (cpu); "
-                       f"throughput {r.tok_s / base.tok_s:.2f}x")
+                       f"{base.ms['exposed'] / max(r.ms['exposed'], 1e-9):.2f}x lower (wall), {cpu} (cpu); "
+                       f"throughput {r.tok_s / base.tok_s:.2f}x (step), "
+                       f"{r.e2e_tok_s / max(base.e2e_tok_s, 1e-9):.2f}x (e2e)")
     return "\n".join(out)
 
 

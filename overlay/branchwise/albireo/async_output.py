@@ -315,6 +315,9 @@ def set_enabled(st: AsyncOutput, on: bool) -> None:
     if st.table_tok is not None:
         st.table_tok.enabled = on
     st.enabled = on
+    from branchwise.albireo import forward_thread
+
+    forward_thread.set_enabled(on)  # the CPU forward thread is part of --async-output
 
 
 def _qualifies(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> bool:
@@ -399,6 +402,8 @@ def fast_decode_result(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> N
 
 def around_process_batch_result_decode(orig: Any, self: Any, batch: Any, result: Any) -> Any:
     st = _STATE.get(id(self))
+    if result.copy_done is not None:  # the forward thread fills the result in: qualify what it produced
+        result.copy_done.synchronize()
     if st is None or not st.enabled or not _qualifies(st, self, batch, result):
         if st is not None:
             st.stats["stock"] += 1

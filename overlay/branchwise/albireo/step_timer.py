@@ -15,7 +15,11 @@ FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = 
 (process_batch_result without its output-stream part), `stream` = the output streamer's payload
 build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
 iteration (off the scheduler thread). On CPU the forward runs on the scheduler thread, so the
-exposed (non-forward) time of an iteration is `wall - forward`. `cpu` holds the same spans in
+exposed (non-forward) time of an iteration is `wall - forward`. With the forward thread
+(albireo/forward_thread.py) `forward` and `sample` are the worker's spans and the record also has
+`fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it started
+in this iteration (its exposed time: the scheduler thread's work no longer adds to it when it
+overlaps the forward). `cpu` holds the same spans in
 scheduler-thread CPU time (time.thread_time): on a shared machine wall time includes waiting for a
 core, CPU time does not (but it also misses GIL waits and the forward's intra-op threads).
 """
@@ -66,6 +70,8 @@ class StepTimer:
     run: list[Any] | None = None
     res: list[Any] | None = None
     worker_s: float = 0.0
+    fwd: dict[str, float] = field(default_factory=dict)  # forward-thread spans + idle ("fidle"), "fjobs"
+    owner: int = field(default_factory=threading.get_ident)  # the scheduler thread
     lock: threading.Lock = field(default_factory=threading.Lock)
     buf: list[str] = field(default_factory=list)
     profile: Any = None
@@ -84,6 +90,11 @@ class StepTimer:
                    "cpu": {**self.cpu, "wall": cpu_now - self.cpu0}}
             with self.lock:
                 rec["worker"], self.worker_s = self.worker_s, 0.0
+                fwd, self.fwd = self.fwd, {}
+            if fwd:
+                rec["forward"] += fwd.get("forward", 0.0)
+                rec["sample"] += fwd.get("sample", 0.0)
+                rec["fthread"] = {"idle": fwd.get("fidle", 0.0), "jobs": fwd.get("fjobs", 0)}
             self.buf.append(json.dumps(rec))
             idle = self.run is None and self.res is None
             if len(self.buf) >= FLUSH_EVERY or idle:
@@ -122,6 +133,16 @@ class StepTimer:
         with self.lock:
             self.worker_s += dt
 
+    def add_forward(self, name: str, dt: float) -> None:
+        """A span measured on the forward thread (counted in the iteration in progress)."""
+        with self.lock:
+            self.fwd[name] = self.fwd.get(name, 0.0) + dt
+
+    def add_forward_idle(self, dt: float) -> None:
+        with self.lock:
+            self.fwd["fidle"] = self.fwd.get("fidle", 0.0) + dt
+            self.fwd["fjobs"] = self.fwd.get("fjobs", 0) + 1
+
     def flush(self) -> None:
         if self.buf:
             with open(self.path, "a") as f:
@@ -140,6 +161,12 @@ def _timed(name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
     t = _TIMER
     if t is None or not t.t0:
         return orig(*args, **kwargs)
+    if threading.get_ident() != t.owner:  # the forward thread: its own clock, no shared span stack
+        t0 = time.perf_counter()
+        try:
+            return orig(*args, **kwargs)
+        finally:
+            t.add_forward(name, time.perf_counter() - t0)
     t.enter(name)
     try:
         return orig(*args, **kwargs)
