@@ -117,3 +117,25 @@ def test_summary_exposed_is_the_forward_threads_idle_time():
     assert abs(med["other"] - (12.0 - 2.0 - 1.0 - 3.0)) < 1e-9
     _, med, _ = summarize([rec(), rec()], 4)
     assert abs(med["exposed"] - 2.0) < 1e-9  # no forward thread: wall - forward, as before
+
+
+def test_snapshot_keeps_the_launched_rows_when_the_batch_is_merged_or_rebound_later():
+    from dataclasses import dataclass, field
+
+    import torch
+
+    from branchwise.albireo.forward_thread import snapshot
+
+    @dataclass
+    class Batch:
+        reqs: list = field(default_factory=lambda: ["a", "b"])
+        top_logprobs_nums: list = field(default_factory=lambda: [0, 0])
+        seq_lens: torch.Tensor = field(default_factory=lambda: torch.tensor([5, 7]))
+
+    b = Batch()
+    snap = snapshot(b)
+    b.reqs.extend(["c"])  # merge_batch extends in place
+    b.top_logprobs_nums.append(3)
+    b.seq_lens = b.seq_lens + 1  # prepare_for_decode rebinds out of place
+    assert snap.reqs == ["a", "b"] and snap.top_logprobs_nums == [0, 0]
+    assert snap.seq_lens.tolist() == [5, 7]
