@@ -18,6 +18,7 @@ Without seeds each rank uses its own torch RNG: still one draw per row and consi
 ranks (they are gathered), just not reproducible across t.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -197,6 +198,35 @@ def _gather_ids(ids: torch.Tensor, bs: int, t: int, group: dist.ProcessGroup | N
     return out[:bs]
 
 
+def exchange_rows(
+    shard: torch.Tensor, t: int, a2a: Callable[[torch.Tensor, torch.Tensor], Any]
+) -> torch.Tensor:
+    """Vocab-sharded [bs, Vs] (every row, my columns) -> batch-sharded [r, t*Vs] (my rows, every column).
+
+    The batch is padded to r*t rows (r = ceil(bs/t)); row block j is sent to rank j and block j of
+    what arrives is rank j's columns of my rows, so the reassembly is SGLang's
+    `_reassemble_tp_lm_head_all_to_all_output`. Each rank sends and receives bs*Vs*(t-1)/t values
+    instead of the all-gather's bs*Vs*(t-1), and keeps r*t*Vs instead of bs*t*Vs.
+    `a2a(out, inp)` is an `all_to_all_single` with equal splits over the TP group.
+    """
+    r = rows_per_rank(shard.shape[0], t)
+    send = _pad_rows(shard, r * t).contiguous()
+    recv = torch.empty_like(send)
+    a2a(recv, send)
+    return recv.view(t, r, -1).transpose(0, 1).reshape(r, -1)
+
+
+def sample_own_rows(
+    mine: torch.Tensor, p: RowParams, bs: int, group: dist.ProcessGroup | None = None
+) -> torch.Tensor:
+    """My row block [r, V] of a bs-row batch (full-batch `p`) -> [bs] ids on every rank."""
+    t, rank = _group_info(group)
+    r = rows_per_rank(bs, t)
+    assert mine.shape[0] == r, (mine.shape, bs, t)
+    ids = sample_rows(mine, p.padded(r * t).rows(slice(rank * r, (rank + 1) * r)))
+    return _gather_ids(ids, bs, t, group)
+
+
 def sp_sample(
     shard: torch.Tensor, p: RowParams, vocab_size: int, group: dist.ProcessGroup | None = None
 ) -> torch.Tensor:
@@ -205,17 +235,12 @@ def sp_sample(
     Shards are contiguous column blocks in rank order (SGLang's ParallelLMHead layout); columns past
     `vocab_size` are padding and trimmed. `p` holds the FULL batch's rows (every TP rank has them).
     """
-    t, rank = _group_info(group)
+    t, _ = _group_info(group)
     bs = shard.shape[0]
     if t == 1 or bs == 0:
         return sample_rows(shard[:, :vocab_size], p)
-    r = rows_per_rank(bs, t)
-    send = _pad_rows(shard, r * t).contiguous()  # row block j goes to rank j
-    recv = torch.empty_like(send)  # block j: rank j's vocab columns of my r rows
-    dist.all_to_all_single(recv, send, group=group)
-    full = recv.view(t, r, -1).transpose(0, 1).reshape(r, -1)[:, :vocab_size]
-    ids = sample_rows(full, p.padded(r * t).rows(slice(rank * r, (rank + 1) * r)))
-    return _gather_ids(ids, bs, t, group)
+    mine = exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp, group=group))
+    return sample_own_rows(mine[:, :vocab_size], p, bs, group)
 
 
 def sp_sample_full(
@@ -227,6 +252,4 @@ def sp_sample_full(
     if t == 1 or bs == 0:
         return sample_rows(logits, p)
     r = rows_per_rank(bs, t)
-    mine = _pad_rows(logits[rank * r : (rank + 1) * r], r)
-    ids = sample_rows(mine, p.padded(r * t).rows(slice(rank * r, (rank + 1) * r)))
-    return _gather_ids(ids, bs, t, group)
+    return sample_own_rows(_pad_rows(logits[rank * r : (rank + 1) * r], r), p, bs, group)
