@@ -8,12 +8,9 @@ put. Only the sub-batch is prepared; its new seq_lens are written back into the 
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import dataclasses
-import types
 import weakref
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -78,8 +75,6 @@ def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any
     if penalties:
         sub.sampling_info.penalizer_orchestrator = _fork_penalizers(orch, sub)
     sub.filter_batch(keep_indices=idx)
-    if penalties and scheduler.enable_overlap:
-        pin_penalty_tokens(sub)  # bound to the sub (copy.copy would carry one bound to `batch`)
     sub.prepare_for_decode()
     _write_back(batch, sub, idx)
     if penalties:
@@ -156,23 +151,22 @@ def _pinned_cumulate(batch: Any) -> None:
     batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
 
 
-def pin_penalty_tokens(batch: Any) -> None:
-    """Make `batch.prepare_for_decode` cumulate penalty tokens with `_pinned_cumulate`."""
-    batch.cumulate_penalty_output_tokens = types.MethodType(_pinned_cumulate, batch)
+# Set per scheduler process by scheduler_hook.after_init: overlap on and a policy that can defer.
+_pin_penalty_tokens = False
 
 
-@contextlib.contextmanager
-def penalty_tokens_pinned(scheduler: Any, batch: Any) -> Iterator[None]:
-    """Pin penalty tokens for one update_running_batch call on the (persistent) running batch.
+def set_penalty_pinning(on: bool) -> None:
+    global _pin_penalty_tokens
+    _pin_penalty_tokens = on
 
-    Needed on full steps too: after a deferral, rows that sat out the previous step are not in
-    flight, and SGLang's own rule would double-count their newest token.
+
+def around_cumulate_penalty_output_tokens(orig: Any, batch: Any) -> None:
+    """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on).
+
+    Covers every decode preparation: sub-batches, full steps, and mixed chunked prefill steps,
+    which prepare the running batch without going through update_running_batch.
     """
-    if not (scheduler.enable_overlap and batch.sampling_info.penalizer_orchestrator.is_required):
-        yield
-        return
-    pin_penalty_tokens(batch)
-    try:
-        yield
-    finally:
-        batch.__dict__.pop("cumulate_penalty_output_tokens", None)
+    if _pin_penalty_tokens:
+        _pinned_cumulate(batch)
+    else:
+        orig(batch)

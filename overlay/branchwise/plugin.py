@@ -16,6 +16,7 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 SAMPLING_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
+SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 
 
 def _flag_declared(name: str) -> bool:
@@ -99,6 +100,7 @@ def hook_tracked_request(req: Any) -> None:
 def register() -> None:
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    from branchwise import deferral
     from branchwise import scheduler_hook as sh
     from branchwise.albireo import step_timer
 
@@ -110,6 +112,9 @@ def register() -> None:
         (f"{SCHEDULER}._create_generation_req", sh.after_create_generation_req, HookType.AFTER),
         (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
         (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
+        # runs only for batches with penalties: which token deferred rows cumulate (deferral.py)
+        (f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens,
+         HookType.AROUND),
     ]
     if timer_mode not in ("stock", "albireo"):
         hooks += _fork_hooks(HookType)

@@ -108,6 +108,9 @@ def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
                        "falling back to policy off (all rows run every step)", st.disabled_reason)
     else:
         st.controller = _build_controller(cfg)
+    # Rows that can sit out a step need their penalty tokens pinned (deferral.py); off == stock.
+    deferral.set_penalty_pinning(st.controller is not None and st.controller.policy.name != "off"
+                                 and bool(self.enable_overlap))
     if getattr(self.server_args, "enable_metrics", False) and st.tp_rank == 0:
         st.metrics = BranchwiseMetrics()
     self._branchwise = st
@@ -192,13 +195,6 @@ def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     if (st is None or st.controller is None or batch.is_empty() or not _has_phase_rows(st, batch.reqs)
             or deferral.batch_needs_full_step(batch)):
         return orig(self, batch)  # serial rows only: one row per request, nothing to defer
-    if st.controller.policy.name == "off":  # off must equal stock SGLang: no penalty-token pinning
-        return _update_running_batch(orig, self, st, batch)
-    with deferral.penalty_tokens_pinned(self, batch):
-        return _update_running_batch(orig, self, st, batch)
-
-
-def _update_running_batch(orig: Any, self: Any, st: BranchwiseState, batch: Any) -> Any:
     finishing = self._reqs_finishing_inflight(batch)
     excluded = set(finishing)
     live = [r for r in batch.reqs if r not in excluded and not r.finished()]
@@ -254,6 +250,8 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
     if st is None:
         return result
     st.bump("batch_results")
+    if batch.forward_mode.is_mixed():  # mixed chunked prefill: every decode row ran (no deferral)
+        st.bump("mixed_steps")
     if st.controller is None or st.tp_rank != 0 or not batch.forward_mode.is_decode():
         st.last_step = None
         return result
