@@ -16,6 +16,7 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 SAMPLING_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
+LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 
 
@@ -47,6 +48,8 @@ def _albireo_hooks(HookType):
             (f"{SCHEDULER}.get_internal_state", sp.after_get_internal_state, HookType.AFTER),
             (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
             (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
+            (f"{MODEL_RUNNER}.forward", sp.around_forward, HookType.AROUND),
+            (f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits, HookType.AROUND),
         ]
     return hooks
 

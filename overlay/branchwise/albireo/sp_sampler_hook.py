@@ -17,18 +17,39 @@ SGLang's default), and SGLang's filter/merge keep it aligned with the rows.
 Batches SP does not cover fall back to SGLang's sampler (logged once per reason): logprobs,
 grammar, custom logit processors, watermarks, sampling observers/masks, speculative decoding.
 On fallback the injected seeds are hidden, so the stock sampler behaves exactly as without
---parallel-sampling. Logits stay all-gathered (the all-to-all `sp_sample` path is not wired).
+--parallel-sampling.
+
+The logits exchange (Albireo's all-to-all, tp > 1): for a decode batch that SP covers and that has
+no penalties or logit_bias (those are applied to full [bs, V] rows; such batches keep the
+all-gather and are still sampled in parallel), an AROUND on ModelRunner.forward arms a plan and an
+AROUND on LogitsProcessor._get_logits swaps SGLang's logits all-gatherer for the all-to-all
+(`parallel_sampler.exchange_rows`: vocab-sharded in, batch-sharded out, batch padded to a multiple
+of t) for that one call. Each rank then holds full-vocab logits for its ceil(bs/t) rows only and
+`around_sample` samples them and all-gathers the ids. The choice is a function of the batch (and
+of server settings), so every TP rank makes the same collective call. Extend and input-logprob
+paths keep the all-gather. CUDA graphs: the hooks only run in eager Python, so a graph captures
+SGLang's all-gather and its replays keep it (then the gathered rows are sampled as before);
+the all-to-all runs for eager decode batches (all of them on CPU, or with --disable-cuda-graph).
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
-from branchwise.albireo.parallel_sampler import RowParams, sample_rows, sp_sample_full
+from branchwise.albireo.parallel_sampler import (
+    RowParams,
+    exchange_rows,
+    rows_per_rank,
+    sample_own_rows,
+    sample_rows,
+    sp_sample_full,
+)
 
 logger = logging.getLogger("branchwise")
 DEFAULT_SEED = 42  # SGLang's seed for rows without sampling_params.sampling_seed
@@ -40,7 +61,9 @@ class SPState:
     tp_group: Any  # SGLang GroupCoordinator of the TP group
     inject_seeds: bool  # False under --enable-deterministic-inference: SGLang's seeds are used
     sp_steps: int = 0
-    fallbacks: dict[str, int] = field(default_factory=dict)
+    a2a_steps: int = 0  # decode steps whose logits came through the all-to-all
+    fallbacks: dict[str, int] = field(default_factory=dict)  # stock sampler, by reason
+    gathered: dict[str, int] = field(default_factory=dict)  # SP decode steps that kept the all-gather
 
     def group_for(self, t: torch.Tensor) -> Any:
         return self.tp_group.cpu_group if t.device.type == "cpu" else self.tp_group.device_group
@@ -50,8 +73,22 @@ class SPState:
             logger.info("Branchwise parallel sampling: %s -> SGLang's sampler for such batches", reason)
         self.fallbacks[reason] = self.fallbacks.get(reason, 0) + 1
 
+    def gather(self, reason: str) -> None:
+        if reason not in self.gathered:
+            logger.info("Branchwise parallel sampling: %s -> logits all-gathered for such batches", reason)
+        self.gathered[reason] = self.gathered.get(reason, 0) + 1
+
+
+@dataclass(slots=True)
+class ExchangePlan:
+    """One decode forward whose logits may come through the all-to-all."""
+
+    bs: int
+    done: bool = False  # the last _get_logits of this forward exchanged: logits are [rows_per_rank, V]
+
 
 _STATE: SPState | None = None  # one scheduler (and model runner) per process
+_ARMED = threading.local()  # .plan: armed for one ModelRunner.forward on this thread (forward may run on a worker)
 
 
 def state() -> SPState | None:
@@ -70,8 +107,8 @@ def _unsupported_mode(scheduler: Any) -> str | None:
     return None
 
 
-def _fallback_reason(runner: Any, fb: Any, logits_output: Any) -> str | None:
-    """Why this batch takes SGLang's sampler (None: SP covers it)."""
+def _batch_reason(runner: Any, fb: Any) -> str | None:
+    """Why this batch takes SGLang's sampler, from the batch alone (None: SP covers it)."""
     info = fb.sampling_info
     if fb.return_logprob:
         return "logprobs requested"
@@ -85,11 +122,37 @@ def _fallback_reason(runner: Any, fb: Any, logits_output: Any) -> str | None:
         return "a sampling observer"
     if info.sampling_mask_batch_indices is not None:
         return "sampling masks requested"
+    return None
+
+
+def _fallback_reason(runner: Any, fb: Any, logits_output: Any) -> str | None:
+    """Why this batch takes SGLang's sampler (None: SP covers it)."""
+    if (why := _batch_reason(runner, fb)) is not None:
+        return why
     if logits_output.next_token_logits is None:
         return "no next-token logits"
     n = logits_output.next_token_logits.shape[0]
-    if info.sampling_seed is None or info.sampling_seed.shape[0] != n:
+    seeds = fb.sampling_info.sampling_seed
+    if seeds is None or seeds.shape[0] != n:
         return "rows without seeds"
+    return None
+
+
+def _gather_reason(runner: Any, fb: Any) -> str | None:
+    """Why this decode batch keeps the logits all-gather (None: the all-to-all). Batch-only, so every
+    TP rank decides the same; it must imply `_fallback_reason(...) is None` at sample time."""
+    info = fb.sampling_info
+    if info is None:
+        return "no sampling info"
+    if (why := _batch_reason(runner, fb)) is not None:
+        return why  # counted as a fallback when the batch is sampled
+    if (info.logit_bias is not None or info.acc_additive_penalties is not None
+            or info.acc_scaling_penalties is not None
+            or (info.penalizer_orchestrator is not None and info.penalizer_orchestrator.is_required)):
+        return "penalties or logit_bias (applied to full rows)"
+    bs = fb.batch_size
+    if info.temperatures.shape[0] != bs or info.sampling_seed is None or info.sampling_seed.shape[0] != bs:
+        return "rows without sampling params or seeds"
     return None
 
 
@@ -114,8 +177,14 @@ def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> 
     par = get_parallel()
     det = bool(getattr(self.server_args, "enable_deterministic_inference", False))
     _STATE = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det)
-    logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds (default %d)%s",
-                par.tp_size, DEFAULT_SEED, "" if _STATE.inject_seeds else " from SGLang")
+    logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds (default %d)%s%s",
+                par.tp_size, DEFAULT_SEED, "" if _STATE.inject_seeds else " from SGLang",
+                ", decode logits exchanged with an all-to-all" if par.tp_size > 1 else "")
+    args = self.server_args
+    if par.tp_size > 1 and args.device == "cuda" and not getattr(args, "disable_cuda_graph", False):
+        logger.warning("Branchwise parallel sampling: decode batches replayed from CUDA graphs keep "
+                       "SGLang's captured logits all-gather (rows still sampled in parallel); the "
+                       "all-to-all runs only for eager decode batches (--disable-cuda-graph for all)")
 
 
 def after_from_schedule_batch(info: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -127,11 +196,84 @@ def after_from_schedule_batch(info: Any, cls: Any, batch: Any, *args: Any, **kwa
     return info
 
 
+class _AllToAll:
+    """Stands in for LogitsProcessor._logits_gatherer during one decode _get_logits call."""
+
+    __slots__ = ("group", "t", "called")
+
+    def __init__(self, group: Any, t: int) -> None:
+        self.group, self.t, self.called = group, t, False
+
+    def __call__(self, shard: torch.Tensor) -> torch.Tensor:
+        self.called = True
+        return exchange_rows(shard, self.t, self._a2a)
+
+    def _a2a(self, out: torch.Tensor, inp: torch.Tensor) -> None:
+        if inp.device.type == "cpu":  # SGLang's registered op has no CPU kernel; its all-gather uses gloo too
+            dist.all_to_all_single(out, inp, group=self.group.device_group)
+        else:  # pynccl or NCCL, as SGLang's own _tp_lm_head_all_to_all
+            self.group.all_to_all_single(out, inp)
+
+
+def around_forward(orig: Any, runner: Any, fb: Any, *args: Any, **kwargs: Any) -> Any:
+    """ModelRunner.forward: arm the all-to-all for a covered decode batch; tag fb with the outcome."""
+    st = _STATE
+    if st is None or st.tp_size == 1 or not fb.forward_mode.is_decode():
+        return orig(runner, fb, *args, **kwargs)
+    if (why := _gather_reason(runner, fb)) is not None:
+        if why.startswith(("penalties", "rows without")):  # the others are counted as fallbacks
+            st.gather(why)
+        fb.bw_sp_exchange = None
+        return orig(runner, fb, *args, **kwargs)
+    plan = _ARMED.plan = ExchangePlan(bs=fb.batch_size)
+    try:
+        out = orig(runner, fb, *args, **kwargs)
+    finally:
+        _ARMED.plan = None
+    fb.bw_sp_exchange = plan if plan.done else None
+    if not plan.done:
+        st.gather("CUDA graph replay" if getattr(out, "can_run_graph", False) else "all-gather kept in the model")
+    return out
+
+
+def around_get_logits(orig: Any, lp: Any, hidden_states: Any, lm_head: Any, metadata: Any,
+                      *args: Any, **kwargs: Any) -> Any:
+    """LogitsProcessor._get_logits: the all-to-all instead of the all-gather, when armed."""
+    plan: ExchangePlan | None = getattr(_ARMED, "plan", None)
+    if plan is None:
+        return orig(lp, hidden_states, lm_head, metadata, *args, **kwargs)
+    plan.done = False  # the last call of the forward decides what the sampler gets
+    st = _STATE
+    if (st is None or not lp.do_tensor_parallel_all_gather or lp.use_attn_tp_group
+            or lp.do_tensor_parallel_all_gather_dp_attn or not metadata.forward_mode.is_decode()
+            or hidden_states.shape[0] != plan.bs):
+        return orig(lp, hidden_states, lm_head, metadata, *args, **kwargs)
+    stock, a2a = lp._logits_gatherer, _AllToAll(st.tp_group, st.tp_size)
+    lp._logits_gatherer = a2a
+    try:
+        logits = orig(lp, hidden_states, lm_head, metadata, *args, **kwargs)
+    finally:
+        lp._logits_gatherer = stock
+    plan.done = a2a.called
+    return logits
+
+
 def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: Any, **kwargs: Any) -> Any:
     st = _STATE
     if st is None:
         return orig(runner, logits_output, fb, *args, **kwargs)
     info = fb.sampling_info
+    plan: ExchangePlan | None = getattr(fb, "bw_sp_exchange", None)
+    if plan is not None:  # next_token_logits holds my block of rows only (no bias/penalties to apply)
+        logits_output.auxiliary_device_output = None
+        logits = runner.sampler._preprocess_logits(logits_output.next_token_logits, info)  # NaN sanitising
+        assert logits.shape[0] == rows_per_rank(plan.bs, st.tp_size), (logits.shape, plan.bs)
+        p = RowParams.from_sampling_info(info, _positions(fb))
+        ids = sample_own_rows(logits, p, plan.bs, st.group_for(logits))
+        runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=fb)
+        st.sp_steps += 1
+        st.a2a_steps += 1
+        return ids
     reason = _fallback_reason(runner, fb, logits_output)
     if reason is not None:
         st.fallback(reason)
@@ -157,5 +299,6 @@ def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) 
     st = _STATE
     if st is not None and isinstance(getattr(result, "internal_state", None), dict):
         result.internal_state["branchwise_parallel_sampling"] = {
-            "tp_size": st.tp_size, "sp_steps": st.sp_steps, "fallbacks": dict(st.fallbacks)}
+            "tp_size": st.tp_size, "sp_steps": st.sp_steps, "a2a_steps": st.a2a_steps,
+            "fallbacks": dict(st.fallbacks), "gathered": dict(st.gathered)}
     return result

@@ -1,0 +1,96 @@
+"""--parallel-sampling at tp=2: decode logits come through the all-to-all, outputs equal tp=1.
+
+Two servers, one alive at a time:
+  ref  tp=1, --parallel-sampling (no collective at all; logprobs requests take SGLang's sampler)
+  a2a  tp=2, --parallel-sampling (overlap scheduling on): each rank receives full-vocab logits for
+       its ceil(bs/2) rows only, samples them and all-gathers the ids
+Greedy rows at tp=2 are compared with SGLang's own sampler at tp=1 (the reference's greedy requests
+carry return_logprob, which routes them to the stock sampler). Seeded rows are compared with the
+tp=1 parallel sampler: SGLang itself honours per-request seeds only under
+--enable-deterministic-inference, which CPU attention does not support. Batch sizes 5 and 1 are
+not multiples of t (padding rows; at bs=1 rank 1 samples padding only).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from branchwise.launch import get_json, post_json
+
+PROMPTS = [f"row {i}: the answer is" for i in range(5)]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+# one batch mixing every sampling path: greedy, plain temperature, top-k, top-p, min-p, all three
+KINDS = [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 20},
+         {"temperature": 0.9, "top_p": 0.8}, {"temperature": 1.1, "min_p": 0.05, "top_k": 40, "top_p": 0.95}]
+SEEDED = [k | {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 500 + i} for i, k in enumerate(KINDS)]
+# penalties and logit_bias are applied to full rows: such batches keep the all-gather (still SP-sampled)
+PENALTY = GREEDY | {"frequency_penalty": 1.5, "logit_bias": {"441": -30.0}}
+
+
+def gen(url: str, text: Any, sp: Any, **extra: Any) -> Any:
+    return post_json(url + "/generate", {"text": text, "sampling_params": sp, **extra})
+
+
+def ids(res: Any) -> list[list[int]]:
+    return [r["output_ids"] for r in res]
+
+
+def sp_report(url: str) -> dict[str, Any]:
+    return get_json(url + "/server_info")["internal_states"][0]["branchwise_parallel_sampling"]
+
+
+def workload(url: str, stock_greedy: bool) -> dict[str, Any]:
+    logprob = {"return_logprob": True} if stock_greedy else {}
+    out: dict[str, Any] = {
+        "greedy": ids(gen(url, PROMPTS, GREEDY, **logprob)),
+        "greedy1": gen(url, PROMPTS[3], GREEDY, **logprob)["output_ids"],
+        "seeded": ids(gen(url, PROMPTS, SEEDED)),
+        "seeded1": gen(url, PROMPTS[4], SEEDED[4])["output_ids"],
+        "penalty": ids(gen(url, PROMPTS[:3], PENALTY)),
+    }
+    out["before_logprobs"] = sp_report(url)
+    out["logprobs"] = ids(gen(url, PROMPTS[:3], GREEDY, return_logprob=True))
+    out["after"] = sp_report(url)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(servers) -> dict[str, dict[str, Any]]:
+    got: dict[str, dict[str, Any]] = {}
+    for name, tp in (("ref", 1), ("a2a", 2)):
+        srv = servers.get("--random-seed", "0", "--parallel-sampling", tp=tp)
+        try:
+            got[name] = workload(srv.url, stock_greedy=tp == 1)
+        finally:
+            srv.stop()
+            for key in [k for k, v in servers.alive.items() if v is srv]:
+                del servers.alive[key]
+    return got
+
+
+def test_tp2_all_to_all_outputs_equal_tp1(runs):
+    ref, a2a = runs["ref"], runs["a2a"]
+    assert a2a["greedy"] == ref["greedy"]  # ref: SGLang's own sampler (logprobs requested)
+    assert a2a["greedy1"] == ref["greedy1"] == ref["greedy"][3]
+    assert a2a["seeded"] == ref["seeded"]
+    assert a2a["seeded1"] == ref["seeded1"] == ref["seeded"][4]  # a row's draw does not depend on its batch
+    assert a2a["seeded"][0] == ref["greedy"][0]  # the temperature-0 row of the mixed batch is greedy
+    assert len({tuple(x) for x in a2a["seeded"]}) == len(SEEDED)
+    assert a2a["penalty"] == ref["penalty"] and a2a["penalty"] != ref["greedy"][:3]
+    assert a2a["logprobs"] == ref["greedy"][:3]
+
+
+def test_tp2_counters_show_all_to_all_and_fallbacks(runs):
+    before, after = runs["a2a"]["before_logprobs"], runs["a2a"]["after"]
+    assert before["tp_size"] == 2
+    # greedy, seeded: 2 + 2 batched requests x 15 decode steps each, all through the all-to-all
+    assert before["a2a_steps"] >= 4 * 15
+    assert before["gathered"].get("penalties or logit_bias (applied to full rows)", 0) >= 15
+    # a logprobs request: SGLang's sampler on all-gathered logits, never the all-to-all
+    assert after["a2a_steps"] == before["a2a_steps"]
+    got = after["fallbacks"].get("logprobs requested", 0) - before["fallbacks"].get("logprobs requested", 0)
+    assert got >= 15
+    ref = runs["ref"]["after"]
+    assert ref["tp_size"] == 1 and ref["a2a_steps"] == 0 and ref["gathered"] == {}

@@ -1,0 +1,153 @@
+"""The all-to-all wiring of --parallel-sampling (sp_sampler_hook) with stand-ins for SGLang objects.
+
+The collective itself is tested over real gloo groups (test_parallel_sampler_dist.py) and inside a
+real tp=2 server (tests/integration/test_sp_logits.py); here: which batches arm it, that SGLang's
+gatherer is swapped for exactly one decode _get_logits call and restored, and what the sampler gets.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from branchwise.albireo import sp_sampler_hook as sp
+from branchwise.albireo.parallel_sampler import rows_per_rank
+
+V = 50
+
+
+def mode(decode: bool) -> SimpleNamespace:
+    return SimpleNamespace(is_decode=lambda: decode)
+
+
+def info(n: int, **kw) -> SimpleNamespace:
+    base = dict(temperatures=torch.ones(n, 1), top_ps=torch.ones(n), top_ks=torch.full((n,), 1, dtype=torch.int32),
+                min_ps=torch.zeros(n), sampling_seed=torch.arange(n), is_all_greedy=True,
+                need_top_k_sampling=False, need_top_p_sampling=False, need_min_p_sampling=False,
+                grammars=None, has_custom_logit_processor=False, has_watermark_candidates=False,
+                sampling_mask_batch_indices=None, logit_bias=None, acc_additive_penalties=None,
+                acc_scaling_penalties=None, penalizer_orchestrator=None)
+    return SimpleNamespace(**(base | kw))
+
+
+def fbatch(n: int, decode: bool = True, logprob: bool = False, **kw) -> SimpleNamespace:
+    return SimpleNamespace(batch_size=n, forward_mode=mode(decode), sampling_info=info(n, **kw),
+                           return_logprob=logprob, positions=torch.arange(n), seq_lens=torch.arange(n) + 1)
+
+
+RUNNER = SimpleNamespace(watermark_state=None, sampling_observer=None,
+                         sampler=SimpleNamespace(_preprocess_logits=lambda logits, info: logits),
+                         ngram_embedding_manager=SimpleNamespace(update_after_decode=lambda **kw: None))
+
+
+@pytest.fixture
+def st(monkeypatch):
+    state = sp.SPState(tp_size=2, tp_group=None, inject_seeds=True)
+    monkeypatch.setattr(sp, "_STATE", state)
+    # rank 0 of 2, the other rank's columns left out: the plumbing is under test, not the collective
+    monkeypatch.setattr(sp, "exchange_rows", lambda shard, t, a2a: shard[: rows_per_rank(shard.shape[0], t)])
+    return state
+
+
+def test_gather_reason_is_a_function_of_the_batch():
+    assert sp._gather_reason(RUNNER, fbatch(5)) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, logprob=True)) == "logprobs requested"
+    assert sp._gather_reason(RUNNER, fbatch(5, grammars=[None] * 5)) == "grammar-constrained rows"
+    full_rows = "penalties or logit_bias (applied to full rows)"
+    assert sp._gather_reason(RUNNER, fbatch(5, logit_bias=torch.zeros(5, V))) == full_rows
+    assert sp._gather_reason(RUNNER, fbatch(5, acc_additive_penalties=torch.zeros(5, V))) == full_rows
+    assert sp._gather_reason(RUNNER, fbatch(5, acc_scaling_penalties=torch.ones(5, V))) == full_rows
+    orch = SimpleNamespace(is_required=True)
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch)) == full_rows
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=SimpleNamespace(is_required=False))) is None
+    tail = fbatch(5)
+    tail.batch_size = 7  # rows past the requests (a beam tail): no sampling params for them
+    assert sp._gather_reason(RUNNER, tail) == "rows without sampling params or seeds"
+    assert sp._gather_reason(RUNNER, fbatch(5, sampling_seed=None)) == "rows without sampling params or seeds"
+
+
+class LP:
+    """What around_get_logits touches on LogitsProcessor; _get_logits mirrors the stock call shape."""
+
+    def __init__(self) -> None:
+        self.do_tensor_parallel_all_gather = True
+        self.use_attn_tp_group = self.do_tensor_parallel_all_gather_dp_attn = False
+        self.stock_calls = 0
+        self._logits_gatherer = self.stock_gather
+        self.used: list[object] = []  # the gatherer each _get_logits call ran with
+
+    def stock_gather(self, x: torch.Tensor) -> torch.Tensor:
+        self.stock_calls += 1
+        return x
+
+    def get_logits(self, hidden: torch.Tensor, metadata) -> torch.Tensor:
+        def orig(lp, h, _lm, _md):
+            lp.used.append(lp._logits_gatherer)
+            return lp._logits_gatherer(h * 2)
+
+        return sp.around_get_logits(orig, self, hidden, None, metadata)
+
+
+def test_armed_decode_forward_exchanges_once_and_restores_the_gatherer(st, monkeypatch):
+    lp, fb, hidden = LP(), fbatch(5), torch.randn(5, V)
+    got = {}
+
+    def forward(runner, fb):
+        got["logits"] = lp.get_logits(hidden, SimpleNamespace(forward_mode=mode(True)))
+        return SimpleNamespace(can_run_graph=False)
+
+    sp.around_forward(forward, RUNNER, fb)
+    assert isinstance(lp.used[0], sp._AllToAll)  # swapped for the call, then restored
+    assert lp._logits_gatherer == lp.stock_gather and lp.stock_calls == 0
+    assert fb.bw_sp_exchange.done and fb.bw_sp_exchange.bs == 5
+    assert torch.equal(got["logits"], hidden[:3] * 2)  # rank 0's ceil(5/2) rows
+    assert lp.get_logits(hidden, SimpleNamespace(forward_mode=mode(True))).shape == (5, V)  # not armed
+    assert lp.stock_calls == 1
+
+    seen = {}
+
+    def own_rows(mine, p, bs, group):
+        seen.update(mine=mine, bs=bs, n=p.n)
+        return torch.zeros(bs, dtype=torch.int64)
+
+    def orig(*a, **k):
+        raise AssertionError("SGLang's sampler must not see a row block")
+
+    st.tp_group = SimpleNamespace(cpu_group="cpu", device_group="dev")
+    monkeypatch.setattr(sp, "sample_own_rows", own_rows)
+    ids = sp.around_sample(orig, RUNNER, SimpleNamespace(next_token_logits=got["logits"]), fb)
+    assert ids.shape == (5,) and seen["bs"] == 5 and seen["n"] == 5 and seen["mine"].shape == (3, V)
+    assert st.a2a_steps == 1 and st.sp_steps == 1
+
+
+def test_batches_that_keep_the_all_gather(st):
+    lp, hidden = LP(), torch.randn(4, V)
+
+    def forward_with(metadata_decode: bool, rows: int):
+        def forward(runner, fb):
+            lp.get_logits(hidden[:rows], SimpleNamespace(forward_mode=mode(metadata_decode)))
+            return SimpleNamespace(can_run_graph=False)
+        return forward
+
+    fb = fbatch(4, logit_bias=torch.zeros(4, V))  # penalties: never armed, counted
+    sp.around_forward(forward_with(True, 4), RUNNER, fb)
+    assert fb.bw_sp_exchange is None and st.gathered == {"penalties or logit_bias (applied to full rows)": 1}
+    fb = fbatch(4, logprob=True)  # a stock-sampler batch: counted as a fallback when sampled, not here
+    sp.around_forward(forward_with(True, 4), RUNNER, fb)
+    assert fb.bw_sp_exchange is None and len(st.gathered) == 1
+    fb = fbatch(4)  # armed, but the model's logits call is not the batch's decode rows
+    sp.around_forward(forward_with(True, 3), RUNNER, fb)
+    assert fb.bw_sp_exchange is None and st.gathered["all-gather kept in the model"] == 1
+    fb = fbatch(4)
+    sp.around_forward(lambda runner, fb: SimpleNamespace(can_run_graph=True), RUNNER, fb)  # graph replay
+    assert fb.bw_sp_exchange is None and st.gathered["CUDA graph replay"] == 1
+    assert lp.stock_calls == 3 and lp._logits_gatherer == lp.stock_gather
+    fb = fbatch(4, decode=False)  # extend: untouched
+    sp.around_forward(lambda runner, fb: None, RUNNER, fb)
+    assert not hasattr(fb, "bw_sp_exchange")
+    st.tp_size = 1  # nothing is gathered at tp=1
+    fb = fbatch(4)
+    sp.around_forward(lambda runner, fb: None, RUNNER, fb)
+    assert not hasattr(fb, "bw_sp_exchange")
