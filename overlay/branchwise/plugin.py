@@ -16,6 +16,8 @@ MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
 RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
 SAMPLING_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
+TP_WORKER = "sglang.srt.managers.tp_worker.TpModelWorker"
+OVERLAP_UTILS = "sglang.srt.managers.overlap_utils"
 LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 
@@ -30,6 +32,7 @@ def _flag_declared(name: str) -> bool:
 def _albireo_hooks(HookType):
     """Albireo features; each hook body passes through unless its flag is on for this server."""
     from branchwise.albireo import async_output as ao
+    from branchwise.albireo import forward_thread as ft
     from branchwise.albireo import sp_sampler_hook as sp
 
     hooks = []
@@ -41,6 +44,14 @@ def _albireo_hooks(HookType):
              HookType.AROUND),
             (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
             (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
+            # forward thread (CPU): the overlap loop's forward-stream work on a FIFO worker thread
+            (f"{SCHEDULER}.__init__", ft.after_scheduler_init, HookType.AFTER),
+            (f"{SCHEDULER}.get_internal_state", ft.after_get_internal_state, HookType.AFTER),
+            (f"{SCHEDULER}.run_batch", ft.around_run_batch, HookType.AROUND),
+            (f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs, HookType.AROUND),
+            (f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation, HookType.AROUND),
+            (f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload, HookType.AROUND),
+            (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
         ]
     if _flag_declared("parallel_sampling"):
         hooks += [
