@@ -2,7 +2,8 @@
 
 Three servers, each started once and stopped before the next (one alive at a time):
   stock   tp=1, Branchwise flags off (the reference)
-  async   tp=1, --async-output --parallel-sampling
+  async   tp=1, --async-output --parallel-sampling; on CPU this also runs decode forwards on the
+          forward thread (albireo/forward_thread.py), so every comparison below covers it too
   sp2     tp=2, --parallel-sampling --disable-overlap-schedule (async output off)
 Seeded sampling means per-request `sampling_seed`: SGLang honours it only under
 --enable-deterministic-inference (unavailable on CPU), --parallel-sampling always does, so seeded
@@ -79,6 +80,9 @@ def outputs(url: str) -> dict[str, Any]:
     tok = out["greedy"][0][5]  # a stop token the greedy continuation is known to reach
     st = gen(url, PROMPTS[0], {"max_new_tokens": 40, "temperature": 0, "stop_token_ids": [tok]})
     out["stop_tok"] = (st["output_ids"], st["meta_info"]["finish_reason"])
+    # rows finish at different steps while the next step is already in flight (overlap + forward thread)
+    mixed = [GREEDY | {"max_new_tokens": n} for n in (3, 17, 9, 24, 1, 12)]
+    out["mixed"] = [r["output_ids"] for r in gen(url, PROMPTS, mixed)]
     chunks = stream(url, {"text": PROMPTS[1], "sampling_params": GREEDY})
     out["stream"] = [(c["text"], c["output_ids"], c["meta_info"]["finish_reason"]) for c in chunks]
     out["idle"] = wait_idle(url)  # rows that finished while the next step was planned freed their KV
@@ -138,8 +142,9 @@ def runs(servers) -> dict[str, dict[str, Any]]:
 def test_async_output_outputs_byte_identical_to_stock(runs):
     stock, fast = runs["stock"], runs["async"]
     # unseeded sampled outputs are not compared: SGLang's global RNG consumption depends on step timing
-    for key in ("greedy", "eos", "stop_str", "stop_tok"):
+    for key in ("greedy", "eos", "stop_str", "stop_tok", "mixed"):
         assert fast[key] == stock[key], key
+    assert [len(x) for x in stock["mixed"]] == [3, 17, 9, 24, 1, 12]
     # the HTTP layer may merge chunks that arrive together: compare states, not chunk boundaries
     by_len = {len(ids): (text, ids, fin) for text, ids, fin in stock["stream"]}
     assert fast["stream"][-1] == stock["stream"][-1]
@@ -151,6 +156,9 @@ def test_async_output_outputs_byte_identical_to_stock(runs):
     rep = fast["internal"]["branchwise_async_output"]
     assert rep["fast"] > 0 and rep["sent"] > 0 and rep["table"] is True  # the fast paths really ran
     assert "branchwise_async_output" not in stock["internal"]
+    ft = fast["internal"]["branchwise_forward_thread"]  # decode forwards really ran on the thread
+    assert ft["enabled"] and ft["jobs"] > 20 and ft["inline"] > 0  # prefills run inline
+    assert "branchwise_forward_thread" not in stock["internal"]
 
 
 def test_streaming_order_preserved_with_async_output(runs):
