@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
-from branchwise.taper.state import ArrayBatch, BatchView, RequestView
+from branchwise.taper.state import ArrayBatch, BatchView, RequestView, StepPlan
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
 POLICIES = ["off", "cap:2", "eager", "taper", "taper-no-slack", "taper-no-replan", "taper-const-predictor"]
@@ -65,3 +65,13 @@ def test_bad_array_batch_is_rejected(kw, msg):
             "ctx": np.array([5, 6, 7], dtype=np.int64), "slack_s": np.zeros(2)}
     with pytest.raises(ValueError, match=msg):
         ArrayBatch(**{**base, **kw})
+
+
+def test_step_plan_from_arrays_builds_its_dict_on_demand():
+    p = StepPlan(rids=["a", "b"], widths=np.array([2, 1]), predicted_s=0.5)
+    assert p.rows == 3 and p.widths(["b", "a"]) == [1, 2] and p.width == {"a": 2, "b": 1}
+    assert p == StepPlan({"a": 2, "b": 1}, 0.5)
+    with pytest.raises(ValueError, match="either width"):
+        StepPlan()
+    with pytest.raises(ValueError, match="either width"):
+        StepPlan({"a": 1}, widths=np.array([1]), rids=["a"])

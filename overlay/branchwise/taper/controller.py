@@ -68,9 +68,9 @@ class StepController:
         plan = self.policy.plan(batch)
         self.fixed.update(self.policy.pins(batch, plan))
         self._account(plan, batch, time.perf_counter() - t0)
-        width = plan.width
-        active = [i for key, idx in groups.items() for n, i in enumerate(idx)
-                  if n < width[key] or rows[i].forced]
+        width = plan.widths(batch.rids)
+        active = [i for w, idx in zip(width, groups.values(), strict=True) for n, i in enumerate(idx)
+                  if n < w or rows[i].forced]
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 

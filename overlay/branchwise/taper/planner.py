@@ -40,6 +40,10 @@ _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)
 
 
+def _ones(n: int) -> np.ndarray:
+    return np.ones(n, dtype=np.int64)
+
+
 def _arange(n: int) -> np.ndarray:
     global _ROWS
     if n > len(_ROWS):
@@ -79,7 +83,8 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
     else:
         t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
         if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
-            return StepPlan(dict.fromkeys(rids, 1), t0, budget_s, notes={"protected_s": t0})
+            return StepPlan(rids=rids, widths=_ones(n), predicted_s=t0, budget_s=budget_s,
+                            notes={"protected_s": t0})
 
     total = len(ctx)
     seg = _arange(n).repeat(ready)  # request index of every row
@@ -91,14 +96,14 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
         forced = np.flatnonzero(pos < lo[seg])
         t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
         if t0 > budget_s:
-            return StepPlan(dict(zip(rids, lo.tolist(), strict=True)), t0, budget_s,
+            return StepPlan(rids=rids, widths=lo, predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
     notes = {"protected_s": t0}
     cost[forced] = 0.0  # in t0 already
     considered = total - len(forced)
     extra_s = float(cost.sum())
     if t0 + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
-        return StepPlan(dict(zip(rids, ready.tolist(), strict=True)), t0 + extra_s, budget_s,
+        return StepPlan(rids=rids, widths=ready, predicted_s=t0 + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
 
     # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
@@ -126,7 +131,7 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
     used = float(cum[k - 1]) if k else 0.0
     if fill and k < total:
         used += _fill(order[k:], cost, seg, pos, width, room - used)
-    return StepPlan(dict(zip(rids, width.tolist(), strict=True)), t0 + used, budget_s,
+    return StepPlan(rids=rids, widths=width, predicted_s=t0 + used, budget_s=budget_s,
                     considered=considered, notes=notes)
 
 

@@ -76,7 +76,7 @@ class CapPolicy:
             pos = np.arange(len(a.ctx)) - starts.repeat(a.ready)
             keep = pos < w.repeat(a.ready)
             predicted = self.model.predict(int(w.sum()), int(a.ctx[keep].sum()), a.extra_tokens)
-        return StepPlan(dict(zip(a.rids, w.tolist(), strict=True)), predicted)
+        return StepPlan(rids=a.rids, widths=w, predicted_s=predicted)
 
     def pins(self, batch: BatchView | ArrayBatch, plan: StepPlan) -> dict[str, int]:
         return {}

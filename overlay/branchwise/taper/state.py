@@ -6,7 +6,7 @@ Pure data, no SGLang import: the scheduler hook and the simulator both build the
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -87,16 +87,49 @@ def as_arrays(batch: BatchView | ArrayBatch) -> ArrayBatch:
     return batch if isinstance(batch, ArrayBatch) else ArrayBatch.from_view(batch)
 
 
-@dataclass(slots=True)
 class StepPlan:
-    """Rows to run per request (>= 1 for every request), plus what the planner predicted."""
+    """Rows to run per request (>= 1 for every request), plus what the planner predicted.
 
-    width: dict[str, int]
-    predicted_s: float = 0.0
-    budget_s: float = float("inf")
-    considered: int = 0  # candidate evaluations, for overhead reporting
-    notes: dict[str, float] = field(default_factory=dict)
+    The planner hands over the widths as an array aligned with its request ids; the dict view
+    `width` is built on first use (a dict of 256 requests costs as much as the plan itself).
+    """
+
+    __slots__ = ("_width", "_rids", "_widths", "predicted_s", "budget_s", "considered", "notes")
+
+    def __init__(self, width: dict[str, int] | None = None, predicted_s: float = 0.0,
+                 budget_s: float = float("inf"), considered: int = 0, notes: dict[str, float] | None = None,
+                 *, rids: Sequence[str] | None = None, widths: np.ndarray | None = None) -> None:
+        if (width is None) == (widths is None) or (widths is not None and rids is None):
+            raise ValueError("StepPlan takes either width (a dict) or rids and widths (an array)")
+        self._width, self._rids, self._widths = width, rids, widths
+        self.predicted_s, self.budget_s, self.considered = predicted_s, budget_s, considered
+        self.notes = notes if notes is not None else {}
+
+    @property
+    def width(self) -> dict[str, int]:
+        if self._width is None:
+            self._width = dict(zip(self._rids, self._widths.tolist(), strict=True))
+        return self._width
+
+    def widths(self, rids: Sequence[str]) -> list[int]:
+        """Widths in the order of `rids` (cheap when they are the planner's own request ids)."""
+        if self._widths is not None and (rids is self._rids or list(rids) == list(self._rids)):
+            return self._widths.tolist()
+        w = self.width
+        return [w[r] for r in rids]
 
     @property
     def rows(self) -> int:
-        return sum(self.width.values())
+        return int(self._widths.sum()) if self._widths is not None else sum(self._width.values())
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, StepPlan):
+            return NotImplemented
+        return (self.width, self.predicted_s, self.budget_s, self.considered, self.notes) == \
+            (other.width, other.predicted_s, other.budget_s, other.considered, other.notes)
+
+    __hash__ = None  # type: ignore[assignment]  # mutable, like the dataclass it replaces
+
+    def __repr__(self) -> str:
+        return (f"StepPlan(width={self.width!r}, predicted_s={self.predicted_s!r}, budget_s={self.budget_s!r}, "
+                f"considered={self.considered!r}, notes={self.notes!r})")
