@@ -42,6 +42,7 @@ import dataclasses
 import logging
 import os
 import queue
+import sys
 import threading
 import time
 from collections.abc import Callable
@@ -52,6 +53,10 @@ from branchwise.albireo import step_timer
 
 logger = logging.getLogger("branchwise")
 ENV = "BRANCHWISE_FORWARD_THREAD"  # "0" = off (A/B); default on where --async-output qualifies
+# GIL switch interval (ms) while the forward thread runs: the worker and the scheduler thread share
+# one GIL, and a thread that gives it up inside a torch op waits up to this long for the other's
+# Python to hand it back (CPython's default is 5 ms). Unset = leave CPython's default.
+SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
 _STOP = object()
 # fields the scheduler thread itself sets on the placeholder before it synchronises
 _SCHEDULER_OWNED = frozenset({"copy_done", "delay_sample_func", "future_indices", "extra_keep_alive_refs"})
@@ -241,8 +246,15 @@ def install(scheduler: Any) -> ForwardExecutor | None:
     if why is not None:
         logger.info("Branchwise forward thread off: %s", why)
         return None
+    switch = os.environ.get(SWITCH_ENV, "").strip()
+    if switch:
+        ms = float(switch)
+        if not 0 < ms <= 100:
+            raise ValueError(f"{SWITCH_ENV} must be in (0, 100] ms, got {switch!r}")
+        sys.setswitchinterval(ms / 1e3)
     _EX = ForwardExecutor(scheduler)
-    logger.info("Branchwise forward thread on (torch intra-op threads: %d)", _torch_threads())
+    logger.info("Branchwise forward thread on (torch intra-op threads: %d, GIL switch interval %.2f ms)",
+                _torch_threads(), 1e3 * sys.getswitchinterval())
     return _EX
 
 
