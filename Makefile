@@ -71,7 +71,7 @@ test-unit:
 	$(PY) -m pytest tests/unit -q
 
 bench: apply tiny-model
-	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench
+	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench $(BENCH_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check overlay bench frontends tests

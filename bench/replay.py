@@ -671,7 +671,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--slo-context", type=float, default=256.0,
                    help="KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)")
     g.add_argument("--slo-floor", type=float, default=2.5, help="auto SLO >= this x the probed T(1)")
-    g.add_argument("--load", type=float, default=0.28)
+    g.add_argument("--load", type=float, default=0.35,
+                   help="mean demanded tok/s as a fraction of the probed decode rate at the SLO composition "
+                        "(the 3-regime schedule peaks at ~2x its mean); bench/README.md says how 0.35 was chosen")
     g.add_argument("--latency-model", default="auto",
                    help="T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online")
     ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
