@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import chain
 
 import numpy as np
 
@@ -73,13 +74,14 @@ class ArrayBatch:
     def from_view(cls, batch: BatchView) -> ArrayBatch:
         reqs = batch.requests
         n = len(reqs)
+        lens = [r.context_lens for r in reqs]
         fixed = [r.fixed_width or 0 for r in reqs]
         return cls(
-            [r.rid for r in reqs], np.fromiter((len(r.context_lens) for r in reqs), np.int64, n),
-            np.fromiter((c for r in reqs for c in r.context_lens), np.int64),
-            np.fromiter((r.slack_s for r in reqs), np.float64, n),
-            np.fromiter((r.weight for r in reqs), np.float64, n),
-            np.fromiter((r.phase_id is not None for r in reqs), bool, n),
+            [r.rid for r in reqs], np.fromiter(map(len, lens), np.int64, n),
+            np.fromiter(chain.from_iterable(lens), np.int64),
+            np.array([r.slack_s for r in reqs], dtype=np.float64),
+            np.array([r.weight for r in reqs], dtype=np.float64),
+            np.array([r.phase_id is not None for r in reqs], dtype=bool),
             np.array(fixed, dtype=np.int64) if any(fixed) else None, batch.extra_tokens)
 
 
