@@ -29,6 +29,13 @@ Why this is race-free (checked against SGLang 0.5.23, map §2):
   accumulator is updated in place at the next launch), delayed sampling), so no forward ever runs
   concurrently with another.
 
+Measured here (bench.overhead --ab, tiny model, 2 cores): the worker's idle time between decode
+forwards (the exposed time) is 0.06-0.10 ms vs 1.4-4.5 ms stock, but decode throughput is 0.84x /
+0.96x / 1.00x of stock at bs 1 / 32 / 128: this model's forward is mostly GIL-held Python
+(torch_native attention loops over rows), so the scheduler thread's Python still serialises with it
+and the forward gets slower by about what it no longer waits for. Models whose kernels run longer
+than their Python (anything not tiny) overlap for real; a smaller GIL switch interval was worse.
+
 Enabled with --async-output on a CPU device, overlap on, tp = pp = 1, no speculative decoding / PD
 disaggregation / PDMux / unified memory; env BRANCHWISE_FORWARD_THREAD=0 opts out (A/B), and the
 --async-output runtime switch turns it off with the rest. Under TP it stays off (the forward's
