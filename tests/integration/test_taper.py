@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
@@ -93,6 +95,79 @@ def test_penalties_with_deferral_match_eager(servers):
     assert got != penalty_run(eager.url, penalties=False)  # the penalties do change the outputs
 
 
+def batch_gen(url: str, jobs: list[tuple[int, int | None]], n: int, fanout: int = 4, tag: str = "",
+              **sp_extra) -> dict[str, dict]:
+    """One batched /generate (one message to the scheduler) for phase rows (p, b) and serial (i, None)."""
+    def sp(p: int, b: int | None) -> dict:
+        base = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True, **sp_extra}
+        return base if b is None else stamp(base, phase=f"{tag}{p}", branch=b, fanout=fanout)
+
+    outs = post_json(url + "/generate", {
+        "text": [f"program {p}: the plan then" for p, _ in jobs],
+        "rid": [f"{tag}{p}/b{b}" if b is not None else f"{tag}s{p}" for p, b in jobs],
+        "sampling_params": [sp(p, b) for p, b in jobs]})
+    return {o["meta_info"]["id"]: o for o in outs}
+
+
+def test_grammar_constrained_rows_with_deferral_match_eager(servers):
+    """Deferred rows keep their grammar state (each Req owns its matcher; the sub's mask is built
+    from the sub's rows), so constrained outputs equal eager's and stay valid."""
+    regex = r"(yes|no), [a-z]{2,6}( [a-z]{2,6}){1,3}\."
+    schema = {"type": "object", "properties": {"v": {"enum": ["up", "down"]}, "n": {"enum": [1, 2, 3]}},
+              "required": ["v", "n"], "additionalProperties": False}
+
+    # xgrammar allows any JSON whitespace, where this random model can loop until max_new_tokens:
+    # without it, every output must be a prefix of a valid document (a whole one if it stopped).
+    docs = {json.dumps(d, separators=(",", ":")) for v in ("up", "down") for n in (1, 2, 3)
+            for d in ({"v": v, "n": n}, {"n": n, "v": v})}
+
+    def run(url: str) -> dict[str, tuple[str, str]]:
+        outs = batch_gen(url, [(0, b) for b in range(3)], 48, fanout=3, tag="gre", regex=regex)
+        outs |= batch_gen(url, [(1, b) for b in range(3)], 48, fanout=3, tag="gjs",
+                          json_schema=json.dumps(schema))
+        return {rid: (o["text"], o["meta_info"]["finish_reason"]["type"]) for rid, o in outs.items()}
+
+    tight = servers.get(*TIGHT)
+    before = branchwise_report(tight.url)["taper"]["rows_deferred"]
+    got = run(tight.url)
+    assert branchwise_report(tight.url)["taper"]["rows_deferred"] > before
+    assert got == run(servers.get(*EAGER).url)
+    for rid, (text, finish) in got.items():
+        if rid.startswith("gre"):
+            assert re.fullmatch(regex, text), (rid, text)
+        else:
+            compact = re.sub(r"\s", "", text)
+            assert any(d.startswith(compact) for d in docs) and (finish != "stop" or compact in docs), (rid, text)
+
+
+# A KV pool too small for the workload, admission that reserves one token of decode growth per
+# request (SGLang's estimation clip; ignore_eos requests otherwise reserve all of max_new_tokens),
+# so SGLang must retract; and mixed chunked prefill (retracted and late requests re-enter as
+# prefills mixed with the running decode rows).
+PRESSURE = ("--enable-mixed-chunk", "--chunked-prefill-size", "256")
+PRESSURE_ENV = {"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "1"}
+POOL_TOKENS = 256
+
+
+def retractions(server) -> int:
+    return server.log_path.read_text(errors="replace").count("KV cache pool is full. Retract requests.")
+
+
+def pressure_then_late_arrivals(url: str) -> dict[str, dict]:
+    """5 phases x 3 branches x 64 tokens into a 256-token pool: even TAPER's protected composition
+    (one row per phase, 5 x 64 new tokens) outgrows it, so the subset check fails while the other
+    rows are deferred. Serial requests arrive while those decode (mixed steps)."""
+    with ThreadPoolExecutor(1) as pool:
+        first = pool.submit(batch_gen, url, [(p, b) for p in range(5) for b in range(3)], 64, fanout=3,
+                            tag="mem")
+        deadline = time.monotonic() + 60
+        while get_json(url + "/v1/loads")["loads"][0]["num_running_reqs"] == 0 and not first.done():
+            assert time.monotonic() < deadline, "the phase rows never started decoding"
+            time.sleep(0.02)  # poll interval while waiting for the decode to start
+        late = batch_gen(url, [(i, None) for i in range(3)], 16, tag="late")
+        return first.result(timeout=300) | late
+
+
 def test_abort_of_a_deferred_branch_frees_its_kv(servers):
     srv = servers.get(*TIGHT)
     assert wait_idle(srv.url) == 0
@@ -119,3 +194,23 @@ def test_tp2_decides_on_rank0_and_matches_tp1(servers):
     got = workload(tp2.url, phases=2, fanout=3, serial=1)
     assert {k: v["output_ids"] for k, v in got.items()} == {k: v["output_ids"] for k, v in ref.items()}
     assert branchwise_report(tp2.url)["taper"]["rows_deferred"] > 0
+
+
+def test_memory_pressure_retraction_and_mixed_chunks_with_deferral(servers):
+    """Retraction while branch rows are deferred (the subset no longer fits -> SGLang's own retract
+    path over the full batch, deferred rows included) and mixed chunked prefill steps, which run
+    every decode row (SGLang mixes the whole running batch into the prefill before
+    update_running_batch could choose rows; running all rows is the eager step, always correct).
+    Outputs equal eager's under the same pool, and the KV pool drains back to idle."""
+    eager = servers.get(*EAGER, *PRESSURE, env=PRESSURE_ENV, max_total_tokens=POOL_TOKENS)
+    ref = pressure_then_late_arrivals(eager.url)
+    assert retractions(eager) > 0 and wait_idle(eager.url) == 0
+    tight = servers.get(*TIGHT, *PRESSURE, env=PRESSURE_ENV, max_total_tokens=POOL_TOKENS)
+    got = pressure_then_late_arrivals(tight.url)
+    assert {k: v["output_ids"] for k, v in got.items()} == {k: v["output_ids"] for k, v in ref.items()}
+    assert all(v["meta_info"]["finish_reason"]["type"] == "length" for v in got.values())
+    rep = branchwise_report(tight.url)
+    assert rep["taper"]["rows_deferred"] > 0
+    assert rep["counters"].get("fallback_retract", 0) > 0 and retractions(tight) > 0
+    assert rep["counters"].get("mixed_steps", 0) > 0
+    assert wait_idle(tight.url) == 0
