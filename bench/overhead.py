@@ -200,8 +200,8 @@ def launch_args(config: str, overlap: bool, tp: int) -> tuple[list[str], dict[st
         args += ["--async-output"] + (["--parallel-sampling"] if tp > 1 else [])
     if config == "albireo-inline":  # sends stay on the scheduler thread
         env["BRANCHWISE_ASYNC_SEND"] = "inline"
-    if config == "bw-nofwd":  # --async-output without the CPU forward thread
-        env["BRANCHWISE_FORWARD_THREAD"] = "0"
+    # the CPU forward thread is opt-in; bw-nofwd = --async-output without it
+    env["BRANCHWISE_FORWARD_THREAD"] = "0" if config == "bw-nofwd" else "1"
     return args, env
 
 

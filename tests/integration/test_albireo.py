@@ -2,8 +2,8 @@
 
 Three servers, each started once and stopped before the next (one alive at a time):
   stock   tp=1, Branchwise flags off (the reference)
-  async   tp=1, --async-output --parallel-sampling; on CPU this also runs decode forwards on the
-          forward thread (albireo/forward_thread.py), so every comparison below covers it too
+  async   tp=1, --async-output --parallel-sampling and env BRANCHWISE_FORWARD_THREAD=1: on CPU decode
+          forwards run on the forward thread (albireo/forward_thread.py), so every comparison covers it
   sp2     tp=2, --parallel-sampling --disable-overlap-schedule (async output off)
 Seeded sampling means per-request `sampling_seed`: SGLang honours it only under
 --enable-deterministic-inference (unavailable on CPU), --parallel-sampling always does, so seeded
@@ -123,7 +123,8 @@ def runs(servers) -> dict[str, dict[str, Any]]:
     """Each server answers its workload once, then stops (at most one of these alive at a time)."""
     got: dict[str, dict[str, Any]] = {}
     for name, (args, tp) in SERVERS.items():
-        srv = servers.get("--random-seed", "0", *args, tp=tp)
+        env = {"BRANCHWISE_FORWARD_THREAD": "1"} if name == "async" else None  # opt-in CPU forward thread
+        srv = servers.get("--random-seed", "0", *args, env=env, tp=tp)
         try:
             res = outputs(srv.url) if tp == 1 else {}
             if name == "async":

@@ -37,8 +37,9 @@ and the forward gets slower by about what it no longer waits for. Models whose k
 than their Python (anything not tiny) overlap for real; a smaller GIL switch interval was worse.
 
 Enabled with --async-output on a CPU device, overlap on, tp = pp = 1, no speculative decoding / PD
-disaggregation / PDMux / unified memory; env BRANCHWISE_FORWARD_THREAD=0 opts out (A/B), and the
---async-output runtime switch turns it off with the rest. Under TP it stays off (the forward's
+disaggregation / PDMux / unified memory, and only when env BRANCHWISE_FORWARD_THREAD=1 opts in: on this
+box it lowers decode throughput (figures above), so it is not on by default. The --async-output
+runtime switch turns it off with the rest. Under TP it stays off (the forward's
 collectives would share a worker thread with none of the other ranks' decisions checked yet).
 """
 
@@ -59,7 +60,7 @@ from typing import Any
 from branchwise.albireo import step_timer
 
 logger = logging.getLogger("branchwise")
-ENV = "BRANCHWISE_FORWARD_THREAD"  # "0" = off (A/B); default on where --async-output qualifies
+ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
 # GIL switch interval (ms) while the forward thread runs: the worker and the scheduler thread share
 # one GIL, and a thread that gives it up inside a torch op waits up to this long for the other's
 # Python to hand it back (CPython's default is 5 ms). Unset = leave CPython's default.
@@ -194,7 +195,7 @@ def static_reason(scheduler: Any) -> str | None:
 
     p = get_parallel()
     checks = [
-        (os.environ.get(ENV, "1").strip() == "0", f"{ENV}=0"),
+        (os.environ.get(ENV, "0").strip() != "1", f"{ENV} is not 1 (opt-in)"),
         (str(scheduler.device) != "cpu", "not a CPU device (GPU streams already overlap)"),
         (not scheduler.enable_overlap, "overlap schedule disabled"),
         (p.tp_size != 1 or p.pp_size != 1, "tp or pp > 1"),
