@@ -81,7 +81,7 @@ class BranchwiseState:
                 "admitted": s.admitted, "admission_rate": s.admission_rate,
                 "planner_ms_mean": 1e3 * s.planner_s / max(s.planned_steps, 1),
                 "last_budget_s": s.last_budget_s if math.isfinite(s.last_budget_s) else None,
-                "last_predicted_s": s.last_predicted_s,
+                "last_predicted_s": s.last_predicted_s, "bubble_steps": s.bubble_steps,
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
         return rep
@@ -174,13 +174,26 @@ def _row(req: Any, cfg: BranchwiseConfig) -> Row:
                m.fanout, req.to_finish is not None)
 
 
+def _pipeline_bubble(scheduler: Any) -> bool:
+    """Under overlap scheduling the token a row receives next comes from the batch in flight
+    (scheduler.last_batch, processed after this step's forward). When that batch is a prefill,
+    the running rows get nothing from it: their next token arrives only after this step and the
+    next one, so this step's plan must leave room for the next (measured: without it TAPER missed
+    the SLO by 1-3 ms right after arrivals and branch spawns)."""
+    last = getattr(scheduler, "last_batch", None)
+    if not getattr(scheduler, "enable_overlap", False) or last is None:
+        return False
+    mode = last.forward_mode
+    return bool(mode.is_extend() and not mode.is_mixed())
+
+
 def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
     active: list[int] = []
     if st.tp_rank == 0:
         if st.quiet_ts is not None:
             _resume_serial_clocks(st, rows)
-        active = st.controller.select(rows, time.monotonic())
+        active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self))
     if st.tp_size == 1:
         return active
     import torch

@@ -47,6 +47,19 @@ def test_taper_width_follows_slack():
     assert ctl.stats.candidates == 12 and ctl.stats.admitted == 6 and ctl.stats.rows_deferred == 6
 
 
+def test_pipeline_bubble_reserves_the_next_protected_step():
+    """After a prefill under overlap, the next delivery also waits for the following step: the
+    planner gets each slack minus T(S0) (here 4 requests: 2 ms + 4 x 1 ms = 6 ms)."""
+    rs = rows()
+    plain, bubbled = (StepController(parse_policy("taper", model=MODEL, rho=0.8)) for _ in range(2))
+    for ctl in (plain, bubbled):
+        ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
+    # r0: 14 ms of slack -> budget 11.2 ms -> 9 rows; with the reserve: 8 ms -> 6.4 ms -> 4 rows
+    assert len(plain.select(rs, 0.036)) == 9 and plain.stats.bubble_steps == 0
+    assert keys(rs, bubbled.select(rs, 0.036, bubble=True)) == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
+    assert bubbled.stats.bubble_steps == 1
+
+
 def test_no_planning_when_every_request_has_one_row():
     ctl = StepController(parse_policy("off", model=MODEL))
     rs = rows(phases=0, serial=5)

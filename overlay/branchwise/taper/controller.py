@@ -41,6 +41,7 @@ class StepStats:
     planner_s: float = 0.0
     last_budget_s: float = float("inf")
     last_predicted_s: float = 0.0
+    bubble_steps: int = 0  # planned with the next step's protected composition reserved
 
     @property
     def admission_rate(self) -> float:
@@ -55,15 +56,19 @@ class StepController:
     fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
     stats: StepStats = field(default_factory=StepStats)
 
-    def select(self, rows: list[Row], now: float) -> list[int]:
-        """Indices of the rows to run this step (every key gets at least one)."""
+    def select(self, rows: list[Row], now: float, bubble: bool = False) -> list[int]:
+        """Indices of the rows to run this step (every key gets at least one).
+
+        bubble: the batch in flight delivers no token to these rows (overlap scheduling after a
+        prefill), so their next delivery comes only after this step AND the next one; the next
+        step's protected composition is reserved out of every slack before planning."""
         groups: dict[str, list[int]] = {}
         for i in sorted(range(len(rows)), key=lambda i: (rows[i].key, rows[i].order)):
             groups.setdefault(rows[i].key, []).append(i)
         self.stats.steps += 1
         if len(groups) == len(rows):
             return list(range(len(rows)))  # nothing to defer: skip the planner
-        batch = self._snapshot(rows, groups, now)
+        batch = self._snapshot(rows, groups, now, bubble)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch)
         self.fixed.update(self.policy.pins(batch, plan))
@@ -74,11 +79,17 @@ class StepController:
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], now: float) -> ArrayBatch:
+    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], now: float,
+                  bubble: bool = False) -> ArrayBatch:
         """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
         n = len(groups)
         heads = [rows[idx[0]] for idx in groups.values()]
         slack = [self._tracker(h, now).slack(now) for h in heads]
+        model = self.policy.model
+        if bubble and model is not None:
+            reserve = model.predict(n, sum(h.ctx for h in heads))
+            slack = [s - reserve for s in slack]
+            self.stats.bubble_steps += 1
         fixed = None
         if self.fixed:
             f = [self.fixed.get(k, 0) for k in groups]
