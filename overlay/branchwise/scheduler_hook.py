@@ -178,8 +178,8 @@ def _pipeline_bubble(scheduler: Any) -> bool:
     """Under overlap scheduling the token a row receives next comes from the batch in flight
     (scheduler.last_batch, processed after this step's forward). When that batch is a prefill,
     the running rows get nothing from it: their next token arrives only after this step and the
-    next one, so this step's plan must leave room for the next (measured: without it TAPER missed
-    the SLO by 1-3 ms right after arrivals and branch spawns)."""
+    next one, so this step's plan must leave room for the next (the replay's TAPER misses were
+    marginal serial ones right after arrivals and joins; see bench/README.md)."""
     last = getattr(scheduler, "last_batch", None)
     if not getattr(scheduler, "enable_overlap", False) or last is None:
         return False
