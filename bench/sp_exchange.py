@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import statistics
 import sys
 import tempfile
@@ -50,6 +49,7 @@ from branchwise.albireo.parallel_sampler import (
     sample_rows,
     sp_sample_full,
 )
+from branchwise.launch import free_port
 
 WARMUP = 3
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # SGLang's CPU call
@@ -119,12 +119,6 @@ def _worker(rank: int, t: int, port: int, cfg: dict, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: str, step_iters: int) -> list[dict]:
     if tp < 2:
         raise ValueError("--tp must be at least 2 (there is nothing to exchange at tp=1)")
@@ -132,7 +126,7 @@ def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: s
            "steps": step_iters > 0, "step_iters": step_iters}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        mp.start_processes(_worker, args=(tp, _free_port(), cfg, str(out)), nprocs=tp, join=True,
+        mp.start_processes(_worker, args=(tp, free_port(), cfg, str(out)), nprocs=tp, join=True,
                            start_method="fork")
         return json.loads(out.read_text())
 

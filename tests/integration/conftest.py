@@ -41,6 +41,12 @@ class ServerPool:
         self.alive[key] = server
         return server
 
+    def stop(self, server: LocalServer) -> None:
+        """Stop one server now and forget it (a module that is done with it frees the memory)."""
+        server.stop()
+        for key in [k for k, v in self.alive.items() if v is server]:
+            del self.alive[key]
+
     def close(self) -> None:
         for server in self.alive.values():
             server.stop()

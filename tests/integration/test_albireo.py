@@ -134,9 +134,7 @@ def runs(servers) -> dict[str, dict[str, Any]]:
             res["internal"] = internal(srv.url)
             got[name] = res
         finally:
-            srv.stop()
-            for key in [k for k, v in servers.alive.items() if v is srv]:
-                del servers.alive[key]
+            servers.stop(srv)
     return got
 
 

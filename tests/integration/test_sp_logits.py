@@ -64,9 +64,7 @@ def runs(servers) -> dict[str, dict[str, Any]]:
         try:
             got[name] = workload(srv.url, stock_greedy=tp == 1)
         finally:
-            srv.stop()
-            for key in [k for k, v in servers.alive.items() if v is srv]:
-                del servers.alive[key]
+            servers.stop(srv)
     return got
 
 

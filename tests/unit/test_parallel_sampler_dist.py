@@ -6,7 +6,6 @@ torch (4 x ~3 s of CPU, 30 s+ on a busy 2-core box); forked ones start in ~0.1 s
 torch single-threaded (set_num_threads(1)), so the parent's OpenMP pool is never re-entered.
 """
 
-import socket
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -17,6 +16,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from branchwise.albireo.parallel_sampler import RowParams, sample_rows, sp_sample, sp_sample_full
+from branchwise.launch import free_port
 
 WORLD = 4
 # (name, bs, vocab, row kinds): bs and vocab not multiples of t; bs = 3 leaves a t=4 rank only padding.
@@ -73,16 +73,10 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
     dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_sp_sample_same_tokens_for_t_1_2_4(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # for anything the children exec
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="fork"
+        _worker, args=(free_port(), str(tmp_path)), nprocs=WORLD, join=False, start_method="fork"
     )
     deadline = time.monotonic() + 90
     try:
