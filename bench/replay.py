@@ -627,6 +627,16 @@ def _auto_float(text: str) -> float | None:
     return v
 
 
+def _load_list(text: str) -> list[float]:
+    try:
+        loads = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
+    if not loads or any(not x > 0 for x in loads):
+        raise argparse.ArgumentTypeError(f"loads must be > 0, got {text!r}")
+    return loads
+
+
 def server_args(policy: str, a: argparse.Namespace, pt: Point | None) -> list[str]:
     args = ["--branch-policy", policy, "--taper-rho", f"{a.taper_rho:g}", "--enable-metrics"]
     if pt is not None:  # requests carry their SLO stamp anyway; the flag covers unstamped ones
@@ -671,9 +681,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     g.add_argument("--slo-context", type=float, default=256.0,
                    help="KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)")
     g.add_argument("--slo-floor", type=float, default=2.5, help="auto SLO >= this x the probed T(1)")
-    g.add_argument("--load", type=float, default=0.35,
+    g.add_argument("--load", dest="loads", type=_load_list, default=[0.35],
                    help="mean demanded tok/s as a fraction of the probed decode rate at the SLO composition "
-                        "(the 3-regime schedule peaks at ~2x its mean); bench/README.md says how 0.35 was chosen")
+                        "(the 3-regime schedule peaks at ~2x its mean); a list (0.4,0.6) sweeps the loads in "
+                        "one run at one SLO, each under DIR/load_L; bench/README.md says how the default was chosen")
     g.add_argument("--latency-model", default="auto",
                    help="T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online")
     ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
@@ -688,7 +699,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--poll-s", type=float, default=1.0, help="server /metrics poll period; 0: no step series")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
-    return ap.parse_args(argv)
+    a = ap.parse_args(argv)
+    if len(a.loads) > 1 and a.rate_scale is not None:
+        ap.error("--rate-scale fixes the arrival rate: give one --load, or none")
+    a.load = a.loads[0]
+    return a
 
 
 def _needs_probe(a: argparse.Namespace) -> bool:
@@ -789,27 +804,47 @@ def main(argv: list[str] | None = None) -> int:
     except (TraceError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    b = Bench(a, trace, scaling, Path(a.out))
     policies = [p.strip() for p in a.policies.split(",") if p.strip()] if a.compare else [a.policy_label or ""]
     if a.url and a.compare:
         pol = (_report(a.url) or {}).get("policy") or "unknown"
         print(f"note: --url {a.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
               f"Use --launch to compare policies.")
         policies = [a.policy_label or pol]
-    if not _needs_probe(a):
-        b.pt = Point(a.slo_tpot_ms, a.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
-    try:
-        if b.pt is None and a.launch and policies[0].startswith("taper"):  # its server needs the model at start
-            with _server(a, ["--branch-policy", "off"]) as srv:
-                b.point(_probe_url(srv.url))
-        elif b.pt is None and a.url:
-            b.point(_probe_url(a.url))
+    sweep = len(a.loads) > 1
+    probe_first: Probe | None = None
+    try:  # a sweep probes once, so that every load runs at the same SLO and T(S)
+        if _needs_probe(a) and a.launch and (sweep or policies[0].startswith("taper")):
+            with _server(a, ["--branch-policy", "off"]) as srv:  # taper's server needs the model at start
+                probe_first = _probe_url(srv.url)
+        elif _needs_probe(a) and a.url:
+            probe_first = _probe_url(a.url)
     except (ServerError, ConnectionError, RuntimeError) as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted during calibration; nothing measured", file=sys.stderr)
         return 130
+    out, benches, rcs = Path(a.out), [], []
+    for load in a.loads:
+        al = argparse.Namespace(**(vars(a) | {"load": load}))
+        b = Bench(al, trace, scaling, out / f"load_{load:g}" if sweep else out)
+        if not _needs_probe(a):
+            b.pt = Point(a.slo_tpot_ms, a.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
+        elif probe_first is not None:
+            b.point(probe_first)
+        if sweep:
+            print(f"\n== load {load:g}", flush=True)
+        rcs.append(run_bench(b, policies))
+        benches.append(b)
+        if rcs[-1] == 130 or b.schedule is None:  # interrupted, or nothing could start
+            break
+    if sweep:
+        print("\n" + sweep_report(out, benches))
+    return 130 if 130 in rcs else max(rcs)
+
+
+def run_bench(b: Bench, policies: list[str]) -> int:
+    """Every policy at one operating point; partial results are saved after each. Exit code."""
     stopped = False
     for policy in policies:
         stopped = not b.run_policy(policy)
@@ -819,13 +854,42 @@ def main(argv: list[str] | None = None) -> int:
     if b.schedule is None:
         print("error: no run started", file=sys.stderr)
         return 1
-    b.report(not a.no_plots)
+    b.report(not b.a.no_plots)
     failed = any(r.get("run", {}).get("error") for r in b.results.values())
     print(f"\nwall {time.perf_counter() - b.t_wall:.0f} s -> {b.out / 'results.json'}"
           + (" (PARTIAL)" if failed or stopped else ""))
     if stopped and any(r.get("run", {}).get("interrupted") for r in b.results.values()):
         return 130
     return 1 if failed else 0
+
+
+def sweep_report(out: Path, benches: list[Bench], hold: float = 0.95, collapse: float = 0.80) -> str:
+    """One line per load (attainment and goodput of each policy) into DIR/sweep.json, and the loads
+    where TAPER holds `hold` while eager falls below `collapse` (make bench's acceptance)."""
+    rows = []
+    for b in benches:
+        pol = {k: {m: r.get(m) for m in ("slo_attainment", "goodput_tok_s", "raw_throughput_tok_s")}
+               for k, r in b.results.items()}
+        rows.append({"load": b.a.load, "slo_tpot_ms": b.pt.slo_tpot_ms if b.pt else None,
+                     "demand_tok_s": b.config.get("demand_tok_s"), "policies": pol})
+    names = list(dict.fromkeys(k for r in rows for k in r["policies"]))
+    head = f"{'load':>6}{'SLO ms':>8}{'demand':>8}" + "".join(f"{k + ' att':>12}{'goodput':>9}" for k in names)
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        cells = "".join(f"{_fmt(r['policies'].get(k, {}).get('slo_attainment'), True):>12}"
+                        f"{_fmt(r['policies'].get(k, {}).get('goodput_tok_s')):>9}" for k in names)
+        lines.append(f"{r['load']:>6g}{_fmt(r['slo_tpot_ms']):>8}{_fmt(r['demand_tok_s'], nd=0):>8}{cells}")
+
+    def att(r: dict, k: str) -> float | None:
+        return r["policies"].get(k, {}).get("slo_attainment")
+
+    sep = [r["load"] for r in rows if (t := att(r, "taper")) is not None and (e := att(r, "eager")) is not None
+           and t >= hold and e < collapse]
+    verdict = (f"taper >= {hold:.0%} where eager < {collapse:.0%}: at load " + ", ".join(f"{x:g}" for x in sep)
+               if sep else f"no load with taper >= {hold:.0%} and eager < {collapse:.0%}")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "sweep.json").write_text(json.dumps({"loads": rows, "separating_loads": sep}, indent=1))
+    return "\n".join([*lines, verdict, f"-> {out / 'sweep.json'}"])
 
 
 def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import signal
@@ -263,3 +264,32 @@ def test_notes_flag_a_drifting_box_and_a_starved_client():
     lags = [(0.0, 0.01), (1.0, 0.3), (2.0, 0.15)]
     assert replay.client_stalls(lags) == {"max_ms": pytest.approx(300.0), "over_100ms": 2,
                                           "stalled_s": pytest.approx(0.45)}
+
+
+# ---- load sweep -----------------------------------------------------------------------------------
+def test_load_list_parses_and_rejects_bad_input(capsys):
+    a = replay.parse_args(["--launch", "--out", "x", "--load", "0.4,0.6"])
+    assert a.loads == [0.4, 0.6] and a.load == 0.4
+    assert replay.parse_args(["--launch", "--out", "x"]).loads == [0.35]
+    for bad in (["--load", "0.4,zero"], ["--load", "0.4,-1"], ["--load", "0.4,0.6", "--rate-scale", "2"]):
+        with pytest.raises(SystemExit):
+            replay.parse_args(["--launch", "--out", "x", *bad])
+    assert "--rate-scale fixes the arrival rate" in capsys.readouterr().err
+
+
+def test_sweep_report_names_the_loads_where_taper_holds_and_eager_collapses(tmp_path):
+    def bench(load, eager, taper):
+        b = replay.Bench(argparse.Namespace(load=load), None, Scaling(), tmp_path)
+        b.pt = replay.Point(20.0, 1.0)
+        b.config = {"demand_tok_s": 1000 * load}
+        b.results = {k: {"slo_attainment": v, "goodput_tok_s": 100 * v, "raw_throughput_tok_s": 100.0}
+                     for k, v in (("off", 0.9), ("eager", eager), ("taper", taper))}
+        return b
+
+    text = replay.sweep_report(tmp_path, [bench(0.4, 1.0, 1.0), bench(0.6, 0.7, 0.96), bench(0.8, 0.5, 0.9)])
+    assert "at load 0.6" in text and "0.8," not in text
+    doc = json.loads((tmp_path / "sweep.json").read_text())
+    assert doc["separating_loads"] == [0.6] and [r["load"] for r in doc["loads"]] == [0.4, 0.6, 0.8]
+    assert doc["loads"][1]["policies"]["eager"]["slo_attainment"] == 0.7
+    none = replay.sweep_report(tmp_path, [bench(0.4, 1.0, 1.0)])
+    assert "no load with taper" in none and json.loads((tmp_path / "sweep.json").read_text())["separating_loads"] == []
