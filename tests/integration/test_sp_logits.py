@@ -8,7 +8,9 @@ Greedy rows at tp=2 are compared with SGLang's own sampler at tp=1 (the referenc
 carry return_logprob, which routes them to the stock sampler). Seeded rows are compared with the
 tp=1 parallel sampler: SGLang itself honours per-request seeds only under
 --enable-deterministic-inference, which CPU attention does not support. Batch sizes 5 and 1 are
-not multiples of t (padding rows; at bs=1 rank 1 samples padding only).
+not multiples of t (padding rows; at bs=1 rank 1 samples padding only). Penalty and logit_bias
+batches also come through the all-to-all (each rank applies them to its own rows) and equal tp=1,
+where they are applied to full rows by SGLang itself.
 """
 
 from __future__ import annotations
@@ -25,8 +27,12 @@ GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 KINDS = [{"temperature": 0}, {"temperature": 1.0}, {"temperature": 0.8, "top_k": 20},
          {"temperature": 0.9, "top_p": 0.8}, {"temperature": 1.1, "min_p": 0.05, "top_k": 40, "top_p": 0.95}]
 SEEDED = [k | {"max_new_tokens": 16, "ignore_eos": True, "sampling_seed": 500 + i} for i, k in enumerate(KINDS)]
-# penalties and logit_bias are applied to full rows: such batches keep the all-gather (still SP-sampled)
+# penalties and logit_bias go through the all-to-all too: each rank applies them to its own rows
 PENALTY = GREEDY | {"frequency_penalty": 1.5, "logit_bias": {"441": -30.0}}
+# the seeded mixed batch again, every row with a different penalty (one row none); bs 5 pads rank 1
+PENALTIES = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.8, "frequency_penalty": 0.3},
+             {"min_new_tokens": 12, "repetition_penalty": 0.9}, {"logit_bias": {"441": 8.0, "17": -5.0}}, {}]
+PENALTY_MIXED = [s | pen for s, pen in zip(SEEDED, PENALTIES, strict=True)]
 
 
 def gen(url: str, text: Any, sp: Any, **extra: Any) -> Any:
@@ -49,6 +55,7 @@ def workload(url: str, stock_greedy: bool) -> dict[str, Any]:
         "seeded": ids(gen(url, PROMPTS, SEEDED)),
         "seeded1": gen(url, PROMPTS[4], SEEDED[4])["output_ids"],
         "penalty": ids(gen(url, PROMPTS[:3], PENALTY)),
+        "penalty_mixed": ids(gen(url, PROMPTS, PENALTY_MIXED)),
     }
     out["before_logprobs"] = sp_report(url)
     out["logprobs"] = ids(gen(url, PROMPTS[:3], GREEDY, return_logprob=True))
@@ -77,18 +84,22 @@ def test_tp2_all_to_all_outputs_equal_tp1(runs):
     assert a2a["seeded"][0] == ref["greedy"][0]  # the temperature-0 row of the mixed batch is greedy
     assert len({tuple(x) for x in a2a["seeded"]}) == len(SEEDED)
     assert a2a["penalty"] == ref["penalty"] and a2a["penalty"] != ref["greedy"][:3]
+    assert a2a["penalty_mixed"] == ref["penalty_mixed"] and a2a["penalty_mixed"] != ref["seeded"]
+    assert a2a["penalty_mixed"][4] == ref["seeded"][4]  # the row without penalties: its own draw
     assert a2a["logprobs"] == ref["greedy"][:3]
 
 
 def test_tp2_counters_show_all_to_all_and_fallbacks(runs):
     before, after = runs["a2a"]["before_logprobs"], runs["a2a"]["after"]
     assert before["tp_size"] == 2
-    # greedy, seeded: 2 + 2 batched requests x 15 decode steps each, all through the all-to-all
-    assert before["a2a_steps"] >= 4 * 15
-    assert before["gathered"].get("penalties or logit_bias (applied to full rows)", 0) >= 15
+    # greedy, seeded, penalties: 2 + 2 + 2 batched requests x 15 decode steps each, all through the
+    # all-to-all; the 2 penalty batches with penalties/bias applied to each rank's rows
+    assert before["a2a_steps"] >= 6 * 15
+    assert before["a2a_transform_steps"] >= 2 * 15
+    assert not any("penalt" in why for why in before["gathered"]), before["gathered"]
     # a logprobs request: SGLang's sampler on all-gathered logits, never the all-to-all
     assert after["a2a_steps"] == before["a2a_steps"]
     got = after["fallbacks"].get("logprobs requested", 0) - before["fallbacks"].get("logprobs requested", 0)
     assert got >= 15
     ref = runs["ref"]["after"]
-    assert ref["tp_size"] == 1 and ref["a2a_steps"] == 0 and ref["gathered"] == {}
+    assert ref["tp_size"] == 1 and ref["a2a_steps"] == ref["a2a_transform_steps"] == 0 and ref["gathered"] == {}

@@ -1,4 +1,5 @@
-"""sp_sample over real gloo process groups: t = 1, 2, 4 give the same tokens as one process.
+"""sp_sample over real gloo process groups: t = 1, 2, 4 give the same tokens as one process,
+also with row-wise penalties/bias applied to each rank's own rows after the exchange.
 
 One start of 4 processes serves every case: the world group is t = 4, two disjoint pairs are t = 2.
 Each rank writes its ids to a file; the parent compares. Fork, not spawn: spawned children re-import
@@ -46,6 +47,24 @@ def _case(bs: int, vocab: int, kinds: str, seed: int) -> tuple[torch.Tensor, Row
     return logits, p
 
 
+def _transform(bs: int, vocab: int, seed: int):
+    """Row-wise penalties + bias as SGLang's forward applies them (accumulated additive, scaling, bias):
+    each rank applies them to its own rows only, after the exchange."""
+    g = torch.Generator().manual_seed(1000 + seed)
+    add = -torch.rand(bs, vocab, generator=g).mul_(4).round_()  # frequency/presence-like steps
+    add[::3, 0] = float("-inf")  # min_new_tokens masks a stop token
+    scale = 1 + torch.rand(bs, vocab, generator=g).lt_(0.2) * 0.3  # repetition penalty on some tokens
+    bias = torch.zeros(bs, vocab)
+    bias[1::2, 7] = 25.0
+
+    def fn(x: torch.Tensor, rows: slice) -> None:
+        x.add_(add[rows])
+        x[:] = torch.where(x < 0, x * scale[rows], x / scale[rows])
+        x.add_(bias[rows])
+
+    return fn
+
+
 def _shard(logits: torch.Tensor, t: int, rank: int) -> torch.Tensor:
     vs = logits.shape[1] // t
     return logits[:, rank * vs : (rank + 1) * vs].contiguous()
@@ -68,6 +87,8 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         for t, (group, grank) in groups.items():
             results[(name, t, "a2a")] = sp_sample(_shard(logits, t, grank), p, vocab, group)
             results[(name, t, "full")] = sp_sample_full(logits[:, :vocab], p, group)
+            fn = _transform(bs, vocab, i)
+            results[(name, t, "a2a+penalties")] = sp_sample(_shard(logits, t, grank), p, vocab, group, fn)
     torch.save(results, Path(out_dir) / f"rank{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()
@@ -92,8 +113,17 @@ def test_sp_sample_same_tokens_for_t_1_2_4(tmp_path: Path, monkeypatch: pytest.M
         want = sample_rows(logits[:, :vocab], p)
         assert torch.equal(sp_sample(logits, p, vocab), want)  # t = 1, no process group
         assert int(want.max()) < vocab
+        penalised = logits[:, :vocab].clone()
+        _transform(bs, vocab, i)(penalised, slice(0, bs))
+        want_pen = sample_rows(penalised, p)
+        kept = logits.clone()
+        assert torch.equal(sp_sample(logits, p, vocab, transform=_transform(bs, vocab, i)), want_pen)
+        assert torch.equal(logits, kept)  # t = 1 leaves the caller's logits alone
+        if kinds != "g":  # the bias moves sampled rows (greedy rows may already pick the same id)
+            assert not torch.equal(want_pen, want), name
         for res in per_rank:
             for t in (2, 4):
-                for how in ("a2a", "full"):
+                for how in ("a2a", "full", "a2a+penalties"):
+                    w = want_pen if how == "a2a+penalties" else want
                     got = res[(name, t, how)]
-                    assert got.dtype == want.dtype and torch.equal(got, want), (name, t, how, got, want)
+                    assert got.dtype == w.dtype and torch.equal(got, w), (name, t, how, got, w)

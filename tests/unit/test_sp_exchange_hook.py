@@ -51,17 +51,37 @@ def st(monkeypatch):
     return state
 
 
+class Custom:
+    def __init__(self, prepared: bool = True) -> None:
+        self.prepared = prepared
+
+    def is_prepared(self) -> bool:
+        return self.prepared
+
+
+class StockPenalizer(Custom):
+    pass
+
+
+StockPenalizer.__name__ = "BatchedFrequencyPenalizer"
+
+
+def orch_of(pen: Custom, required: bool = True) -> SimpleNamespace:
+    return SimpleNamespace(is_required=required, penalizers={type(pen): pen})
+
+
 def test_gather_reason_is_a_function_of_the_batch():
     assert sp._gather_reason(RUNNER, fbatch(5)) is None
     assert sp._gather_reason(RUNNER, fbatch(5, logprob=True)) == "logprobs requested"
     assert sp._gather_reason(RUNNER, fbatch(5, grammars=[None] * 5)) == "grammar-constrained rows"
-    full_rows = "penalties or logit_bias (applied to full rows)"
-    assert sp._gather_reason(RUNNER, fbatch(5, logit_bias=torch.zeros(5, V))) == full_rows
-    assert sp._gather_reason(RUNNER, fbatch(5, acc_additive_penalties=torch.zeros(5, V))) == full_rows
-    assert sp._gather_reason(RUNNER, fbatch(5, acc_scaling_penalties=torch.ones(5, V))) == full_rows
-    orch = SimpleNamespace(is_required=True)
-    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch)) == full_rows
-    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=SimpleNamespace(is_required=False))) is None
+    # penalties and logit_bias: applied to each rank's row block, so the all-to-all
+    assert sp._gather_reason(RUNNER, fbatch(5, logit_bias=torch.zeros(5, V))) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, acc_additive_penalties=torch.zeros(5, V))) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, acc_scaling_penalties=torch.ones(5, V))) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch_of(StockPenalizer()))) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch_of(Custom()))) == sp.UNKNOWN_PENALIZER
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch_of(Custom(), required=False))) is None
+    assert sp._gather_reason(RUNNER, fbatch(5, penalizer_orchestrator=orch_of(Custom(prepared=False)))) is None
     tail = fbatch(5)
     tail.batch_size = 7  # rows past the requests (a beam tail): no sampling params for them
     assert sp._gather_reason(RUNNER, tail) == "rows without sampling params or seeds"
@@ -131,9 +151,9 @@ def test_batches_that_keep_the_all_gather(st):
             return SimpleNamespace(can_run_graph=False)
         return forward
 
-    fb = fbatch(4, logit_bias=torch.zeros(4, V))  # penalties: never armed, counted
+    fb = fbatch(4, penalizer_orchestrator=orch_of(Custom()))  # an unknown penalizer: never armed, counted
     sp.around_forward(forward_with(True, 4), RUNNER, fb)
-    assert fb.bw_sp_exchange is None and st.gathered == {"penalties or logit_bias (applied to full rows)": 1}
+    assert fb.bw_sp_exchange is None and st.gathered == {sp.UNKNOWN_PENALIZER: 1}
     fb = fbatch(4, logprob=True)  # a stock-sampler batch: counted as a fallback when sampled, not here
     sp.around_forward(forward_with(True, 4), RUNNER, fb)
     assert fb.bw_sp_exchange is None and len(st.gathered) == 1
@@ -151,3 +171,25 @@ def test_batches_that_keep_the_all_gather(st):
     fb = fbatch(4)
     sp.around_forward(lambda runner, fb: None, RUNNER, fb)
     assert not hasattr(fb, "bw_sp_exchange")
+
+
+def test_row_block_gets_its_own_rows_of_bias_and_penalties(st, monkeypatch):
+    """Rank 1 of 2, bs = 5: its block is batch rows 3, 4 plus one padding row (left as it came)."""
+    st.tp_rank = 1
+    st.tp_group = SimpleNamespace(cpu_group="cpu", device_group="dev")
+    bias = torch.arange(5 * V, dtype=torch.float32).view(5, V)
+    add = torch.full((5, V), -0.5)
+    fb = fbatch(5, logit_bias=bias, acc_additive_penalties=add)
+    fb.bw_sp_exchange = sp.ExchangePlan(bs=5, done=True)
+    block = torch.ones(3, V)
+    seen = {}
+
+    def own_rows(mine, p, bs, group):
+        seen["mine"] = mine.clone()
+        return torch.zeros(bs, dtype=torch.int64)
+
+    monkeypatch.setattr(sp, "sample_own_rows", own_rows)
+    sp.around_sample(None, RUNNER, SimpleNamespace(next_token_logits=block), fb)
+    assert torch.equal(seen["mine"][:2], 1.0 + add[3:] + bias[3:])  # stock order: penalties, then bias
+    assert torch.equal(seen["mine"][2], torch.ones(V))
+    assert st.a2a_steps == 1 and st.a2a_transform_steps == 1

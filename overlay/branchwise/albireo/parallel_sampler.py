@@ -27,6 +27,10 @@ import torch.distributed as dist
 
 from branchwise.albireo.seeded_rng import multinomial_with_seed
 
+# In place on a row block's logits [k, V], given the block's batch rows (a slice of length k):
+# what SGLang applies to full rows before sampling (penalties, logit_bias), restricted to the block.
+RowTransform = Callable[[torch.Tensor, slice], None]
+
 TOP_K_ALL = 1 << 30  # SGLang's "whole vocabulary" top_k (sampling_params.TOP_K_ALL)
 _SAMPLING_EPS = 1e-6  # SamplingParams: temperature below this means greedy
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -188,6 +192,19 @@ def rows_per_rank(bs: int, t: int) -> int:
     return -(-bs // t)
 
 
+def own_rows(bs: int, t: int, rank: int) -> slice:
+    """The batch rows `rank` samples: its block of rows_per_rank rows, less padding past bs (maybe empty)."""
+    r = rows_per_rank(bs, t)
+    return slice(min(rank * r, bs), min((rank + 1) * r, bs))
+
+
+def transform_own_rows(mine: torch.Tensor, bs: int, t: int, rank: int, fn: RowTransform) -> None:
+    """Apply `fn` to the real rows of my block [r, V] (padding rows are sampled, then discarded)."""
+    rows = own_rows(bs, t, rank)
+    if rows.stop > rows.start:
+        fn(mine[: rows.stop - rows.start], rows)
+
+
 def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
     return x if x.shape[0] == n else torch.cat([x, x.new_zeros((n - x.shape[0], *x.shape[1:]))])
 
@@ -228,19 +245,30 @@ def sample_own_rows(
 
 
 def sp_sample(
-    shard: torch.Tensor, p: RowParams, vocab_size: int, group: dist.ProcessGroup | None = None
+    shard: torch.Tensor,
+    p: RowParams,
+    vocab_size: int,
+    group: dist.ProcessGroup | None = None,
+    transform: RowTransform | None = None,
 ) -> torch.Tensor:
     """Albireo path: this rank's vocab shard [bs, Vpad/t] of the lm_head -> [bs] ids on every rank.
 
     Shards are contiguous column blocks in rank order (SGLang's ParallelLMHead layout); columns past
     `vocab_size` are padding and trimmed. `p` holds the FULL batch's rows (every TP rank has them).
+    `transform` (penalties, bias) runs on each rank's own rows only, after the exchange.
     """
-    t, _ = _group_info(group)
+    t, rank = _group_info(group)
     bs = shard.shape[0]
     if t == 1 or bs == 0:
-        return sample_rows(shard[:, :vocab_size], p)
-    mine = exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp, group=group))
-    return sample_own_rows(mine[:, :vocab_size], p, bs, group)
+        logits = shard[:, :vocab_size]
+        if transform is not None:
+            logits = logits.clone()  # the caller's shard stays as it was, as on t > 1
+            transform_own_rows(logits, bs, 1, 0, transform)
+        return sample_rows(logits, p)
+    mine = exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp, group=group))[:, :vocab_size]
+    if transform is not None:
+        transform_own_rows(mine, bs, t, rank, transform)
+    return sample_own_rows(mine, p, bs, group)
 
 
 def sp_sample_full(

@@ -19,21 +19,26 @@ grammar, custom logit processors, watermarks, sampling observers/masks, speculat
 On fallback the injected seeds are hidden, so the stock sampler behaves exactly as without
 --parallel-sampling.
 
-The logits exchange (Albireo's all-to-all, tp > 1): for a decode batch that SP covers and that has
-no penalties or logit_bias (those are applied to full [bs, V] rows; such batches keep the
-all-gather and are still sampled in parallel), an AROUND on ModelRunner.forward arms a plan and an
-AROUND on LogitsProcessor._get_logits swaps SGLang's logits all-gatherer for the all-to-all
-(`parallel_sampler.exchange_rows`: vocab-sharded in, batch-sharded out, batch padded to a multiple
-of t) for that one call. Each rank then holds full-vocab logits for its ceil(bs/t) rows only and
-`around_sample` samples them and all-gathers the ids. The choice is a function of the batch (and
-of server settings), so every TP rank makes the same collective call. Extend and input-logprob
-paths keep the all-gather. CUDA graphs: the hooks only run in eager Python, so a graph captures
-SGLang's all-gather and its replays keep it (then the gathered rows are sampled as before);
-the all-to-all runs for eager decode batches (all of them on CPU, or with --disable-cuda-graph).
+The logits exchange (Albireo's all-to-all, tp > 1): for a decode batch that SP covers, an AROUND on
+ModelRunner.forward arms a plan and an AROUND on LogitsProcessor._get_logits swaps SGLang's logits
+all-gatherer for the all-to-all (`parallel_sampler.exchange_rows`: vocab-sharded in, batch-sharded
+out, batch padded to a multiple of t) for that one call. Each rank then holds full-vocab logits for
+its ceil(bs/t) rows only and `around_sample` samples them and all-gathers the ids. Penalties and
+logit_bias are applied to those rows only (`apply_row_transforms`: SGLang's own per-row tensors
+sliced to the block, the same ops in the same order as SamplingBatchInfo.apply_logits_bias), so
+each row gets exactly the floats it gets at tp=1. The penalizer state itself (orchestrator,
+accumulators, cumulate_output_tokens on the gathered ids) stays SGLang's, full rows on every rank:
+the sampler only reads it, so TAPER's sliced orchestrators (deferral.py) work unchanged. The choice
+is a function of the batch (and of server settings), so every TP rank makes the same collective
+call. Extend and input-logprob paths keep the all-gather. CUDA graphs: the hooks only run in eager
+Python, so a graph captures SGLang's all-gather and its replays keep it (then the gathered rows are
+sampled as before); the all-to-all runs for eager decode batches (all of them on CPU, or with
+--disable-cuda-graph).
 """
 
 from __future__ import annotations
 
+import copy
 import logging
 import threading
 from dataclasses import dataclass, field
@@ -49,6 +54,7 @@ from branchwise.albireo.parallel_sampler import (
     sample_own_rows,
     sample_rows,
     sp_sample_full,
+    transform_own_rows,
 )
 
 logger = logging.getLogger("branchwise")
@@ -60,8 +66,10 @@ class SPState:
     tp_size: int
     tp_group: Any  # SGLang GroupCoordinator of the TP group
     inject_seeds: bool  # False under --enable-deterministic-inference: SGLang's seeds are used
+    tp_rank: int = 0
     sp_steps: int = 0
     a2a_steps: int = 0  # decode steps whose logits came through the all-to-all
+    a2a_transform_steps: int = 0  # ... of which penalties or logit_bias were applied to the row block
     fallbacks: dict[str, int] = field(default_factory=dict)  # stock sampler, by reason
     gathered: dict[str, int] = field(default_factory=dict)  # SP decode steps that kept the all-gather
 
@@ -138,6 +146,56 @@ def _fallback_reason(runner: Any, fb: Any, logits_output: Any) -> str | None:
     return None
 
 
+# Penalizers whose `_filter` accepts a row slice and whose `apply` is row-wise (sampling/penaltylib/*).
+# Another (prepared) class keeps the all-gather: its apply may not be per row.
+ROW_WISE_PENALIZERS = frozenset({"BatchedFrequencyPenalizer", "BatchedPresencePenalizer",
+                                 "BatchedRepetitionPenalizer", "BatchedMinNewTokensPenalizer"})
+UNKNOWN_PENALIZER = "a penalizer not known to be row-wise (applied to full rows)"
+
+
+def _has_row_transforms(info: Any) -> bool:
+    orch = info.penalizer_orchestrator
+    return (info.logit_bias is not None or info.acc_additive_penalties is not None
+            or info.acc_scaling_penalties is not None or (orch is not None and orch.is_required))
+
+
+def _row_wise_penalizers(info: Any) -> bool:
+    orch = info.penalizer_orchestrator
+    return (orch is None or not orch.is_required
+            or all(type(p).__name__ in ROW_WISE_PENALIZERS for p in orch.penalizers.values() if p.is_prepared()))
+
+
+def _row_view(pen: Any, rows: slice) -> Any:
+    """A shallow copy of a penalizer restricted to `rows`: stock `_filter` re-binds each per-row tensor
+    to `t[rows]` (a view, no copy) on the copy; the original keeps its full rows for the scheduler."""
+    view = copy.copy(pen)
+    view._filter(keep_indices=rows)
+    return view
+
+
+def apply_row_transforms(info: Any, logits: torch.Tensor, rows: slice) -> None:
+    """SamplingBatchInfo.apply_logits_bias for the batch rows `rows` only, whose logits are `logits`.
+
+    Same tensors (sliced), same in-place ops, same order as stock on the full [bs, V] logits, so each
+    row's floats are bit-identical: accumulated additive penalties, scaling penalties, the penalizers
+    themselves (non-overlap style, orchestrator present), then logit_bias. No grammar mask: grammar
+    batches are not covered.
+    """
+    if info.acc_additive_penalties is not None:
+        logits.add_(info.acc_additive_penalties[rows])
+    if info.acc_scaling_penalties is not None:
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties
+
+        apply_scaling_penalties(logits, info.acc_scaling_penalties[rows])
+    orch = info.penalizer_orchestrator
+    if orch is not None and orch.is_required:
+        for pen in orch.penalizers.values():  # the orchestrator's order, as its apply()
+            if pen.is_prepared():
+                _row_view(pen, rows).apply(logits)
+    if info.logit_bias is not None:
+        logits.add_(info.logit_bias[rows])
+
+
 def _gather_reason(runner: Any, fb: Any) -> str | None:
     """Why this decode batch keeps the logits all-gather (None: the all-to-all). Batch-only, so every
     TP rank decides the same; it must imply `_fallback_reason(...) is None` at sample time."""
@@ -146,10 +204,8 @@ def _gather_reason(runner: Any, fb: Any) -> str | None:
         return "no sampling info"
     if (why := _batch_reason(runner, fb)) is not None:
         return why  # counted as a fallback when the batch is sampled
-    if (info.logit_bias is not None or info.acc_additive_penalties is not None
-            or info.acc_scaling_penalties is not None
-            or (info.penalizer_orchestrator is not None and info.penalizer_orchestrator.is_required)):
-        return "penalties or logit_bias (applied to full rows)"
+    if not _row_wise_penalizers(info):
+        return UNKNOWN_PENALIZER
     bs = fb.batch_size
     if info.temperatures.shape[0] != bs or info.sampling_seed is None or info.sampling_seed.shape[0] != bs:
         return "rows without sampling params or seeds"
@@ -176,7 +232,8 @@ def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> 
         return
     par = get_parallel()
     det = bool(getattr(self.server_args, "enable_deterministic_inference", False))
-    _STATE = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det)
+    _STATE = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det,
+                     tp_rank=par.tp_group.rank_in_group)
     logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds (default %d)%s%s",
                 par.tp_size, DEFAULT_SEED, "" if _STATE.inject_seeds else " from SGLang",
                 ", decode logits exchanged with an all-to-all" if par.tp_size > 1 else "")
@@ -221,7 +278,7 @@ def around_forward(orig: Any, runner: Any, fb: Any, *args: Any, **kwargs: Any) -
     if st is None or st.tp_size == 1 or not fb.forward_mode.is_decode():
         return orig(runner, fb, *args, **kwargs)
     if (why := _gather_reason(runner, fb)) is not None:
-        if why.startswith(("penalties", "rows without")):  # the others are counted as fallbacks
+        if why in (UNKNOWN_PENALIZER, "rows without sampling params or seeds"):  # others: fallbacks
             st.gather(why)
         fb.bw_sp_exchange = None
         return orig(runner, fb, *args, **kwargs)
@@ -264,10 +321,15 @@ def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: An
         return orig(runner, logits_output, fb, *args, **kwargs)
     info = fb.sampling_info
     plan: ExchangePlan | None = getattr(fb, "bw_sp_exchange", None)
-    if plan is not None:  # next_token_logits holds my block of rows only (no bias/penalties to apply)
+    if plan is not None:  # next_token_logits holds my block of rows only
         logits_output.auxiliary_device_output = None
-        logits = runner.sampler._preprocess_logits(logits_output.next_token_logits, info)  # NaN sanitising
+        logits = logits_output.next_token_logits
         assert logits.shape[0] == rows_per_rank(plan.bs, st.tp_size), (logits.shape, plan.bs)
+        if _has_row_transforms(info):  # ModelRunner._preprocess_logits, on my rows
+            transform_own_rows(logits, plan.bs, st.tp_size, st.tp_rank,
+                               lambda x, rows: apply_row_transforms(info, x, rows))
+            st.a2a_transform_steps += 1
+        logits = runner.sampler._preprocess_logits(logits, info)  # NaN sanitising
         p = RowParams.from_sampling_info(info, _positions(fb))
         ids = sample_own_rows(logits, p, plan.bs, st.group_for(logits))
         runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=fb)
@@ -300,5 +362,6 @@ def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) 
     if st is not None and isinstance(getattr(result, "internal_state", None), dict):
         result.internal_state["branchwise_parallel_sampling"] = {
             "tp_size": st.tp_size, "sp_steps": st.sp_steps, "a2a_steps": st.a2a_steps,
+            "a2a_transform_steps": st.a2a_transform_steps,
             "fallbacks": dict(st.fallbacks), "gathered": dict(st.gathered)}
     return result
