@@ -637,6 +637,15 @@ def _load_list(text: str) -> list[float]:
     return loads
 
 
+def _rate_list(text: str) -> list[float | None]:
+    if text == "auto":
+        return [None]
+    try:
+        return _load_list(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected 'auto' or numbers > 0 separated by commas, got {text!r}") from None
+
+
 def server_args(policy: str, a: argparse.Namespace, pt: Point | None) -> list[str]:
     args = ["--branch-policy", policy, "--taper-rho", f"{a.taper_rho:g}", "--enable-metrics"]
     if pt is not None:  # requests carry their SLO stamp anyway; the flag covers unstamped ones
@@ -675,8 +684,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
     g = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
     g.add_argument("--slo-tpot-ms", type=_auto_float, default=None, help="ms | auto: the probed step latency at --slo-rows")
-    g.add_argument("--rate-scale", type=_auto_float, default=None,
-                   help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows")
+    g.add_argument("--rate-scale", dest="rate_scales", type=_rate_list, default=[None],
+                   help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows; "
+                        "a list (2,3) sweeps absolute rates in one run, each under DIR/rate_K")
     g.add_argument("--slo-rows", type=float, default=32.0)
     g.add_argument("--slo-context", type=float, default=256.0,
                    help="KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)")
@@ -700,9 +710,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    if len(a.loads) > 1 and a.rate_scale is not None:
-        ap.error("--rate-scale fixes the arrival rate: give one --load, or none")
-    a.load = a.loads[0]
+    if len(a.loads) > 1 and a.rate_scales != [None]:
+        ap.error("--rate-scale fixes the arrival rate: sweep --load or --rate-scale, not both")
+    a.load, a.rate_scale = a.loads[0], a.rate_scales[0]
     return a
 
 
@@ -796,7 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         trace = load_trace(a.trace)
-        fit_schedule(trace, a.schedule, a.duration_s, a.rate_scale or 1.0)  # a bad schedule fails now
+        for rs in a.rate_scales:  # a bad schedule fails now
+            fit_schedule(trace, a.schedule, a.duration_s, rs or 1.0)
         scaling = Scaling(a.output_scale, a.max_stage_tokens, a.prompt_scale, a.max_prompt_tokens,
                           a.max_program_tokens)
         if a.latency_model not in ("auto", "none"):
@@ -810,7 +821,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: --url {a.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
               f"Use --launch to compare policies.")
         policies = [a.policy_label or pol]
-    sweep = len(a.loads) > 1
+    # the sweep: probe-relative loads, or absolute rate scales (one of them has several values)
+    points = ([("load", x, {"load": x}) for x in a.loads] if len(a.loads) > 1 else
+              [("rate", x, {"rate_scale": x}) for x in a.rate_scales])
+    sweep = len(points) > 1
     probe_first: Probe | None = None
     try:  # a sweep probes once, so that every load runs at the same SLO and T(S)
         if _needs_probe(a) and a.launch and (sweep or policies[0].startswith("taper")):
@@ -825,15 +839,15 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted during calibration; nothing measured", file=sys.stderr)
         return 130
     out, benches, rcs = Path(a.out), [], []
-    for load in a.loads:
-        al = argparse.Namespace(**(vars(a) | {"load": load}))
-        b = Bench(al, trace, scaling, out / f"load_{load:g}" if sweep else out)
-        if not _needs_probe(a):
-            b.pt = Point(a.slo_tpot_ms, a.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
+    for axis, x, change in points:
+        al = argparse.Namespace(**(vars(a) | change))
+        b = Bench(al, trace, scaling, out / f"{axis}_{x:g}" if sweep else out)
+        if not _needs_probe(al):
+            b.pt = Point(al.slo_tpot_ms, al.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
         elif probe_first is not None:
             b.point(probe_first)
         if sweep:
-            print(f"\n== load {load:g}", flush=True)
+            print(f"\n== {axis} {x:g}", flush=True)
         rcs.append(run_bench(b, policies))
         benches.append(b)
         if rcs[-1] == 130 or b.schedule is None:  # interrupted, or nothing could start
@@ -870,22 +884,26 @@ def sweep_report(out: Path, benches: list[Bench], hold: float = 0.95, collapse: 
     for b in benches:
         pol = {k: {m: r.get(m) for m in ("slo_attainment", "goodput_tok_s", "raw_throughput_tok_s")}
                for k, r in b.results.items()}
-        rows.append({"load": b.a.load, "slo_tpot_ms": b.pt.slo_tpot_ms if b.pt else None,
+        rows.append({"load": b.a.load if b.a.rate_scale is None else None,
+                     "rate_scale": b.pt.rate_scale if b.pt else b.a.rate_scale,
+                     "slo_tpot_ms": b.pt.slo_tpot_ms if b.pt else None,
                      "demand_tok_s": b.config.get("demand_tok_s"), "policies": pol})
     names = list(dict.fromkeys(k for r in rows for k in r["policies"]))
-    head = f"{'load':>6}{'SLO ms':>8}{'demand':>8}" + "".join(f"{k + ' att':>12}{'goodput':>9}" for k in names)
+    head = f"{'load':>6}{'rate x':>8}{'SLO ms':>8}{'demand':>8}" + "".join(f"{k + ' att':>12}{'goodput':>9}" for k in names)
     lines = [head, "-" * len(head)]
     for r in rows:
         cells = "".join(f"{_fmt(r['policies'].get(k, {}).get('slo_attainment'), True):>12}"
                         f"{_fmt(r['policies'].get(k, {}).get('goodput_tok_s')):>9}" for k in names)
-        lines.append(f"{r['load']:>6g}{_fmt(r['slo_tpot_ms']):>8}{_fmt(r['demand_tok_s'], nd=0):>8}{cells}")
+        lines.append(f"{_fmt(r['load'], nd=2):>6}{_fmt(r['rate_scale'], nd=2):>8}{_fmt(r['slo_tpot_ms']):>8}"
+                     f"{_fmt(r['demand_tok_s'], nd=0):>8}{cells}")
 
     def att(r: dict, k: str) -> float | None:
         return r["policies"].get(k, {}).get("slo_attainment")
 
-    sep = [r["load"] for r in rows if (t := att(r, "taper")) is not None and (e := att(r, "eager")) is not None
-           and t >= hold and e < collapse]
-    verdict = (f"taper >= {hold:.0%} where eager < {collapse:.0%}: at load " + ", ".join(f"{x:g}" for x in sep)
+    sep = [r["load"] if r["load"] is not None else r["rate_scale"] for r in rows
+           if (t := att(r, "taper")) is not None and (e := att(r, "eager")) is not None and t >= hold and e < collapse]
+    axis = "load" if rows and rows[0]["load"] is not None else "rate scale"
+    verdict = (f"taper >= {hold:.0%} where eager < {collapse:.0%}: at {axis} " + ", ".join(f"{x:g}" for x in sep)
                if sep else f"no load with taper >= {hold:.0%} and eager < {collapse:.0%}")
     out.mkdir(parents=True, exist_ok=True)
     (out / "sweep.json").write_text(json.dumps({"loads": rows, "separating_loads": sep}, indent=1))

@@ -271,15 +271,20 @@ def test_load_list_parses_and_rejects_bad_input(capsys):
     a = replay.parse_args(["--launch", "--out", "x", "--load", "0.4,0.6"])
     assert a.loads == [0.4, 0.6] and a.load == 0.4
     assert replay.parse_args(["--launch", "--out", "x"]).loads == [0.35]
-    for bad in (["--load", "0.4,zero"], ["--load", "0.4,-1"], ["--load", "0.4,0.6", "--rate-scale", "2"]):
+    r = replay.parse_args(["--launch", "--out", "x", "--rate-scale", "2,3.5", "--slo-tpot-ms", "19"])
+    assert r.rate_scales == [2.0, 3.5] and r.rate_scale == 2.0
+    assert replay.parse_args(["--launch", "--out", "x", "--rate-scale", "auto"]).rate_scale is None
+    for bad in (["--load", "0.4,zero"], ["--load", "0.4,-1"], ["--load", "0.4,0.6", "--rate-scale", "2"],
+                ["--rate-scale", "2,x"]):
         with pytest.raises(SystemExit):
             replay.parse_args(["--launch", "--out", "x", *bad])
-    assert "--rate-scale fixes the arrival rate" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--rate-scale fixes the arrival rate" in err and "numbers > 0" in err
 
 
 def test_sweep_report_names_the_loads_where_taper_holds_and_eager_collapses(tmp_path):
     def bench(load, eager, taper):
-        b = replay.Bench(argparse.Namespace(load=load), None, Scaling(), tmp_path)
+        b = replay.Bench(argparse.Namespace(load=load, rate_scale=None), None, Scaling(), tmp_path)
         b.pt = replay.Point(20.0, 1.0)
         b.config = {"demand_tok_s": 1000 * load}
         b.results = {k: {"slo_attainment": v, "goodput_tok_s": 100 * v, "raw_throughput_tok_s": 100.0}
