@@ -1,7 +1,8 @@
 """Logits exchange per decode step on a gloo group: SGLang's all-gather vs Albireo's all-to-all.
 
     python -m bench.sp_exchange [--tp 2] [--vocabs 460,152064] [--batch-sizes 1,32,128]
-                                [--iters 30] [--step-iters 5] [--dtype float32] [--out runs/sp_exchange.json]
+                                [--iters 30] [--step-iters 5] [--dtype float32] [--penalties]
+                                [--out runs/sp_exchange.json]
 
 Forks --tp processes joined in a gloo group (what SGLang's TP group is on CPU) and, for every
 (vocab, batch size), times one decode step's logits exchange as SGLang 0.5.23 does it on CPU and as
@@ -15,7 +16,12 @@ Forks --tp processes joined in a gloo group (what SGLang's TP group is on CPU) a
 Also the whole step as served (exchange + sampling + token-id gather where SP needs it): `stock`
 (all-gather, every rank samples every row), `sp_gather` (all-gather, each rank samples its rows,
 ids all-gathered: --parallel-sampling before the all-to-all was wired), `sp_a2a` (all-to-all, own
-rows, ids all-gathered). Sampling is seeded top-k/top-p (the heaviest torch path).
+rows, ids all-gathered). Sampling is seeded top-k/top-p (the heaviest torch path). --penalties adds
+the same three steps for a batch with penalties and logit_bias on every row (copy_for_forward's
+accumulated additive and scaling tensors + logit_bias, `sp_sampler_hook.apply_row_transforms`):
+stock and sp_gather apply them to all bs rows, sp_a2a to its own r rows; the three give the same ids
+(checked). SGLang's accumulation of those tensors (scheduler side, full rows, every rank) is the
+same in all three and not timed.
 
 Bytes are per rank per step, analytic (what arrives from the other ranks; the same amount leaves):
 all_gather (t-1)*bs*V/t elements, all_to_all (t-1)*r*V/t. Times: per iteration the slowest rank
@@ -48,7 +54,9 @@ from branchwise.albireo.parallel_sampler import (
     sample_own_rows,
     sample_rows,
     sp_sample_full,
+    transform_own_rows,
 )
+from branchwise.albireo.sp_sampler_hook import apply_row_transforms
 from branchwise.launch import free_port
 
 WARMUP = 3
@@ -70,6 +78,19 @@ def _a2a(shard: torch.Tensor, t: int) -> torch.Tensor:
 def _params(bs: int) -> RowParams:
     return RowParams.make(temperature=[0.8] * bs, top_p=[0.9] * bs, top_k=[50] * bs,
                           seed=list(range(bs)), position=[100 + i for i in range(bs)])
+
+
+def _penalties(bs: int, vocab: int) -> Any:
+    """A forward's sampling_info penalty fields for bs rows that all have penalties and a bias."""
+    from types import SimpleNamespace
+
+    g = torch.Generator().manual_seed(bs + 1)
+    add = -torch.rand(bs, vocab, generator=g).lt_(0.02).float() * 1.5  # frequency-like on ~2% of tokens
+    scale = 1 + torch.rand(bs, vocab, generator=g).lt_(0.02).float() * 0.2  # repetition-like
+    bias = torch.zeros(bs, vocab)
+    bias[:, :8] = -30.0
+    return SimpleNamespace(acc_additive_penalties=add, acc_scaling_penalties=scale, logit_bias=bias,
+                           penalizer_orchestrator=None)
 
 
 def _timed(fn: Callable[[], Any], iters: int, warmup: int = WARMUP) -> float:
@@ -105,6 +126,30 @@ def _measure(rank: int, t: int, vocab: int, bs: int, cfg: dict) -> dict:
         row["ms_stock"] = _timed(lambda: sample_rows(_all_gather(shard, t)[:, :vocab], p), si, 1)
         row["ms_sp_gather"] = _timed(lambda: sp_sample_full(_all_gather(shard, t)[:, :vocab], p), si, 1)
         row["ms_sp_a2a"] = _timed(lambda: sample_own_rows(_a2a(shard, t)[:, :vocab], p, bs), si, 1)
+    if cfg["steps"] and cfg["penalties"]:
+        info = _penalties(bs, vocab)
+
+        def full_rows() -> torch.Tensor:  # ModelRunner._preprocess_logits on the gathered rows
+            x = _all_gather(shard, t)[:, :vocab]
+            apply_row_transforms(info, x, slice(0, bs))
+            return x
+
+        def stock() -> torch.Tensor:
+            return sample_rows(full_rows(), p)
+
+        def sp_gather() -> torch.Tensor:
+            return sp_sample_full(full_rows(), p)
+
+        def sp_a2a() -> torch.Tensor:
+            mine = _a2a(shard, t)[:, :vocab]
+            transform_own_rows(mine, bs, t, rank, lambda x, rows: apply_row_transforms(info, x, rows))
+            return sample_own_rows(mine, p, bs)
+
+        want = stock()
+        assert torch.equal(sp_gather(), want) and torch.equal(sp_a2a(), want)
+        row["ms_stock_pen"] = _timed(stock, si, 1)
+        row["ms_sp_gather_pen"] = _timed(sp_gather, si, 1)
+        row["ms_sp_a2a_pen"] = _timed(sp_a2a, si, 1)
     return row
 
 
@@ -119,11 +164,15 @@ def _worker(rank: int, t: int, port: int, cfg: dict, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: str, step_iters: int) -> list[dict]:
+def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: str, step_iters: int,
+        penalties: bool = False) -> list[dict]:
     if tp < 2:
         raise ValueError("--tp must be at least 2 (there is nothing to exchange at tp=1)")
     cfg = {"vocabs": vocabs, "batch_sizes": batch_sizes, "iters": iters, "dtype": dtype,
-           "steps": step_iters > 0, "step_iters": step_iters}
+           "steps": step_iters > 0, "step_iters": step_iters, "penalties": penalties}
+    if penalties:  # import SGLang's scaling op once here, not in every forked rank; eager, as the CPU
+        torch._dynamo.config.disable = True  # servers run it (branchwise.launch: TORCHDYNAMO_DISABLE=1)
+        from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties  # noqa: F401
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
         mp.start_processes(_worker, args=(tp, free_port(), cfg, str(out)), nprocs=tp, join=True,
@@ -134,10 +183,14 @@ def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: s
 def _table(rows: list[dict]) -> str:
     head = (f"{'vocab':>7} {'bs':>4} | {'MB in/rank AG':>13} {'A2A':>7} | {'ms AG':>7} {'A2A':>7} {'A2A/AG':>6}"
             f" | {'step stock':>10} {'sp+AG':>7} {'sp+A2A':>7}")
+    if any("ms_stock_pen" in r for r in rows):
+        head += f" | {'pen: stock':>10} {'sp+AG':>7} {'sp+A2A':>7}"
     lines = [head, "-" * len(head)]
     for r in rows:
         step = (f" | {r['ms_stock']:>10.3f} {r['ms_sp_gather']:>7.3f} {r['ms_sp_a2a']:>7.3f}"
                 if "ms_stock" in r else "")
+        if "ms_stock_pen" in r:
+            step += f" | {r['ms_stock_pen']:>10.3f} {r['ms_sp_gather_pen']:>7.3f} {r['ms_sp_a2a_pen']:>7.3f}"
         lines.append(f"{r['vocab']:>7} {r['bs']:>4} | {r['bytes_in_all_gather'] / 1e6:>13.3f}"
                      f" {r['bytes_in_all_to_all'] / 1e6:>7.3f} | {r['ms_all_gather']:>7.3f} {r['ms_all_to_all']:>7.3f}"
                      f" {r['ms_all_to_all'] / r['ms_all_gather']:>6.2f}{step}")
@@ -152,10 +205,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--iters", type=int, default=30)
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
     ap.add_argument("--step-iters", type=int, default=5, help="iterations of the whole step (0: exchange only)")
+    ap.add_argument("--penalties", action="store_true", help="also whole steps with penalties + logit_bias")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args(argv)
     rows = run(a.tp, [int(v) for v in a.vocabs.split(",")], [int(b) for b in a.batch_sizes.split(",")],
-               a.iters, a.dtype, a.step_iters)
+               a.iters, a.dtype, a.step_iters, a.penalties)
     print(f"gloo, tp={a.tp}, {a.dtype}, median of {a.iters} exchanges / {a.step_iters} steps (slowest rank"
           " per iteration), ms per decode step")
     print(_table(rows))
