@@ -94,7 +94,8 @@ def state_of(scheduler: Any) -> BranchwiseState | None:
 def _build_controller(cfg: BranchwiseConfig) -> StepController:
     model = load_model(cfg.latency_model) if cfg.latency_model else default_model()
     policy = parse_policy(cfg.branch_policy, model=model, rho=cfg.taper_rho, utility=cfg.taper_utility)
-    refit = OnlineRefit(policy.model) if policy.model is not None and not cfg.latency_model else None
+    # a calibrated model (--latency-model) keeps its slopes; its intercept follows the box's drift
+    refit = OnlineRefit(policy.model, slopes_fixed=bool(cfg.latency_model)) if policy.model is not None else None
     return StepController(policy, refit)
 
 

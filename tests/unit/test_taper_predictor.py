@@ -224,3 +224,17 @@ def test_online_refit_sets_a_constant_model_to_the_slowest_recent_step():
 def test_online_refit_rejects_bad_blend():
     with pytest.raises(ValueError, match="blend"):
         OnlineRefit(default_model(), blend=0.0)
+
+
+def test_a_calibrated_model_keeps_its_slopes_and_tracks_drift_in_c0():
+    """--latency-model: the file's shape stays; a slower box moves only the intercept."""
+    model = LinearLatencyModel(c0=4e-3, c_seq=4e-4, c_ctx=3e-7)
+    slopes = model.coefs()[1:]
+    truth = LinearLatencyModel(c0=7e-3, c_seq=6e-4, c_ctx=1e-7)  # separable window: a full fit would move all
+    refit = OnlineRefit(model, every=50, blend=1.0, slopes_fixed=True)
+    rng = np.random.default_rng(1)
+    for _ in range(100):
+        n, c = int(rng.integers(1, 64)), int(rng.integers(100, 50_000))
+        refit.observe(n, c, truth.predict(n, c))
+    assert model.coefs()[1:] == slopes and refit.intercept_refits == refit.refits >= 1
+    assert model.c0 > 5e-3 and "slopes fixed" in refit.last_skip

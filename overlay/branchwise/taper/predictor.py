@@ -236,6 +236,8 @@ class OnlineRefit:
     slopes, and with them monotonicity, stay as they are. Any update that would predict the window
     worse than the current model is skipped. c_tok is never touched (decode windows carry no signal).
     A ConstantLatencyModel is set to the slowest step in the window instead.
+    `slopes_fixed`: only ever correct the intercept (a model calibrated offline, e.g. --latency-model,
+    keeps its measured shape; the box's speed drift is still tracked).
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
 
@@ -244,6 +246,7 @@ class OnlineRefit:
     every: int = 50
     blend: float = 0.5
     min_samples: int = 32
+    slopes_fixed: bool = False
     refits: int = field(default=0, init=False)
     intercept_refits: int = field(default=0, init=False)  # of `refits`, c0-only corrections
     skipped: int = field(default=0, init=False)
@@ -279,7 +282,7 @@ class OnlineRefit:
             self.refits += changed
             return changed
         b = self.blend
-        why = _degenerate(n, ctx)
+        why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
         if why:
             c0_fit = max(0.0, float(np.mean(lat - m.c_seq * n - m.c_ctx * ctx)))
             cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok)
