@@ -139,3 +139,102 @@ def test_snapshot_keeps_the_launched_rows_when_the_batch_is_merged_or_rebound_la
     b.seq_lens = b.seq_lens + 1  # prepare_for_decode rebinds out of place
     assert snap.reqs == ["a", "b"] and snap.top_logprobs_nums == [0, 0]
     assert snap.seq_lens.tolist() == [5, 7]
+
+
+# ---------------------------------------------------------------- which batches go to the worker
+
+def _stub_batch(mode: str = "DECODE", **kw):
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    class _Spec:
+        def is_none(self) -> bool:
+            return True
+
+    si = SimpleNamespace(has_custom_logit_processor=False, custom_params=None,
+                         acc_additive_penalties=None, acc_scaling_penalties=None)
+    fields = dict(forward_mode=ForwardMode[mode], spec_algorithm=_Spec(), input_ids=None,
+                  prefill_input_ids_cpu=None if mode == "DECODE" else [1, 2, 3], chunked_req=None,
+                  input_embeds=None, replace_embeds=None, multimodal_inputs=[None, None],
+                  hicache_consumer_index=-1, model_config=SimpleNamespace(is_encoder_decoder=False),
+                  has_grammar=False, beam_tail=None, sampling_info=si, reqs=["r0", "r1"], return_logprob=False)
+    return SimpleNamespace(**(fields | kw))
+
+
+def test_prefill_and_mixed_batches_staged_on_the_host_go_to_the_worker():
+    from branchwise.albireo.forward_thread import batch_reason
+
+    assert batch_reason(_stub_batch("DECODE")) is None
+    assert batch_reason(_stub_batch("EXTEND")) is None
+    assert batch_reason(_stub_batch("MIXED")) is None
+    assert batch_reason(_stub_batch("IDLE")) == "idle batch"
+    assert batch_reason(_stub_batch("EXTEND", chunked_req="r1")) == "chunked prefill"
+    assert batch_reason(_stub_batch("MIXED", chunked_req="r1")) == "chunked prefill"
+    assert batch_reason(_stub_batch("EXTEND", prefill_input_ids_cpu=None)) == "prefill ids not staged on the host"
+    assert batch_reason(_stub_batch("DECODE", input_ids=[5])) == "inputs staged"
+    assert batch_reason(_stub_batch("EXTEND", multimodal_inputs=[None, object()])) == "multimodal or embedding inputs"
+    assert batch_reason(_stub_batch("EXTEND", has_grammar=True)) == "grammar"
+
+
+def test_penalties_and_aligned_custom_processors_are_no_reason_to_drain():
+    from types import SimpleNamespace
+
+    from branchwise.albireo.forward_thread import batch_reason
+
+    pen = SimpleNamespace(has_custom_logit_processor=False, custom_params=None,
+                          penalizer_orchestrator=SimpleNamespace(is_required=True))
+    assert batch_reason(_stub_batch("DECODE", sampling_info=pen)) is None
+    clp = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None, {"k": 1}])
+    assert batch_reason(_stub_batch("EXTEND", sampling_info=clp)) is None
+    bad = SimpleNamespace(has_custom_logit_processor=True, custom_params=[None])  # rows and params disagree
+    assert batch_reason(_stub_batch("DECODE", sampling_info=bad)) == "custom logit processor"
+
+
+def test_custom_processors_read_the_request_as_it_was_at_launch():
+    from types import SimpleNamespace
+
+    from branchwise.albireo.forward_thread import snapshot
+
+    class Req:  # the state StructureDriver and SGLang's processors read
+        def __init__(self) -> None:
+            self.origin_input_ids, self.output_ids = [1, 2, 3], [7, 8]
+            self.kv = SimpleNamespace(kv_committed_len=5)
+
+    live, plain = Req(), Req()
+    shared = {"bw_structure": "{}", "__req__": live}
+    params = [shared, None]
+    si = SimpleNamespace(has_custom_logit_processor=True, custom_params=params)
+    batch = _stub_batch("DECODE", sampling_info=si, reqs=[live, plain])
+    snap = snapshot(batch)
+    live.output_ids.append(9)  # the scheduler thread moves on after launch
+    live.kv.kv_committed_len = 6
+    view = snap.sampling_info.custom_params[0]["__req__"]
+    assert view.output_ids == [7, 8] and view.kv.kv_committed_len == 5 and view.origin_input_ids == [1, 2, 3]
+    assert snap.sampling_info.custom_params[1] is None and snap.sampling_info.custom_params[0]["bw_structure"] == "{}"
+    assert batch.sampling_info.custom_params is params and shared["__req__"] is live  # the live batch untouched
+
+
+def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_live_batch():
+    from branchwise.albireo import forward_thread as ft
+
+    class Gated(ForwardExecutor):  # the worker holds the job until the test has looked at the live batch
+        def _execute(self, job: ForwardJob) -> None:
+            assert job.snapshot.gate.wait(5)
+
+    ex = Gated(scheduler=None)
+    gate = threading.Event()
+    batch = _stub_batch("MIXED", prefill_input_ids_cpu=[4, 5], mix_running_indices=[3], seq_lens=[1, 1], gate=gate)
+    ft._EX, ex.launching = ex, batch
+    try:
+        placeholder = ft.around_forward_batch_generation(lambda *a: None, object(), batch)
+        job = ex.job
+        assert job.placeholder is placeholder and placeholder._bw_job
+        assert batch.prefill_input_ids_cpu is None and batch.mix_running_indices is None
+        assert job.snapshot.prefill_input_ids_cpu == [4, 5] and job.snapshot.mix_running_indices == [3]
+        assert ex.stats.modes == {"mixed": 1} and ex.stats.features == {}
+        gate.set()
+        ex.drain()
+    finally:
+        ft._EX = None
+        ex.close()

@@ -1,45 +1,92 @@
-"""Asynchronous forward executor for CPU: make SGLang's overlap loop overlap for real (Albireo §3).
+"""Asynchronous forward executor for CPU: make SGLang's overlap loop overlap for real (Albireo §3, §5).
 
 SGLang's overlap loop (`event_loop_overlap`) launches step n on the forward stream, then processes
 step n-1's result and plans step n+1 while step n runs. On CPU the streams are synchronous: the
 forward runs inline on the scheduler thread and nothing overlaps. With `--async-output` on a CPU
-device this module gives the forward stream a thread: for an eligible decode batch, `run_batch`
-hands everything SGLang would have queued on the forward stream to one FIFO worker thread
+device this module gives the forward stream a thread: for an eligible batch, `run_batch` hands
+everything SGLang would have queued on the forward stream to one FIFO worker thread
 
-    resolve_forward_inputs (FutureMap gather) -> TpModelWorker.forward_batch_generation
-    (ForwardBatch build, forward, sample) -> _relay_forward_payload (FutureMap stash) -> copy_to_cpu
+    resolve_forward_inputs (prefill ids from the host staging; decode / mixed-in running rows:
+    FutureMap gather) -> TpModelWorker.forward_batch_generation (ForwardBatch build, forward,
+    sample) -> _relay_forward_payload (FutureMap stash) -> copy_to_cpu
 
 and returns a placeholder result whose `copy_done` is a `HostEvent` set when the job is done, so
 SGLang's own `copy_done.synchronize()` in result processing is the only wait, as on a GPU. Torch ops
 release the GIL, so the model's kernels run while the scheduler thread does Python work.
 
-Why this is race-free (checked against SGLang 0.5.23, map §2):
-* One FIFO thread = one stream: step n+1's gather runs after step n's stash (resolve-after-stash).
-* The worker reads a shallow snapshot of the ScheduleBatch taken at launch on the scheduler thread;
-  SGLang rebinds the batch's per-row tensors out of place afterwards (prepare_for_decode:
-  `seq_lens = seq_lens + 1`, filter: `t[keep]`; Branchwise's deferral clones before index_copy_),
-  so the snapshot keeps the launch-time tensors. Sampling reads the forward-only sampling_info copy
-  SGLang's `_forward_isolation` made for this launch.
-* Shared pools: planning step n+1 writes req_to_token only at column seq_len (step n reads columns
-  below it), KV slots freed while step n is in flight are rewritten only by later forwards (FIFO),
-  and a request slot reused by a new request belonged to a row step n computes and SGLang discards
-  (finished / retracted rows are skipped in result processing), the same sharing as on a GPU.
-* Everything else runs inline after draining the worker (prefill, mixed, idle, speculative, grammar
-  and custom-logit-processor batches (their sampling reads live Req state), penalties (their
-  accumulator is updated in place at the next launch), delayed sampling), so no forward ever runs
-  concurrently with another.
+What runs where (stats: `/server_info` internal_states[0]["branchwise_forward_thread"]: `modes` =
+worker jobs per forward mode, `features` = worker jobs with penalties / custom processors /
+logprobs, `reasons` = inline batches by "<mode>: <why>"):
+* worker: decode, extend (prefill: new arrivals, Branchwise fork's branch spawns and joins,
+  retraction re-prefills) and mixed batches, with or without penalties, custom logit processors
+  or (input) logprobs. Albireo's early feedback is SGLang's own split, run in the right order: the
+  scheduler thread builds every input of step n+1 but the last sampled tokens (prefill ids on the
+  host, seq_lens, out_cache_loc, req_to_token, sampling tensors, penalty accumulators), and the
+  worker fills those in (`output_tokens_buf[req_pool_indices]`, or for a mixed batch's running rows
+  `output_tokens_buf[mix_running_indices]`) after step n's stash, so no step waits for the previous
+  one's result to be processed.
+* inline, after draining the worker (`batch_reason`): chunked-prefill batches (below), idle,
+  speculative, grammar (sampling reads the live FSM; SGLang's delayed sampling), delayed sampling,
+  beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder. An inline
+  forward runs after every queued one, so no forward ever runs concurrently with another.
 
-Measured here (bench.overhead --ab, tiny model, 2 cores): the worker's idle time between decode
-forwards (the exposed time) is 0.06-0.10 ms vs 1.4-4.5 ms stock, but decode throughput is 0.84x /
-0.96x / 1.00x of stock at bs 1 / 32 / 128: this model's forward is mostly GIL-held Python
-(torch_native attention loops over rows), so the scheduler thread's Python still serialises with it
-and the forward gets slower by about what it no longer waits for. Models whose kernels run longer
-than their Python (anything not tiny) overlap for real; a smaller GIL switch interval was worse.
+Why this is race-free (checked against SGLang 0.5.23, map §2):
+* One FIFO thread = one stream: step n+1's gather runs after step n's stash (resolve-after-stash),
+  and every KV write of a forward precedes the forwards launched after it (a prefix matched by a
+  later prefill, e.g. a branch spawn over its parked parent, was written by an earlier job).
+* The worker reads a shallow snapshot of the ScheduleBatch taken at launch on the scheduler thread
+  (its lists copied: prefix_lens, extend_lens, logprob lists, reqs, decoding_reqs); SGLang rebinds
+  the batch's per-row tensors out of place afterwards (prepare_for_decode: `seq_lens = seq_lens + 1`,
+  filter: `t[keep]`, merge: `torch.cat`; Branchwise's deferral clones before index_copy_), so the
+  snapshot keeps the launch-time tensors. The prefill staging (`prefill_input_ids_cpu`, pinned,
+  never written after prepare_for_extend; `mix_running_indices`) moves into the snapshot and is
+  cleared on the live batch at launch, as stock resolve_forward_inputs would have, so the merged
+  running batch's next decode gathers from the FutureMap. Sampling reads the forward-only
+  sampling_info copy SGLang's `_forward_isolation` made for this launch.
+* Shared pools: prepare_for_extend wrote the rows' req_to_token columns [prefix, seq_len) and
+  allocated out_cache_loc before launch; planning step n+1 writes req_to_token only at column
+  seq_len of running rows (prepare_for_decode, also after merging a prefill batch) and whole rows
+  of newly allocated request slots. The exception is a chunked request: the next planning
+  checkpoints it (`stash_chunked_request` -> RadixCache.checkpoint), which rewrites its row below
+  seq_len with the tree's indices and frees the duplicates, so a batch carrying an unfinished
+  chunk (`chunked_req`) runs inline. Prefixes matched at planning stay locked until the request
+  releases or checkpoints them, eviction frees only unlocked nodes, and KV slots freed while a step
+  is in flight (finished / retracted / parked rows) are rewritten only by later forwards (FIFO).
+  A request slot reused by a new request belonged to a row step n computes and SGLang discards
+  (finished / retracted / parked rows are skipped in result processing), the same sharing as on a
+  GPU.
+* Live Req state read on the worker: ForwardBatch.init_new reads rid / lora_id (constant) and
+  extend_end / full_untruncated_fill_ids only for `contains_last_prefill_chunk`, which only PP
+  reads (pp = 1 here). run_batch sets the input-logprob bookkeeping (extend_input_len_per_req,
+  extend_logprob_start_len_per_req) on the placeholder itself; the worker leaves those fields alone.
+  SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (is_disable_overlap_for_batch) only processes the
+  previous result before the launch; that waits on its HostEvent.
+* Penalties: `copy_for_forward` (at launch, scheduler thread) materialises the accumulated
+  penalties into buffers owned by this launch's forward copy (acc_additive: a fresh tensor,
+  acc_scaling: a clone) and drops the orchestrator from it, so the worker never reads the
+  penalizers. The next planning's cumulate_output_tokens (prepare_for_decode; TAPER's pinned rule
+  in deferral.py) mutates the orchestrator's tensors, never those. Under overlap SGLang cumulates
+  `output_ids[-1]`, a token already processed on the host, not the in-flight one, so there is
+  nothing to backfill: feeding it the in-flight token on the worker would change SGLang's overlap
+  penalty semantics (one token of lag), and with it outputs vs stock and TAPER's pinned sequence.
+* Custom logit processors read their Req (`custom_params[i]["__req__"]`) when they sample: at
+  launch in stock, later on the worker. They get a launch-time view (`req_view`: a shallow copy with
+  output_ids, origin_input_ids and kv copied). A processor that reads other mutable Req state would
+  see it later than stock; SGLang's own (thinking budget, n-gram) and bench.structure_driver read
+  only those.
+
+Measured here (bench.overhead --ab, tiny model, 2 cores, decode only): the worker's idle time
+between decode forwards (the exposed time) is 0.06-0.10 ms vs 1.4-4.5 ms stock, but decode
+throughput is 0.84x / 0.96x / 1.00x of stock at bs 1 / 32 / 128: this model's forward is mostly
+GIL-held Python (torch_native attention loops over rows), so the scheduler thread's Python still
+serialises with it and the forward gets slower by about what it no longer waits for. Models whose
+kernels run longer than their Python (anything not tiny) overlap for real; a smaller GIL switch
+interval was worse.
 
 Enabled with --async-output on a CPU device, overlap on, tp = pp = 1, no speculative decoding / PD
-disaggregation / PDMux / unified memory, and only when env BRANCHWISE_FORWARD_THREAD=1 opts in: on this
-box it lowers decode throughput (figures above), so it is not on by default. The --async-output
-runtime switch turns it off with the rest. Under TP it stays off (the forward's
+disaggregation / PDMux / unified memory / LoRA, and only when env BRANCHWISE_FORWARD_THREAD=1 opts
+in: on this box it lowers decode throughput (figures above), so it is not on by default. The
+--async-output runtime switch turns it off with the rest. Under TP it stays off (the forward's
 collectives would share a worker thread with none of the other ranks' decisions checked yet).
 """
 
@@ -67,7 +114,9 @@ ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (op
 SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
 _STOP = object()
 # fields the scheduler thread itself sets on the placeholder before it synchronises
-_SCHEDULER_OWNED = frozenset({"copy_done", "delay_sample_func", "future_indices", "extra_keep_alive_refs"})
+# (run_batch sets the extend_* lists after forward_batch_generation returns; the worker's result has None)
+_SCHEDULER_OWNED = frozenset({"copy_done", "delay_sample_func", "future_indices", "extra_keep_alive_refs",
+                              "extend_input_len_per_req", "extend_logprob_start_len_per_req"})
 
 
 class HostEvent:
@@ -115,8 +164,13 @@ class ForwardStats:
     jobs: int = 0
     inline: int = 0  # batches run on the scheduler thread after draining the worker
     busy_s: float = 0.0
-    idle_s: float = 0.0  # gaps between consecutive decode forwards of the worker
-    reasons: dict[str, int] = field(default_factory=dict)  # why a decode batch ran inline
+    idle_s: float = 0.0  # gaps between consecutive forwards of the worker (reset by an inline batch)
+    reasons: dict[str, int] = field(default_factory=dict)  # "<mode>: <why>" -> inline batches
+    modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode (decode/extend/mixed)
+    features: dict[str, int] = field(default_factory=dict)  # "<mode>: <feature>" -> worker jobs (penalties, ...)
+
+    def count(self, table: dict[str, int], key: str) -> None:
+        table[key] = table.get(key, 0) + 1
 
 
 class ForwardExecutor:
@@ -205,39 +259,97 @@ def static_reason(scheduler: Any) -> str | None:
         (scheduler.disaggregation_mode.name != "NULL", "PD disaggregation"),
         (getattr(scheduler, "_confidence_budget_prepare", None) is not None, "confidence relay"),
         (getattr(scheduler, "enable_async_d2h_copy", False), "async D2H copy worker"),
+        # adapter loads/unloads run on the scheduler thread while the worker's forward would use them
+        (getattr(scheduler, "enable_lora", False), "LoRA"),
     ]
     return next((why for bad, why in checks if bad), None)
 
 
+WORKER_MODES = frozenset({"DECODE", "EXTEND", "MIXED"})
+
+
+def mode_name(batch: Any) -> str:
+    return batch.forward_mode.name.lower()
+
+
 def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
-    """Why this batch runs inline (None: it goes to the worker). A function of the batch only."""
+    """Why this batch runs inline (None: it goes to the worker). A function of the batch only.
+
+    Penalties are not a reason (see the module doc: the forward reads only the accumulators that
+    copy_for_forward materialised at launch). Custom logit processors are not one either: the worker
+    hands them a launch-time view of their Req (`snapshot`)."""
     from sglang.srt.environ import envs
 
-    if not batch.forward_mode.is_decode():
-        return "not decode"
+    mode = batch.forward_mode.name
+    if mode not in WORKER_MODES:
+        return f"{mode.lower()} batch"
+    decode = mode == "DECODE"
     si = batch.sampling_info
     checks = [
         (not batch.spec_algorithm.is_none(), "speculative"),
-        (batch.input_ids is not None or batch.prefill_input_ids_cpu is not None, "inputs staged"),
+        (decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is not None), "inputs staged"),
+        # the worker's resolve_forward_inputs copies the prefill ids from the host staging
+        (not decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is None),
+         "prefill ids not staged on the host"),
+        # the next planning checkpoints the chunked request (radix dedup rewrites its req_to_token
+        # row below seq_len and frees duplicate KV slots) before this forward would have read them
+        (not decode and batch.chunked_req is not None, "chunked prefill"),
+        (not decode and _embeds(batch), "multimodal or embedding inputs"),
+        (getattr(batch, "hicache_consumer_index", -1) >= 0, "hierarchical cache load"),
+        (getattr(getattr(batch, "model_config", None), "is_encoder_decoder", False), "encoder-decoder"),
         (batch.has_grammar, "grammar"),
         (batch.beam_tail is not None
          or getattr(getattr(scheduler, "beam_coordinator", None), "_num_live_groups", 0), "beam search"),
         (si is None, "no sampling info"),
-        (si is not None and si.has_custom_logit_processor, "custom logit processor"),
-        (si is not None and _penalties(si.penalizer_orchestrator), "penalties"),
+        (si is not None and si.has_custom_logit_processor
+         and (si.custom_params is None or len(si.custom_params) != len(batch.reqs)), "custom logit processor"),
         (envs.SGLANG_ENABLE_DELAY_SAMPLE.get(), "delayed sampling"),
     ]
     return next((why for bad, why in checks if bad), None)
 
 
+def _embeds(batch: Any) -> bool:
+    mm = batch.multimodal_inputs
+    return (batch.input_embeds is not None or batch.replace_embeds is not None
+            or (mm is not None and any(x is not None for x in mm)))
+
+
 def snapshot(batch: Any) -> Any:
     """The batch as launched: a shallow copy whose lists are copied too (merge_batch extends
-    `reqs` and the logprob lists in place; tensors are rebound out of place, see the module doc)."""
+    `reqs` and the logprob lists in place; tensors are rebound out of place, see the module doc).
+
+    Custom logit processors read their request through `custom_params[i]["__req__"]` when they
+    sample; stock samples at launch, the worker later, after the scheduler thread has moved on. They
+    get a view of the Req as it was at launch instead (`req_view`)."""
     snap = copy.copy(batch)
     for name, value in vars(snap).items():
         if type(value) is list:
             setattr(snap, name, list(value))
+    si = getattr(snap, "sampling_info", None)
+    if si is not None and si.has_custom_logit_processor and si.custom_params is not None:
+        snap.sampling_info = si = copy.copy(si)  # the launch's forward-only copy; leave the shared list alone
+        si.custom_params = [_frozen_params(p, r) for p, r in zip(si.custom_params, snap.reqs, strict=True)]
     return snap
+
+
+def _frozen_params(params: Any, req: Any) -> Any:
+    if not params or "__req__" not in params:
+        return params
+    return {**params, "__req__": req_view(req)}
+
+
+def req_view(req: Any) -> Any:
+    """A shallow copy of a Req with its per-step state copied: what a processor reads at launch.
+
+    The scheduler thread appends to output_ids and advances kv (kv_committed_len, ...) in place
+    after launch; scalar attributes are rebound, so the shallow copy already keeps their values."""
+    view = copy.copy(req)
+    for name in ("output_ids", "origin_input_ids"):
+        if (v := getattr(req, name, None)) is not None:
+            setattr(view, name, copy.copy(v))
+    if getattr(req, "kv", None) is not None:
+        view.kv = copy.copy(req.kv)
+    return view
 
 
 def _penalties(orch: Any) -> bool:
@@ -289,8 +401,7 @@ def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any
     if why is not None:
         ex.drain()  # an inline forward must come after every queued one (one stream)
         ex.stats.inline += 1
-        if batch.forward_mode.is_decode():
-            ex.stats.reasons[why] = ex.stats.reasons.get(why, 0) + 1
+        ex.stats.count(ex.stats.reasons, f"{mode_name(batch)}: {why}")
         ex.last_end = None  # the next decode gap is not a decode-to-decode gap
         return orig(self, batch, *args, **kwargs)
     ex.launching = batch
@@ -320,9 +431,27 @@ def around_forward_batch_generation(orig: Any, self: Any, batch: Any = None, *ar
     placeholder = GenerationBatchResult()
     placeholder._bw_job = True  # _relay_forward_payload / _copy_result_to_cpu: the worker does them
     job = ForwardJob(snapshot(batch), placeholder, lambda b: orig(self, b), HostEvent(), len(batch.seq_lens))
+    # Stock resolve_forward_inputs consumes the prefill staging on the launched batch; the worker
+    # consumes the snapshot's, so clear the live batch's as stock would have (it is merged into
+    # running_batch next step, whose decode must gather from the FutureMap, not re-read prompts).
+    batch.prefill_input_ids_cpu = None
+    batch.mix_running_indices = None
     ex.job = job
+    _count_job(ex.stats, batch)
     ex.submit(job)  # the snapshot is complete: _forward_isolation already swapped in the forward-only sampling_info
     return placeholder
+
+
+def _count_job(stats: ForwardStats, batch: Any) -> None:
+    mode = mode_name(batch)
+    stats.count(stats.modes, mode)
+    si = batch.sampling_info  # the forward-only copy: penalties show as its materialised accumulators
+    for on, feature in ((si.acc_additive_penalties is not None or si.acc_scaling_penalties is not None,
+                         "penalties"),
+                        (si.has_custom_logit_processor, "custom logit processor"),
+                        (batch.return_logprob, "logprobs")):
+        if on:
+            stats.count(stats.features, f"{mode}: {feature}")
 
 
 def around_relay_forward_payload(orig: Any, self: Any, batch: Any, future_indices: Any, result: Any,
