@@ -238,3 +238,48 @@ def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_liv
     finally:
         ft._EX = None
         ex.close()
+
+
+def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_it_changes():
+    import torch
+
+    from branchwise.albireo import forward_thread as ft
+
+    class Pool:
+        def __init__(self) -> None:
+            self.req_to_token = torch.arange(12, dtype=torch.int32).reshape(2, 6)
+
+        def write(self, indices, values) -> None:
+            self.req_to_token[indices] = values
+
+    class Tree:  # RadixCache.checkpoint's req_to_token write, reduced to the call around_checkpoint wraps
+        def __init__(self) -> None:
+            self.req_to_token_pool = Pool()
+
+        def checkpoint(self, req, *, up_to: int) -> None:
+            self.req_to_token_pool.write((req, slice(0, up_to)), self.new[:up_to])
+
+    seen: list[list[int]] = []
+
+    class Gated(ForwardExecutor):  # the "forward" reads the row once it may run
+        def _execute(self, job: ForwardJob) -> None:
+            assert job.snapshot.wait(5)
+            seen.append(tree.req_to_token_pool.req_to_token[0, :4].tolist())
+
+    ex, gate, tree = Gated(scheduler=None), threading.Event(), Tree()
+    ft._EX = ex
+    try:
+        tree.new = torch.tensor([0, 1, 2, 3], dtype=torch.int64)  # the tree's indices == the row's: no wait
+        ex.submit(ForwardJob(gate, None, lambda b: None, HostEvent(), 1))
+        ft.around_checkpoint(Tree.checkpoint, tree, 0, up_to=4)
+        assert ex.busy() and ex.stats.checkpoint_drains == 0
+        assert "write" not in vars(tree.req_to_token_pool)  # the checked write is gone after the call
+        tree.new = torch.tensor([9, 8, 7], dtype=torch.int64)  # dedup: another request's slots
+        threading.Timer(0.05, gate.set).start()  # the worker finishes; the rewrite must wait for it
+        ft.around_checkpoint(Tree.checkpoint, tree, 0, up_to=3)
+        assert not ex.busy() and ex.stats.checkpoint_drains == 1
+        assert seen == [[0, 1, 2, 3]]  # the forward read the row before the rewrite, whenever the gate opened
+        assert tree.req_to_token_pool.req_to_token[0, :4].tolist() == [9, 8, 7, 3]
+    finally:
+        ft._EX = None
+        ex.close()

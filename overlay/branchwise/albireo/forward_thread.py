@@ -25,9 +25,9 @@ logprobs, `reasons` = inline batches by "<mode>: <why>"):
   worker fills those in (`output_tokens_buf[req_pool_indices]`, or for a mixed batch's running rows
   `output_tokens_buf[mix_running_indices]`) after step n's stash, so no step waits for the previous
   one's result to be processed.
-* inline, after draining the worker (`batch_reason`): chunked-prefill batches (below), idle,
-  speculative, grammar (sampling reads the live FSM; SGLang's delayed sampling), delayed sampling,
-  beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder. An inline
+* inline, after draining the worker (`batch_reason`): idle, speculative, grammar (sampling reads the live FSM; SGLang's delayed sampling), delayed sampling,
+  beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder, and
+  unfinished prefill chunks where the tree cache is not RadixCache (below). An inline
   forward runs after every queued one, so no forward ever runs concurrently with another.
 
 Why this is race-free (checked against SGLang 0.5.23, map §2):
@@ -46,10 +46,16 @@ Why this is race-free (checked against SGLang 0.5.23, map §2):
 * Shared pools: prepare_for_extend wrote the rows' req_to_token columns [prefix, seq_len) and
   allocated out_cache_loc before launch; planning step n+1 writes req_to_token only at column
   seq_len of running rows (prepare_for_decode, also after merging a prefill batch) and whole rows
-  of newly allocated request slots. The exception is a chunked request: the next planning
-  checkpoints it (`stash_chunked_request` -> RadixCache.checkpoint), which rewrites its row below
-  seq_len with the tree's indices and frees the duplicates, so a batch carrying an unfinished
-  chunk (`chunked_req`) runs inline. Prefixes matched at planning stay locked until the request
+  of newly allocated request slots (a later chunk rewrites its prefix columns with their own
+  values). The exception is RadixCache.checkpoint: after inserting a request's KV it rewrites the
+  request's row below seq_len with the tree's indices when another request inserted the same tokens
+  first (and frees the duplicates). It runs in result processing for every prefilled request
+  (while the next decode step, which reads that row, may be queued) and at the next planning for
+  an unfinished chunk (`stash_chunked_request`, while the chunk itself may be queued). On a GPU
+  SGLang's WAR barrier makes that write wait for the forward's reads; here `around_checkpoint`
+  compares the write with the row and drains the worker first when it changes anything
+  (stats: `checkpoint_drains`); the duplicate slots it freed are reallocated only after it
+  returns. Prefixes matched at planning stay locked until the request
   releases or checkpoints them, eviction frees only unlocked nodes, and KV slots freed while a step
   is in flight (finished / retracted / parked rows) are rewritten only by later forwards (FIFO).
   A request slot reused by a new request belonged to a row step n computes and SGLang discards
@@ -168,6 +174,7 @@ class ForwardStats:
     reasons: dict[str, int] = field(default_factory=dict)  # "<mode>: <why>" -> inline batches
     modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode (decode/extend/mixed)
     features: dict[str, int] = field(default_factory=dict)  # "<mode>: <feature>" -> worker jobs (penalties, ...)
+    checkpoint_drains: int = 0  # radix checkpoints that rewrote a row while a forward was queued or running
 
     def count(self, table: dict[str, int], key: str) -> None:
         table[key] = table.get(key, 0) + 1
@@ -185,6 +192,9 @@ class ForwardExecutor:
         self.last: HostEvent | None = None  # the newest job's event: set => the worker is idle
         self.last_end: float | None = None  # when the previous decode job ended (None: no decode before)
         self.stats = ForwardStats()
+        # chunked prefill on the worker needs every checkpoint of this tree cache to pass through
+        # around_checkpoint (RadixCache's own; other caches keep chunked batches inline)
+        self.checkpoint_guarded = _guarded_checkpoint(scheduler)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -197,6 +207,9 @@ class ForwardExecutor:
         """Wait for every submitted job (FIFO: the newest done => all done)."""
         if self.last is not None:
             self.last.synchronize()
+
+    def busy(self) -> bool:
+        return self.last is not None and not self.last.query()
 
     def close(self) -> None:
         self.q.put(_STOP)
@@ -291,9 +304,10 @@ def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
         # the worker's resolve_forward_inputs copies the prefill ids from the host staging
         (not decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is None),
          "prefill ids not staged on the host"),
-        # the next planning checkpoints the chunked request (radix dedup rewrites its req_to_token
-        # row below seq_len and frees duplicate KV slots) before this forward would have read them
-        (not decode and batch.chunked_req is not None, "chunked prefill"),
+        # the next planning checkpoints the chunked request (radix dedup may rewrite its req_to_token
+        # row below seq_len); only a guarded checkpoint (around_checkpoint) waits for this forward
+        (not decode and batch.chunked_req is not None and not (_EX is not None and _EX.checkpoint_guarded),
+         "chunked prefill"),
         (not decode and _embeds(batch), "multimodal or embedding inputs"),
         (getattr(batch, "hicache_consumer_index", -1) >= 0, "hierarchical cache load"),
         (getattr(getattr(batch, "model_config", None), "is_encoder_decoder", False), "encoder-decoder"),
@@ -449,7 +463,8 @@ def _count_job(stats: ForwardStats, batch: Any) -> None:
     for on, feature in ((si.acc_additive_penalties is not None or si.acc_scaling_penalties is not None,
                          "penalties"),
                         (si.has_custom_logit_processor, "custom logit processor"),
-                        (batch.return_logprob, "logprobs")):
+                        (batch.return_logprob, "logprobs"),
+                        (batch.chunked_req is not None, "chunked prefill")):
         if on:
             stats.count(stats.features, f"{mode}: {feature}")
 
@@ -478,6 +493,52 @@ def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) 
         result.internal_state["branchwise_forward_thread"] = {
             **dataclasses.asdict(ex.stats), "enabled": ex.enabled}
     return result
+
+
+def _guarded_checkpoint(scheduler: Any) -> bool:
+    tc = getattr(scheduler, "tree_cache", None)
+    if tc is None:
+        return False
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    return type(tc).checkpoint is RadixCache.checkpoint
+
+
+def around_checkpoint(orig: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """RadixCache.checkpoint: after inserting a request's KV it rewrites the request's req_to_token
+    row with the tree's indices (radix dedup: another request inserted the same tokens first). On a
+    GPU that write waits for the in-flight forward's reads (SGLang's WAR barrier on the schedule
+    stream); here it runs at once on the scheduler thread, so a queued or running forward that still
+    reads the row (the next decode step of a just-prefilled row, or the chunk in flight) would see
+    the other request's slots. The write is checked instead: if it changes the row while the worker
+    is busy, drain first. Unchanged rows (the common case) cost a compare, no wait."""
+    ex = _EX
+    if ex is None or not ex.busy():
+        return orig(self, req, *args, **kwargs)
+    pool = self.req_to_token_pool
+    pool.write = _CheckedWrite(ex, type(pool).write.__get__(pool))  # instance attribute for this call only
+    try:
+        return orig(self, req, *args, **kwargs)
+    finally:
+        del pool.write
+
+
+class _CheckedWrite:
+    __slots__ = ("ex", "write")
+
+    def __init__(self, ex: ForwardExecutor, write: Any) -> None:
+        self.ex, self.write = ex, write
+
+    def __call__(self, indices: Any, values: Any) -> Any:
+        import torch
+
+        table = self.write.__self__.req_to_token
+        cur = table[indices]
+        new = values if isinstance(values, torch.Tensor) else torch.as_tensor(values)
+        if cur.shape != new.shape or not torch.equal(cur, new.to(cur.dtype)):
+            self.ex.stats.checkpoint_drains += 1
+            self.ex.drain()
+        return self.write(indices, values)
 
 
 def set_enabled(on: bool) -> None:
