@@ -3,6 +3,7 @@
     python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1] [--stream] [--stop]
                              [--configs stock,bw-off,branchwise] [--overlap on,off] [--out runs/overhead.json]
     python -m bench.overhead --ab [--rounds 3] [--send auto|thread|inline] [--stream] [--stop] ...
+    python -m bench.overhead --ab --arrivals 8 [--arrival-gap-ms 50] ...   # requests arrive in waves
     python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
 
 --launch starts one real server per (config, overlap) pair, one at a time: `stock` is SGLang with
@@ -32,6 +33,12 @@ decode result of bs rows. Reported per step (median over those iterations, or --
   worker      time the async-output worker thread spent per step (off the scheduler thread)
   tok/s       bs / median step (steady decode); e2e tok/s: bs * steps / the whole request's time
               (prefill and ramp included) as the client saw it
+
+--arrivals W (with --ab): the bs requests arrive in W waves --arrival-gap-ms apart, each wave one
+/generate call from its own thread, so prefills are planned while earlier waves decode (the
+sync boundary the forward thread removes for prefill and mixed batches). e2e tok/s then covers
+the whole workload from the first wave to the last response; the step columns still count only
+the steady steps once every wave runs.
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ import argparse
 import json
 import statistics
 import sys
+import threading
 import time
 import urllib.parse
 import urllib.request
@@ -53,7 +61,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
 from branchwise.albireo.step_timer import records_path  # noqa: E402
-from branchwise.launch import LocalServer, post_json  # noqa: E402
+from branchwise.launch import LocalServer, get_json, post_json  # noqa: E402
 
 STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
 COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")
@@ -169,8 +177,25 @@ def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[i
     return rows
 
 
+def _post_waves(url: str, bs: int, sampling: dict, stream: bool, waves: int, gap_s: float) -> None:
+    """bs requests in `waves` /generate calls, each from its own thread, gap_s apart."""
+    prompts = _prompts(bs)
+    cuts = [round(k * bs / waves) for k in range(waves + 1)]
+    threads = []
+    for k in range(waves):
+        if k:
+            time.sleep(gap_s)  # the arrival process itself, not a wait for a result
+        part = prompts[cuts[k]:cuts[k + 1]]
+        th = threading.Thread(target=_post, args=(url, {"text": part, "sampling_params": sampling}, stream))
+        th.start()
+        threads.append(th)
+    for th in threads:
+        th.join()
+
+
 def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps: int, rounds: int,
-               stream: bool = False, stop: bool = False, q: float = 0.5) -> list[Row]:
+               stream: bool = False, stop: bool = False, q: float = 0.5, waves: int = 1,
+               gap_s: float = 0.05) -> list[Row]:
     """One server with --async-output, switched off/on at runtime in alternating rounds: both arms
     see the same machine load, so the comparison survives a shared, noisy machine."""
     offset, rows = _start(url, path), []
@@ -181,7 +206,10 @@ def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps
             for arm in (("stock", "albireo") if r % 2 == 0 else ("albireo", "stock")):
                 post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})
                 t0 = time.perf_counter()
-                _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+                if min(waves, bs) > 1:
+                    _post_waves(url, bs, _sampling(steps, stop), stream, min(waves, bs), gap_s)
+                else:
+                    _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
                 secs[arm] += time.perf_counter() - t0
                 records, offset = _read_until(path, offset, bs)
                 got[arm] += records
@@ -260,6 +288,9 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds per batch size (each runs both arms)")
     ap.add_argument("--send", choices=("auto", "thread", "inline"), default="auto",
                     help="--ab: where --async-output sends (BRANCHWISE_ASYNC_SEND)")
+    ap.add_argument("--arrivals", type=int, default=1,
+                    help="--ab: the bs requests arrive in this many waves (prefills under decode load)")
+    ap.add_argument("--arrival-gap-ms", type=float, default=50.0, help="--arrivals: time between waves")
     ap.add_argument("--quantile", type=float, default=0.5,
                     help="per-column statistic over the steady steps (0.5 = median; lower = less disturbed "
                          "by other load on a shared machine)")
@@ -279,7 +310,10 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 srv.start()
                 rows += measure_ab(srv.url, records_path(srv.port), overlap, batch_sizes, a.steps, a.rounds,
-                                   a.stream, a.stop, a.quantile)
+                                   a.stream, a.stop, a.quantile, a.arrivals, a.arrival_gap_ms / 1e3)
+                ft = get_json(srv.url + "/server_info")["internal_states"][0].get("branchwise_forward_thread")
+                if ft is not None:  # where the forward-thread arm's batches ran
+                    print(f"  forward thread: jobs by mode {ft['modes']}, inline {ft['inline']} {ft['reasons']}")
             finally:
                 srv.stop()
     else:
