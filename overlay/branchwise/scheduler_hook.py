@@ -94,8 +94,13 @@ def state_of(scheduler: Any) -> BranchwiseState | None:
 def _build_controller(cfg: BranchwiseConfig) -> StepController:
     model = load_model(cfg.latency_model) if cfg.latency_model else default_model()
     policy = parse_policy(cfg.branch_policy, model=model, rho=cfg.taper_rho, utility=cfg.taper_utility)
-    # a calibrated model (--latency-model) keeps its slopes; its intercept follows the box's drift
-    refit = OnlineRefit(policy.model, slopes_fixed=bool(cfg.latency_model)) if policy.model is not None else None
+    refit = None
+    if policy.model is not None and cfg.latency_model:
+        # a calibrated model keeps its slopes; its intercept follows the box's drift and the per-step
+        # work a pure-decode calibration does not see (arrivals, streaming), over the last ~1 s of steps
+        refit = OnlineRefit(policy.model, window=64, every=16, slopes_fixed=True)
+    elif policy.model is not None:
+        refit = OnlineRefit(policy.model)
     return StepController(policy, refit)
 
 
