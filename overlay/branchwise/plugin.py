@@ -21,6 +21,7 @@ OVERLAP_UTILS = "sglang.srt.managers.overlap_utils"
 LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache.RadixCache"
+UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 
 
 def _flag_declared(name: str) -> bool:
@@ -54,6 +55,7 @@ def _albireo_hooks(HookType):
             (f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload, HookType.AROUND),
             (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
             (f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
+            (f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
         ]
     if _flag_declared("parallel_sampling"):
         hooks += [

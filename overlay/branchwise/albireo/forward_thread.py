@@ -47,7 +47,8 @@ Why this is race-free (checked against SGLang 0.5.23, map §2):
   allocated out_cache_loc before launch; planning step n+1 writes req_to_token only at column
   seq_len of running rows (prepare_for_decode, also after merging a prefill batch) and whole rows
   of newly allocated request slots (a later chunk rewrites its prefix columns with their own
-  values). The exception is RadixCache.checkpoint: after inserting a request's KV it rewrites the
+  values). The exception is the tree's checkpoint (UnifiedRadixCache, SGLang's default, and
+  RadixCache: `checkpoint_into_tree` / `checkpoint`): after inserting a request's KV it rewrites the
   request's row below seq_len with the tree's indices when another request inserted the same tokens
   first (and frees the duplicates). It runs in result processing for every prefilled request
   (while the next decode step, which reads that row, may be queued) and at the next planning for
@@ -500,12 +501,14 @@ def _guarded_checkpoint(scheduler: Any) -> bool:
     if tc is None:
         return False
     from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    return type(tc).checkpoint is RadixCache.checkpoint
+    # the classes whose checkpoint plugin.py wraps with around_checkpoint (UnifiedRadixCache is the default)
+    return type(tc).checkpoint in (RadixCache.checkpoint, UnifiedRadixCache.checkpoint)
 
 
 def around_checkpoint(orig: Any, self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
-    """RadixCache.checkpoint: after inserting a request's KV it rewrites the request's req_to_token
+    """(Unified)RadixCache.checkpoint: after inserting a request's KV it rewrites the request's req_to_token
     row with the tree's indices (radix dedup: another request inserted the same tokens first). On a
     GPU that write waits for the in-flight forward's reads (SGLang's WAR barrier on the schedule
     stream); here it runs at once on the scheduler thread, so a queued or running forward that still
