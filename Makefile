@@ -70,8 +70,13 @@ test: apply
 test-unit:
 	$(PY) -m pytest tests/unit -q
 
+# make bench: off/eager/taper at three absolute operating points of this 2-core box (bench/README.md,
+# "Replay"); BENCH_ARGS overrides any of them, e.g. BENCH_ARGS="--rate-scale 1.8", or for a point
+# relative to a probe of the box: BENCH_ARGS="--slo-tpot-ms auto --rate-scale auto --load 0.4,0.5".
+BENCH_POINT := --slo-tpot-ms 16 --rate-scale 1.6,2.0,2.4 --output-scale 1.0 --max-stage-tokens 256 --duration-s 45
 bench: apply tiny-model
-	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench $(BENCH_ARGS)
+	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench \
+		$(BENCH_POINT) $(BENCH_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check overlay bench frontends tests
