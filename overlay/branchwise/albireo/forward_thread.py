@@ -25,8 +25,8 @@ logprobs, `reasons` = inline batches by "<mode>: <why>"):
   worker fills those in (`output_tokens_buf[req_pool_indices]`, or for a mixed batch's running rows
   `output_tokens_buf[mix_running_indices]`) after step n's stash, so no step waits for the previous
   one's result to be processed.
-* inline, after draining the worker (`batch_reason`): idle, speculative, grammar (sampling reads the live FSM; SGLang's delayed sampling), delayed sampling,
-  beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder, and
+* inline, after draining the worker (`batch_reason`): idle, speculative, grammar (sampling reads
+  the live FSM; SGLang's delayed sampling), delayed sampling, beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder, and
   unfinished prefill chunks where the tree cache is not RadixCache (below). An inline
   forward runs after every queued one, so no forward ever runs concurrently with another.
 
@@ -87,9 +87,9 @@ decode forwards (the exposed time) is 0.06-0.10 ms vs 1.4-4.5 ms stock, also wit
 arriving in waves (--arrivals 8: 0.07 ms vs 2.4-3.2 ms, prefills on the worker), but throughput
 is not better: decode 0.84x / 0.96x / 1.00x of stock at bs 1 / 32 / 128 in an earlier run,
 0.68-0.99x in later single runs on a busier box (e2e with arrivals 0.95x / 0.90x at bs 32 / 128):
-this model's forward is mostly
-GIL-held Python (torch_native attention loops over rows), so the scheduler thread's Python still
-serialises with it and the forward gets slower by about what it no longer waits for. Models whose
+this model's forward is mostly GIL-held Python (torch_native attention loops over rows), so the
+scheduler thread's Python still serialises with it and the forward gets slower by about what it no
+longer waits for. Models whose
 kernels run longer than their Python (anything not tiny) overlap for real; a smaller GIL switch
 interval was worse.
 
@@ -368,14 +368,6 @@ def req_view(req: Any) -> Any:
     if getattr(req, "kv", None) is not None:
         view.kv = copy.copy(req.kv)
     return view
-
-
-def _penalties(orch: Any) -> bool:
-    """SGLang has two orchestrators: `is_required` is an attribute on one, a method on the other."""
-    if orch is None:
-        return False
-    req = orch.is_required
-    return bool(req() if callable(req) else req)
 
 
 def install(scheduler: Any) -> ForwardExecutor | None:
