@@ -2,7 +2,7 @@
 
     python -m bench.overhead --launch [--batch-sizes 1,32,128] [--steps 96] [--tp 1] [--stream] [--stop]
                              [--configs stock,bw-off,branchwise] [--overlap on,off] [--out runs/overhead.json]
-    python -m bench.overhead --ab [--rounds 3] [--send auto|thread|inline] [--stream] [--stop] ...
+    python -m bench.overhead --ab [--rounds 3] [--send auto|thread|inline] [--stream] [--stop] [--regex RE] ...
     python -m bench.overhead --ab --arrivals 8 [--arrival-gap-ms 50] ...   # requests arrive in waves
     python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
 
@@ -143,8 +143,9 @@ def _post(url: str, payload: dict, stream: bool) -> None:
             pass
 
 
-def _sampling(steps: int, stop: bool) -> dict:
-    return {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True} | ({"stop": STOP} if stop else {})
+def _sampling(steps: int, extra: dict | None = None) -> dict:
+    """Greedy, exactly `steps` new tokens, plus --stop / --regex's parameters."""
+    return {"max_new_tokens": steps, "temperature": 0, "ignore_eos": True} | (extra or {})
 
 
 def _start(url: str, path: str) -> int:
@@ -166,11 +167,11 @@ def _row(config: str, overlap: bool, bs: int, records: list[dict], q: float, e2e
 
 
 def measure(url: str, path: str, config: str, overlap: bool, batch_sizes: list[int], steps: int,
-            stream: bool = False, stop: bool = False, q: float = 0.5) -> list[Row]:
+            stream: bool = False, extra: dict | None = None, q: float = 0.5) -> list[Row]:
     offset, rows = _start(url, path), []
     for bs in batch_sizes:
         t0 = time.perf_counter()
-        _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+        _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, extra)}, stream)
         e2e = bs * steps / (time.perf_counter() - t0)
         records, offset = _read_until(path, offset, bs)
         rows.append(_row(config, overlap, bs, records, q, e2e))
@@ -194,7 +195,7 @@ def _post_waves(url: str, bs: int, sampling: dict, stream: bool, waves: int, gap
 
 
 def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps: int, rounds: int,
-               stream: bool = False, stop: bool = False, q: float = 0.5, waves: int = 1,
+               stream: bool = False, extra: dict | None = None, q: float = 0.5, waves: int = 1,
                gap_s: float = 0.05) -> list[Row]:
     """One server with --async-output, switched off/on at runtime in alternating rounds: both arms
     see the same machine load, so the comparison survives a shared, noisy machine."""
@@ -207,9 +208,9 @@ def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps
                 post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})
                 t0 = time.perf_counter()
                 if min(waves, bs) > 1:
-                    _post_waves(url, bs, _sampling(steps, stop), stream, min(waves, bs), gap_s)
+                    _post_waves(url, bs, _sampling(steps, extra), stream, min(waves, bs), gap_s)
                 else:
-                    _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, stop)}, stream)
+                    _post(url, {"text": _prompts(bs), "sampling_params": _sampling(steps, extra)}, stream)
                 secs[arm] += time.perf_counter() - t0
                 records, offset = _read_until(path, offset, bs)
                 got[arm] += records
@@ -282,6 +283,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="server", help="config name in --url mode")
     ap.add_argument("--stream", action="store_true", help="streaming requests: one output message per step")
     ap.add_argument("--stop", action="store_true", help="requests carry stop strings (checked every step)")
+    ap.add_argument("--regex", help="requests are constrained by this regex (grammar batches: SGLang's delayed "
+                                    "sampling; e.g. '[a-z ]+', which never has to end)")
     src.add_argument("--ab", action="store_true",
                     help="A/B in one server per overlap setting: --async-output switched off/on at runtime "
                          "in alternating rounds (rows `stock` = switched off: SGLang's own paths)")
@@ -297,10 +300,11 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
     batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
+    extra = ({"stop": STOP} if a.stop else {}) | ({"regex": a.regex} if a.regex else {})
     rows: list[Row] = []
     if a.url:
         port = urllib.parse.urlparse(a.url).port
-        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, a.stop,
+        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, extra,
                         a.quantile)
     elif a.ab:
         for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
@@ -310,7 +314,7 @@ def main(argv: list[str] | None = None) -> None:
             try:
                 srv.start()
                 rows += measure_ab(srv.url, records_path(srv.port), overlap, batch_sizes, a.steps, a.rounds,
-                                   a.stream, a.stop, a.quantile, a.arrivals, a.arrival_gap_ms / 1e3)
+                                   a.stream, extra, a.quantile, a.arrivals, a.arrival_gap_ms / 1e3)
                 ft = get_json(srv.url + "/server_info")["internal_states"][0].get("branchwise_forward_thread")
                 if ft is not None:  # where the forward-thread arm's batches ran
                     print(f"  forward thread: jobs by mode {ft['modes']}, inline {ft['inline']} {ft['reasons']}")
@@ -325,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
                 try:
                     srv.start()
                     rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps,
-                                    a.stream, a.stop, a.quantile)
+                                    a.stream, extra, a.quantile)
                 finally:
                     srv.stop()
     stat = "median" if a.quantile == 0.5 else f"p{round(a.quantile * 100)}"

@@ -56,6 +56,7 @@ def _albireo_hooks(HookType):
             (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
             (f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
             (f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
+            (f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask, HookType.AROUND),
         ]
     if _flag_declared("parallel_sampling"):
         hooks += [

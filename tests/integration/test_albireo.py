@@ -22,6 +22,7 @@ timing, so it is not compared across servers.
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 import urllib.request
@@ -55,6 +56,11 @@ PENALTIES = [GREEDY | {"frequency_penalty": 1.5}, GREEDY | {"presence_penalty": 
              GREEDY | {"frequency_penalty": 0.5, "presence_penalty": 0.5, "repetition_penalty": 1.2,
                        "min_new_tokens": 8}]
 LONG_PROMPT = " ".join(PROMPTS) * 3  # > 64 tokens: chunked prefill on the mixed servers
+REGEX = r"(yes|no), [a-z]{2,6}( [a-z]{2,6}){1,3}\."
+SCHEMA = json.dumps({"type": "object", "properties": {"v": {"enum": ["up", "down"]}, "n": {"enum": [1, 2, 3]}},
+                     "required": ["v", "n"], "additionalProperties": False})
+GRAMMAR = [{"max_new_tokens": 48, "temperature": 0, "regex": REGEX},
+           {"max_new_tokens": 48, "temperature": 0, "json_schema": SCHEMA}]
 
 
 def gen(url: str, text: Any, sp: Any, **extra: Any) -> Any:
@@ -155,6 +161,12 @@ def outputs(url: str) -> dict[str, Any]:
     out["arrivals"] = arrivals(url, long_sp, [(PROMPTS[k], GREEDY) for k in (1, 2, 3)])
     out["penalty_arrivals"] = arrivals(url, long_sp, [(PROMPTS[k], PENALTIES[k]) for k in (1, 2, 4)])
     out["fork"] = fork_outputs(url)
+    # grammar-constrained rows (SGLang's delayed sampling), alone, beside plain rows, and arriving under load
+    gr = gen(url, PROMPTS[:4], [GRAMMAR[k % 2] for k in range(4)])
+    out["grammar"] = [(r["output_ids"], r["text"], r["meta_info"]["finish_reason"]) for r in gr]
+    out["grammar_mixed"] = [r["output_ids"] for r in gen(url, PROMPTS[:4], [GRAMMAR[0], GREEDY, GRAMMAR[1], GREEDY])]
+    out["grammar_arrivals"] = arrivals(url, GRAMMAR[0] | {"max_new_tokens": 64},
+                                       [(PROMPTS[1], GRAMMAR[1]), (PROMPTS[2], GREEDY), (PROMPTS[3], GRAMMAR[0])])
     out["idle"] = wait_idle(url)  # rows that finished while the next step was planned freed their KV
     return out
 
@@ -292,6 +304,21 @@ def test_prefill_under_load_and_penalties_on_the_forward_thread_equal_stock(runs
     assert stock["arrivals"]["late"] == [stock["greedy"][k] for k in (1, 2, 3)]  # batch-invariant greedy
     ft = fast["internal"]["branchwise_forward_thread"]
     assert ft["features"].get("decode: penalties", 0) > 10 and ft["features"].get("extend: penalties", 0) > 0
+
+
+def test_grammar_rows_sample_on_the_forward_thread_and_equal_stock(runs):
+    stock, fast = runs["stock"], runs["async"]
+    for key in ("grammar", "grammar_mixed", "grammar_arrivals"):
+        assert fast[key] == stock[key], key
+    for _, text, _ in stock["grammar"][::2]:  # the regex really constrained the output
+        assert re.fullmatch(REGEX, text), text
+    assert stock["grammar_mixed"][1] == stock["greedy"][1]
+    assert stock["grammar_mixed"][0] == stock["grammar"][0][0]  # a grammar row does not depend on its batch
+    ft = fast["internal"]["branchwise_forward_thread"]
+    # forward and sampling on the worker, mask built on the scheduler thread: nothing drained for grammar
+    assert ft["features"].get("decode: grammar", 0) > 10 and ft["features"].get("extend: grammar", 0) > 0, ft
+    assert ft["samples"] == sum(n for k, n in ft["features"].items() if k.endswith(": grammar")), ft
+    assert ft["reasons"] == {}, ft["reasons"]
 
 
 def test_server_fork_spawns_and_joins_run_on_the_forward_thread(runs):

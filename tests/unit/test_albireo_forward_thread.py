@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -22,7 +23,7 @@ class _Recording(ForwardExecutor):
         self.order: list[int] = []
         super().__init__(scheduler=None)
 
-    def _execute(self, job: ForwardJob) -> None:
+    def _execute(self, job: ForwardJob, sample: bool = False) -> None:
         gate = job.snapshot.get("gate")
         if gate is not None:
             assert gate.wait(5)
@@ -152,13 +153,14 @@ def _stub_batch(mode: str = "DECODE", **kw):
         def is_none(self) -> bool:
             return True
 
-    si = SimpleNamespace(has_custom_logit_processor=False, custom_params=None,
+    si = SimpleNamespace(has_custom_logit_processor=False, custom_params=None, grammars=None,
                          acc_additive_penalties=None, acc_scaling_penalties=None)
     fields = dict(forward_mode=ForwardMode[mode], spec_algorithm=_Spec(), input_ids=None,
                   prefill_input_ids_cpu=None if mode == "DECODE" else [1, 2, 3], chunked_req=None,
                   input_embeds=None, replace_embeds=None, multimodal_inputs=[None, None],
                   hicache_consumer_index=-1, model_config=SimpleNamespace(is_encoder_decoder=False),
-                  has_grammar=False, beam_tail=None, sampling_info=si, reqs=["r0", "r1"], return_logprob=False)
+                  has_grammar=False, beam_tail=None, sampling_info=si, reqs=["r0", "r1"], return_logprob=False,
+                  is_prefill_only=False)
     return SimpleNamespace(**(fields | kw))
 
 
@@ -174,7 +176,7 @@ def test_prefill_and_mixed_batches_staged_on_the_host_go_to_the_worker():
     assert batch_reason(_stub_batch("EXTEND", prefill_input_ids_cpu=None)) == "prefill ids not staged on the host"
     assert batch_reason(_stub_batch("DECODE", input_ids=[5])) == "inputs staged"
     assert batch_reason(_stub_batch("EXTEND", multimodal_inputs=[None, object()])) == "multimodal or embedding inputs"
-    assert batch_reason(_stub_batch("EXTEND", has_grammar=True)) == "grammar"
+    assert batch_reason(_stub_batch("EXTEND", has_grammar=True)) is None  # sampled in a second job
 
 
 def test_penalties_and_aligned_custom_processors_are_no_reason_to_drain():
@@ -219,7 +221,7 @@ def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_liv
     from branchwise.albireo import forward_thread as ft
 
     class Gated(ForwardExecutor):  # the worker holds the job until the test has looked at the live batch
-        def _execute(self, job: ForwardJob) -> None:
+        def _execute(self, job: ForwardJob, sample: bool = False) -> None:
             assert job.snapshot.gate.wait(5)
 
     ex = Gated(scheduler=None)
@@ -227,7 +229,7 @@ def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_liv
     batch = _stub_batch("MIXED", prefill_input_ids_cpu=[4, 5], mix_running_indices=[3], seq_lens=[1, 1], gate=gate)
     ft._EX, ex.launching = ex, batch
     try:
-        placeholder = ft.around_forward_batch_generation(lambda *a: None, object(), batch)
+        placeholder = ft.around_forward_batch_generation(lambda *a: None, _WORKER, batch)
         job = ex.job
         assert job.placeholder is placeholder and placeholder._bw_job
         assert batch.prefill_input_ids_cpu is None and batch.mix_running_indices is None
@@ -237,6 +239,92 @@ def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_liv
         ex.drain()
     finally:
         ft._EX = None
+        ex.close()
+
+
+_WORKER = SimpleNamespace(enable_overlap=True, enable_spec=False)  # TpModelWorker as samples_later reads it
+
+
+def test_grammar_batch_forwards_at_launch_and_samples_after_the_mask_is_built(monkeypatch):
+    """SGLang's delayed sampling, split over the worker: the forward runs while the scheduler thread
+    processes the previous step; the mask is built on the scheduler thread (delay_sample_func); the
+    sampling job runs on the worker after it and before the next launch's forward."""
+    from sglang.srt.managers import overlap_utils
+    from sglang.srt.managers.utils import GenerationBatchResult
+
+    from branchwise.albireo import forward_thread as ft
+
+    log: list[tuple[str, str]] = []
+    here = threading.current_thread().name
+    monkeypatch.setattr(overlap_utils, "resolve_forward_inputs", lambda b, fm: log.append(("resolve", b.tag)))
+
+    class Mask:  # SamplingBatchInfo.update_regex_vocab_mask as the hook sees it
+        def __init__(self) -> None:
+            self.grammars = None  # ForwardBatch.init_new fills it in on the worker; the launch does first
+            self.built = 0
+            self.has_custom_logit_processor = False
+            self.acc_additive_penalties = self.acc_scaling_penalties = None
+
+        def update_regex_vocab_mask(self) -> None:
+            self.built += 1
+            log.append(("mask", threading.current_thread().name))
+
+    class Result(GenerationBatchResult):
+        def copy_to_cpu(self, **kw) -> None:
+            log.append(("copy", self.tag))
+
+    gate = threading.Event()
+
+    def forward(worker, b):  # TpModelWorker.forward_batch_generation under overlap
+        assert gate.wait(5)
+        log.append(("forward", b.tag))
+        res = Result(can_run_cuda_graph=True)
+        res.tag = b.tag
+
+        def sample() -> Result:  # model_runner.sample: _preprocess_logits rebuilds the mask (hooked)
+            ft.around_update_regex_vocab_mask(Mask.update_regex_vocab_mask, b.sampling_info)
+            log.append(("sample", b.tag))
+            res.next_token_ids = [7]
+            return res
+
+        if b.has_grammar:
+            res.delay_sample_func = sample
+        else:
+            res.next_token_ids = [8]
+        return res
+
+    sched = SimpleNamespace(future_map=None, device_module=SimpleNamespace(Event=lambda: None),
+                            _relay_forward_payload=lambda b, idx, r: log.append(("relay", b.tag)))
+    ex = ForwardExecutor(sched)
+    ft._EX = ex
+    try:
+        gb = _stub_batch("DECODE", sampling_info=Mask(), tag="g", seq_lens=[1], req_pool_indices=[0], has_grammar=True,
+                         reqs=[SimpleNamespace(grammar="fsm")],
+                         return_hidden_states=False)
+        ex.launching = gb
+        ph = ft.around_forward_batch_generation(forward, _WORKER, gb)
+        assert ph.delay_sample_func is not None and ex.job is None  # run_batch skips relay and copy
+        assert gb.sampling_info.grammars == ["fsm"]  # the requests' grammars, for the mask
+        assert ex.stats.features == {"decode: grammar": 1}
+        gate.set()
+        ex.last.synchronize()  # what a drain during the previous step's processing waits for: the forward only
+        assert [k for k, _ in log] == ["resolve", "forward"] and not ph.copy_done
+        assert ph.delay_sample_func() is ph  # launch_batch_sample_if_needed, after the previous step's processing
+        assert log[2] == ("mask", here) and gb.sampling_info.built == 1  # the FSMs are read on the scheduler thread
+        ft.around_copy_result_to_cpu(None, sched, ph, gb)  # SGLang's _copy_result_to_cpu: copy_done = done
+        nb = _stub_batch("DECODE", tag="n", seq_lens=[1], req_pool_indices=[0], return_hidden_states=False)  # the next step, no grammar
+        ex.launching = nb
+        nxt = ft.around_forward_batch_generation(forward, _WORKER, nb)
+        ft.around_copy_result_to_cpu(None, sched, nxt, nb)
+        ph.copy_done.synchronize()
+        assert ph.next_token_ids == [7] and gb.sampling_info.built == 1  # the worker kept the scheduler's mask
+        nxt.copy_done.synchronize()
+        assert [k for k, _ in log[3:]] == ["sample", "relay", "copy", "resolve", "forward", "relay", "copy"]
+        assert [t for k, t in log[3:6]] == ["g"] * 3 and nxt.next_token_ids == [8]
+        assert (ex.stats.jobs, ex.stats.samples) == (2, 1)
+    finally:
+        ft._EX = None
+        ex.launching = None
         ex.close()
 
 
@@ -262,7 +350,7 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
     seen: list[list[int]] = []
 
     class Gated(ForwardExecutor):  # the "forward" reads the row once it may run
-        def _execute(self, job: ForwardJob) -> None:
+        def _execute(self, job: ForwardJob, sample: bool = False) -> None:
             assert job.snapshot.wait(5)
             seen.append(tree.req_to_token_pool.req_to_token[0, :4].tolist())
 

@@ -25,10 +25,17 @@ logprobs, `reasons` = inline batches by "<mode>: <why>"):
   worker fills those in (`output_tokens_buf[req_pool_indices]`, or for a mixed batch's running rows
   `output_tokens_buf[mix_running_indices]`) after step n's stash, so no step waits for the previous
   one's result to be processed.
-* inline, after draining the worker (`batch_reason`): idle, speculative, grammar (sampling reads
-  the live FSM; SGLang's delayed sampling), delayed sampling, beam search, multimodal / embedding inputs, hierarchical-cache loads, encoder-decoder, and
-  unfinished prefill chunks where the tree cache is not RadixCache (below). An inline
-  forward runs after every queued one, so no forward ever runs concurrently with another.
+* worker, in two jobs: grammar-constrained batches (and any batch under SGLANG_ENABLE_DELAY_SAMPLE),
+  SGLang's delayed-sampling path. Their mask needs the grammars' FSMs advanced by step n-1's
+  tokens, which happens in step n-1's result processing, so stock launches the forward, processes
+  step n-1, then samples (`launch_batch_sample_if_needed`). Here the forward job runs while the
+  scheduler thread processes step n-1; the placeholder's `delay_sample_func` (`_launch_sampling`)
+  then builds the vocab mask on the scheduler thread, as stock does, and queues the sampling job
+  (sample, FutureMap stash, copy_to_cpu), which the worker runs before step n+1's forward.
+* inline, after draining the worker (`batch_reason`): idle, speculative, beam search, multimodal /
+  embedding inputs, hierarchical-cache loads, encoder-decoder, and unfinished prefill chunks where
+  the tree cache is not RadixCache (below). An inline forward runs after every queued one, so no
+  forward ever runs concurrently with another.
 
 Why this is race-free (checked against SGLang 0.5.23, map §2):
 * One FIFO thread = one stream: step n+1's gather runs after step n's stash (resolve-after-stash),
@@ -104,6 +111,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import logging
 import os
 import queue
@@ -167,11 +175,16 @@ class ForwardJob:
     run: Callable[[Any], Any]  # forward_batch_generation(snapshot) -> GenerationBatchResult
     done: HostEvent
     bs: int
+    # delayed sampling (grammar): the forward job stops before sampling and sets `forwarded`; a
+    # second job, queued by _launch_sampling once the mask is built, samples and sets `done`
+    forwarded: HostEvent | None = None
+    real: Any = None  # the worker's result between the two jobs
 
 
 @dataclass
 class ForwardStats:
-    jobs: int = 0
+    jobs: int = 0  # forward jobs
+    samples: int = 0  # sampling jobs of delayed-sampling (grammar) forwards
     inline: int = 0  # batches run on the scheduler thread after draining the worker
     busy_s: float = 0.0
     idle_s: float = 0.0  # gaps between consecutive forwards of the worker (reset by an inline batch)
@@ -203,9 +216,10 @@ class ForwardExecutor:
         self.thread.start()
 
     # ---- scheduler thread
-    def submit(self, job: ForwardJob) -> None:
-        self.last = job.done
-        self.q.put(job)
+    def submit(self, job: ForwardJob, sample: bool = False) -> None:
+        """Queue `job`'s forward, or with `sample` the sampling half of a delayed job."""
+        self.last = job.forwarded if job.forwarded is not None and not sample else job.done
+        self.q.put((job, sample))
 
     def drain(self) -> None:
         """Wait for every submitted job (FIFO: the newest done => all done)."""
@@ -221,29 +235,51 @@ class ForwardExecutor:
 
     # ---- worker thread
     def _run(self) -> None:
-        while (job := self.q.get()) is not _STOP:
+        while (item := self.q.get()) is not _STOP:
+            job, sample = item
             t0 = time.perf_counter()
             if self.last_end is not None:
                 self.stats.idle_s += t0 - self.last_end
                 if (t := step_timer.timer()) is not None:
                     t.add_forward_idle(t0 - self.last_end)
+            sampling_next = False
             try:
-                self._execute(job)
+                sampling_next = bool(self._execute(job, sample))
             except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
                 logger.exception("Branchwise forward thread: forward failed")
                 job.done.error = e
             t1 = time.perf_counter()
-            self.stats.jobs += 1
+            if sample:
+                self.stats.samples += 1
+            else:
+                self.stats.jobs += 1
             self.stats.busy_s += t1 - t0
             self.last_end = t1
-            job.done.set()  # last: after it the scheduler may touch anything this job used
+            if job.forwarded is not None:
+                job.forwarded.set()
+            if not sampling_next:
+                job.done.set()  # last: after it the scheduler may touch anything this job used
 
-    def _execute(self, job: ForwardJob) -> None:
+    def _execute(self, job: ForwardJob, sample: bool = False) -> bool:
+        """Run one job; True when it was a delayed job's forward, whose sampling is queued later."""
         from sglang.srt.managers import overlap_utils
 
         s, b = self.scheduler, job.snapshot
-        overlap_utils.resolve_forward_inputs(b, s.future_map)  # gather step n-1's stashed tokens
-        real = job.run(b)
+        if sample:  # the mask is built (_launch_sampling); the forward job left its logits here
+            if job.real is None:  # the forward failed: `done` already carries its error
+                return False
+            real, job.real = job.real, None
+            real.delay_sample_func()
+            real.delay_sample_func = None
+        else:
+            overlap_utils.resolve_forward_inputs(b, s.future_map)  # gather step n-1's stashed tokens
+            real = job.run(b)
+            if (real.delay_sample_func is not None) != (job.forwarded is not None):
+                raise RuntimeError("Branchwise forward thread: the forward's delayed sampling does not match "
+                                   "the launch's prediction (samples_later)")
+            if job.forwarded is not None:
+                job.real = real
+                return True
         real.copy_done = s.device_module.Event()  # copy_to_cpu records it (a no-op event on CPU)
         s._relay_forward_payload(b, b.req_pool_indices, real)  # stash for step n+1
         real.copy_to_cpu(return_logprob=b.return_logprob, return_hidden_states=b.return_hidden_states)
@@ -251,6 +287,7 @@ class ForwardExecutor:
         for f in dataclasses.fields(real):
             if f.name not in _SCHEDULER_OWNED:
                 setattr(ph, f.name, getattr(real, f.name))
+        return False
 
 
 _EX: ForwardExecutor | None = None
@@ -294,9 +331,8 @@ def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
 
     Penalties are not a reason (see the module doc: the forward reads only the accumulators that
     copy_for_forward materialised at launch). Custom logit processors are not one either: the worker
-    hands them a launch-time view of their Req (`snapshot`)."""
-    from sglang.srt.environ import envs
-
+    hands them a launch-time view of their Req (`snapshot`). Nor is a grammar: its sampling is a
+    second job (`samples_later`)."""
     mode = batch.forward_mode.name
     if mode not in WORKER_MODES:
         return f"{mode.lower()} batch"
@@ -315,15 +351,23 @@ def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
         (not decode and _embeds(batch), "multimodal or embedding inputs"),
         (getattr(batch, "hicache_consumer_index", -1) >= 0, "hierarchical cache load"),
         (getattr(getattr(batch, "model_config", None), "is_encoder_decoder", False), "encoder-decoder"),
-        (batch.has_grammar, "grammar"),
         (batch.beam_tail is not None
          or getattr(getattr(scheduler, "beam_coordinator", None), "_num_live_groups", 0), "beam search"),
         (si is None, "no sampling info"),
         (si is not None and si.has_custom_logit_processor
          and (si.custom_params is None or len(si.custom_params) != len(batch.reqs)), "custom logit processor"),
-        (envs.SGLANG_ENABLE_DELAY_SAMPLE.get(), "delayed sampling"),
     ]
     return next((why for bad, why in checks if bad), None)
+
+
+def samples_later(worker: Any, batch: Any) -> bool:
+    """Whether TpModelWorker.forward_batch_generation will leave this batch's sampling for later
+    (`delay_sample_func`): its condition for a non-speculative overlap launch, read at launch."""
+    from sglang.srt.environ import envs
+
+    # ForwardBatch.init_new sets sampling_info.grammars from has_grammar, which the worker then tests
+    return bool(worker.enable_overlap and not worker.enable_spec
+                and (batch.has_grammar or (envs.SGLANG_ENABLE_DELAY_SAMPLE.get() and not batch.is_prefill_only)))
 
 
 def _embeds(batch: Any) -> bool:
@@ -440,16 +484,44 @@ def around_forward_batch_generation(orig: Any, self: Any, batch: Any = None, *ar
 
     placeholder = GenerationBatchResult()
     placeholder._bw_job = True  # _relay_forward_payload / _copy_result_to_cpu: the worker does them
-    job = ForwardJob(snapshot(batch), placeholder, lambda b: orig(self, b), HostEvent(), len(batch.seq_lens))
+    delayed = samples_later(self, batch)
+    job = ForwardJob(snapshot(batch), placeholder, lambda b: orig(self, b), HostEvent(), len(batch.seq_lens),
+                     forwarded=HostEvent() if delayed else None)
     # Stock resolve_forward_inputs consumes the prefill staging on the launched batch; the worker
     # consumes the snapshot's, so clear the live batch's as stock would have (it is merged into
     # running_batch next step, whose decode must gather from the FutureMap, not re-read prompts).
     batch.prefill_input_ids_cpu = None
     batch.mix_running_indices = None
-    ex.job = job
+    if delayed:  # run_batch then skips relay and copy; launch_batch_sample_if_needed calls this
+        placeholder.delay_sample_func = functools.partial(_launch_sampling, ex, job)
+        if batch.has_grammar:  # what ForwardBatch.init_new will set on the worker; the mask may be built first
+            job.snapshot.sampling_info.grammars = [req.grammar for req in batch.reqs]
+    else:
+        ex.job = job
     _count_job(ex.stats, batch)
     ex.submit(job)  # the snapshot is complete: _forward_isolation already swapped in the forward-only sampling_info
     return placeholder
+
+
+def _launch_sampling(ex: ForwardExecutor, job: ForwardJob) -> Any:
+    """The placeholder's delay_sample_func (scheduler thread, after step n-1's result processing
+    advanced the grammars): build the vocab mask here, as stock does in this call, and queue the
+    sampling behind the forward on the worker. SGLang's launch_batch_sample_if_needed then calls
+    _relay_forward_payload and _copy_result_to_cpu, which hand `copy_done` = `done` to result processing."""
+    si = job.snapshot.sampling_info  # the launch's forward-only copy, which the worker samples with
+    si.update_regex_vocab_mask()
+    si._bw_mask_ready = True  # around_update_regex_vocab_mask: the worker's sample keeps this mask
+    ex.job = job
+    ex.submit(job, sample=True)
+    return job.placeholder
+
+
+def around_update_regex_vocab_mask(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """SamplingBatchInfo.update_regex_vocab_mask: keep a mask _launch_sampling built on the scheduler
+    thread (the worker must not read the grammars, which the scheduler thread advances)."""
+    if self.__dict__.pop("_bw_mask_ready", False):
+        return None
+    return orig(self, *args, **kwargs)
 
 
 def _count_job(stats: ForwardStats, batch: Any) -> None:
@@ -460,6 +532,7 @@ def _count_job(stats: ForwardStats, batch: Any) -> None:
                          "penalties"),
                         (si.has_custom_logit_processor, "custom logit processor"),
                         (batch.return_logprob, "logprobs"),
+                        (si.grammars is not None, "grammar"),
                         (batch.chunked_req is not None, "chunked prefill")):
         if on:
             stats.count(stats.features, f"{mode}: {feature}")
