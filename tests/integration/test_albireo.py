@@ -1,11 +1,12 @@
 """Albireo in SGLang: --async-output and --parallel-sampling leave every output byte-identical.
 
-Five servers, each started once and stopped before the next (one alive at a time):
+Six servers, each started once and stopped before the next (one alive at a time):
   stock   tp=1, Albireo flags off (the reference)
   async   tp=1, --async-output --parallel-sampling and env BRANCHWISE_FORWARD_THREAD=1: on CPU decode,
           prefill and mixed forwards run on the forward thread (albireo/forward_thread.py), so every
           comparison covers it
   sp2     tp=2, --parallel-sampling --disable-overlap-schedule (async output off)
+  sp2-async  tp=2, --parallel-sampling --async-output and the forward thread on every rank
   stock-mixed / async-mixed   stock / async with --enable-mixed-chunk and 64-token prefill chunks
 Both tp=1 pairs run --branch-policy eager (see CLP: penalties comparable across runs) and the first
 takes custom logit processors (a server-side Multiverse fork is driven by one).
@@ -46,10 +47,11 @@ SERVERS = {  # name: (args, tp)
     "stock": (CLP, 1),
     "async": (CLP + ("--async-output", "--parallel-sampling"), 1),
     "sp2": (("--parallel-sampling", "--disable-overlap-schedule"), 2),
+    "sp2-async": (("--parallel-sampling", "--async-output"), 2),
     "stock-mixed": (MIXED, 1),
     "async-mixed": (MIXED + ("--async-output",), 1),
 }
-FORWARD_THREAD = {"async", "async-mixed"}  # servers that opt in to the CPU forward thread
+FORWARD_THREAD = {"async", "async-mixed", "sp2-async"}  # servers that opt in to the CPU forward thread
 PENALTIES = [GREEDY | {"frequency_penalty": 1.5}, GREEDY | {"presence_penalty": 1.5},
              GREEDY | {"repetition_penalty": 1.8},
              {"max_new_tokens": 32, "temperature": 0, "min_new_tokens": 28},
@@ -215,6 +217,7 @@ def sp_outputs(url: str) -> dict[str, Any]:
         "other_seeds": [r["output_ids"] for r in gen(url, PROMPTS, other)],
         "default_seed": [r["output_ids"] for r in gen(url, PROMPTS[:3], plain)],
         "logprobs": gen(url, PROMPTS[:2], GREEDY | {"max_new_tokens": 8}, return_logprob=True),
+        "grammar": [r["output_ids"] for r in gen(url, PROMPTS[:2], GRAMMAR)],
     }
 
 
@@ -386,3 +389,18 @@ def test_parallel_sampling_tp2_equals_single_rank_and_async_output_on_off(runs):
         assert rep["sp_steps"] > 0 and rep["fallbacks"].get("logprobs requested", 0) > 0
     assert runs["sp2"]["internal"]["branchwise_parallel_sampling"]["tp_size"] == 2
     assert "branchwise_async_output" not in runs["sp2"]["internal"]
+    assert two["grammar"] == one["grammar"] == [g[0] for g in runs["stock"]["grammar"][:2]]
+
+
+def test_forward_thread_under_tp2_equals_single_rank(runs):
+    """Every rank runs its forwards (and the sampler's all-to-all) on its own worker thread."""
+    one, two = runs["async"]["sp"], runs["sp2-async"]["sp"]
+    for key in ("greedy", "seeded", "seeded_arrivals", "seeded_alone", "other_seeds", "default_seed", "grammar"):
+        assert two[key] == one[key], key
+    assert [r["output_ids"] for r in two["logprobs"]] == [r["output_ids"] for r in one["logprobs"]]
+    internal = runs["sp2-async"]["internal"]
+    ft = internal["branchwise_forward_thread"]
+    assert ft["enabled"] and ft["modes"]["decode"] > 20 and ft["modes"]["extend"] > 5, ft
+    assert ft["samples"] > 0 and ft["inline"] == 0 and ft["reasons"] == {}, ft
+    rep = internal["branchwise_parallel_sampling"]
+    assert rep["tp_size"] == 2 and rep["a2a_steps"] > 0, rep

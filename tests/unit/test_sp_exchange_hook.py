@@ -129,7 +129,7 @@ def test_armed_decode_forward_exchanges_once_and_restores_the_gatherer(st, monke
     seen = {}
 
     def own_rows(mine, p, bs, group):
-        seen.update(mine=mine, bs=bs, n=p.n)
+        seen.update(mine=mine, bs=bs, n=p.n, group=group)
         return torch.zeros(bs, dtype=torch.int64)
 
     def orig(*a, **k):
@@ -139,6 +139,7 @@ def test_armed_decode_forward_exchanges_once_and_restores_the_gatherer(st, monke
     monkeypatch.setattr(sp, "sample_own_rows", own_rows)
     ids = sp.around_sample(orig, RUNNER, SimpleNamespace(next_token_logits=got["logits"]), fb)
     assert ids.shape == (5,) and seen["bs"] == 5 and seen["n"] == 5 and seen["mine"].shape == (3, V)
+    assert seen["group"] == "dev"  # the forward's group: cpu_group belongs to the scheduler thread
     assert st.a2a_steps == 1 and st.sp_steps == 1
 
 

@@ -100,11 +100,17 @@ longer waits for. Models whose
 kernels run longer than their Python (anything not tiny) overlap for real; a smaller GIL switch
 interval was worse.
 
-Enabled with --async-output on a CPU device, overlap on, tp = pp = 1, no speculative decoding / PD
+Tensor parallelism: every rank runs its own worker, and the jobs, their order and which batches
+run inline are functions of the batches, which every rank plans identically (decide once,
+broadcast), so the ranks' forwards meet in the same collectives in the same order. Two gloo
+groups keep the threads apart: the forward (model all-reduce / all-gather, SGLang's token-id sync,
+--parallel-sampling's all-to-all and id gather) uses the TP group's device_group, the scheduler
+thread (request broadcast, TAPER's row plan) its cpu_group; a checkpoint drain only waits locally.
+
+Enabled with --async-output on a CPU device, overlap on, pp = 1, no speculative decoding / PD
 disaggregation / PDMux / unified memory / LoRA, and only when env BRANCHWISE_FORWARD_THREAD=1 opts
 in: on this box it lowers decode throughput (figures above), so it is not on by default. The
---async-output runtime switch turns it off with the rest. Under TP it stays off (the forward's
-collectives would share a worker thread with none of the other ranks' decisions checked yet).
+--async-output runtime switch turns it off with the rest.
 """
 
 from __future__ import annotations
@@ -306,7 +312,7 @@ def static_reason(scheduler: Any) -> str | None:
         (os.environ.get(ENV, "0").strip() != "1", f"{ENV} is not 1 (opt-in)"),
         (str(scheduler.device) != "cpu", "not a CPU device (GPU streams already overlap)"),
         (not scheduler.enable_overlap, "overlap schedule disabled"),
-        (p.tp_size != 1 or p.pp_size != 1, "tp or pp > 1"),
+        (p.pp_size != 1, "pp > 1"),
         (not scheduler.spec_algorithm.is_none(), "speculative decoding"),
         (getattr(scheduler, "enable_unified_memory", False), "unified memory"),
         (getattr(scheduler, "enable_pdmux", False), "PDMux"),

@@ -74,7 +74,9 @@ class SPState:
     gathered: dict[str, int] = field(default_factory=dict)  # SP decode steps that kept the all-gather
 
     def group_for(self, t: torch.Tensor) -> Any:
-        return self.tp_group.cpu_group if t.device.type == "cpu" else self.tp_group.device_group
+        # the forward's own group (gloo on CPU), never cpu_group: with the CPU forward thread the
+        # sampler runs on the worker while the scheduler thread broadcasts requests on cpu_group
+        return self.tp_group.device_group
 
     def fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
