@@ -64,6 +64,23 @@ def test_failed_job_raises_on_the_waiting_thread_and_later_jobs_still_complete()
     ex.close()
 
 
+def test_worker_runs_under_the_scheduler_loops_grad_mode():
+    import torch
+
+    seen = []
+
+    class Probe(ForwardExecutor):
+        def _execute(self, job: ForwardJob, sample: bool = False) -> None:
+            seen.append(torch.is_grad_enabled())
+
+    assert torch.is_grad_enabled()  # this thread, like a fresh one, records autograd by default
+    ex = Probe(scheduler=None)
+    ex.submit(_job(0))
+    ex.drain()
+    ex.close()
+    assert seen == [False]
+
+
 def test_host_event_is_a_copy_done_drop_in():
     ev = HostEvent()
     ev.record()  # SGLang's copy_to_cpu records it: a no-op, only the worker sets it

@@ -241,6 +241,14 @@ class ForwardExecutor:
 
     # ---- worker thread
     def _run(self) -> None:
+        # grad mode is per thread: run under the scheduler loop's (no_grad, or inference_mode with
+        # SGLANG_ENABLE_TORCH_INFERENCE_MODE, whose tensors cannot be written in place outside it)
+        from sglang.srt.utils.common import DynamicGradMode
+
+        with DynamicGradMode():
+            self._loop()
+
+    def _loop(self) -> None:
         while (item := self.q.get()) is not _STOP:
             job, sample = item
             t0 = time.perf_counter()
