@@ -4,6 +4,7 @@
                              [--configs stock,bw-off,branchwise] [--overlap on,off] [--out runs/overhead.json]
     python -m bench.overhead --ab [--rounds 3] [--send auto|thread|inline] [--stream] [--stop] [--regex RE] ...
     python -m bench.overhead --ab --arrivals 8 [--arrival-gap-ms 50] ...   # requests arrive in waves
+    python -m bench.overhead --ab --no-forward-thread ...     # --async-output without the forward thread
     python -m bench.overhead --url http://127.0.0.1:PORT      # a server started with BRANCHWISE_STEP_TIMER=1
 
 --launch starts one real server per (config, overlap) pair, one at a time: `stock` is SGLang with
@@ -291,6 +292,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds per batch size (each runs both arms)")
     ap.add_argument("--send", choices=("auto", "thread", "inline"), default="auto",
                     help="--ab: where --async-output sends (BRANCHWISE_ASYNC_SEND)")
+    ap.add_argument("--no-forward-thread", action="store_true",
+                    help="--ab: the albireo arm without the CPU forward thread (--async-output's default)")
     ap.add_argument("--arrivals", type=int, default=1,
                     help="--ab: the bs requests arrive in this many waves (prefills under decode load)")
     ap.add_argument("--arrival-gap-ms", type=float, default=50.0, help="--arrivals: time between waves")
@@ -309,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     elif a.ab:
         for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
             args, env = launch_args("albireo", overlap, a.tp)
-            srv = LocalServer(a.model, args, env=env | {"BRANCHWISE_ASYNC_SEND": a.send}, tp=a.tp,
+            env |= {"BRANCHWISE_ASYNC_SEND": a.send} | ({"BRANCHWISE_FORWARD_THREAD": "0"} if a.no_forward_thread else {})
+            srv = LocalServer(a.model, args, env=env, tp=a.tp,
                               max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
             try:
                 srv.start()

@@ -4,7 +4,10 @@ No hub access: the tokenizer is trained here on generated text and the weights c
 so the same seed always gives the same folder. Branch tags (Multiverse, SPRINT) are added tokens,
 which lets tests force a tag skeleton one token at a time.
 
-    python -m branchwise.tiny_model OUT [--seed 0]
+    python -m branchwise.tiny_model OUT [--seed 0] [--size tiny|small]
+
+`small` (1024 hidden, 4 layers, ~50M parameters) is for overhead measurements only: its decode step
+is dominated by matmuls, which run with the GIL released, unlike the tiny model's Python-bound step.
 """
 
 from __future__ import annotations
@@ -34,6 +37,11 @@ LLAMA_CONFIG = dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
 )
+SIZES = {
+    "tiny": LLAMA_CONFIG,
+    "small": LLAMA_CONFIG | dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                 num_key_value_heads=4, intermediate_size=2816),
+}
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -66,8 +74,8 @@ def build_tokenizer(seed: int, vocab_size: int = 440):
     return fast
 
 
-def build(out: str | Path, seed: int = 0) -> Path:
-    """Write a tiny Llama checkpoint + tokenizer to `out`; deterministic for a given seed."""
+def build(out: str | Path, seed: int = 0, size: str = "tiny") -> Path:
+    """Write a random-weight Llama checkpoint + tokenizer to `out`; deterministic for a given seed."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -77,7 +85,7 @@ def build(out: str | Path, seed: int = 0) -> Path:
     vocab = len(tokenizer)
     config = LlamaConfig(
         vocab_size=vocab, bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **LLAMA_CONFIG,
+        pad_token_id=tokenizer.pad_token_id, torch_dtype="float32", **SIZES[size],
     )
     torch.manual_seed(seed)
     model = LlamaForCausalLM(config).to(torch.float32)
@@ -85,7 +93,8 @@ def build(out: str | Path, seed: int = 0) -> Path:
         model.lm_head.weight.mul_(8.0)
     model.save_pretrained(out, safe_serialization=True)
     tokenizer.save_pretrained(out)
-    (out / "branchwise_tiny.json").write_text(json.dumps({"seed": seed, "vocab_size": vocab}) + "\n")
+    meta = {"seed": seed, "vocab_size": vocab} | ({"size": size} if size != "tiny" else {})
+    (out / "branchwise_tiny.json").write_text(json.dumps(meta) + "\n")
     return out
 
 
@@ -93,9 +102,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("out")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--size", choices=sorted(SIZES), default="tiny")
     args = ap.parse_args()
-    path = build(args.out, args.seed)
-    print(f"tiny model written to {path}")
+    path = build(args.out, args.seed, args.size)
+    print(f"{args.size} model written to {path}")
 
 
 if __name__ == "__main__":

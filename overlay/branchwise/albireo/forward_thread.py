@@ -89,16 +89,13 @@ Why this is race-free (checked against SGLang 0.5.23, map §2):
   see it later than stock; SGLang's own (thinking budget, n-gram) and bench.structure_driver read
   only those.
 
-Measured here (bench.overhead --ab, tiny model, 2 shared cores): the worker's idle time between
-decode forwards (the exposed time) is 0.06-0.10 ms vs 1.4-4.5 ms stock, also with requests
-arriving in waves (--arrivals 8: 0.07 ms vs 2.4-3.2 ms, prefills on the worker), but throughput
-is not better: decode 0.84x / 0.96x / 1.00x of stock at bs 1 / 32 / 128 in an earlier run,
-0.68-0.99x in later single runs on a busier box (e2e with arrivals 0.95x / 0.90x at bs 32 / 128):
-this model's forward is mostly GIL-held Python (torch_native attention loops over rows), so the
-scheduler thread's Python still serialises with it and the forward gets slower by about what it no
-longer waits for. Models whose
-kernels run longer than their Python (anything not tiny) overlap for real; a smaller GIL switch
-interval was worse.
+Measured here (bench.overhead --ab, 2 shared cores; bench/README.md "Per-step overhead"): the
+worker's idle time before a decode forward (the exposed time) is 0.06-0.10 ms vs 1-7 ms stock, also
+with arrivals in waves (prefills on the worker) and grammar batches (--regex). Throughput is not
+better: on the tiny model 0.57-1.0x of stock at bs 1 / 32 / 128 across runs, on `--size small`
+(matmul-bound) 0.87x / 1.09x / 0.99x. The two threads share one GIL: the scheduler thread's
+Python does not overlap the worker's, and every hand-off costs the worker more than the other
+thread's CPU time (bench.gil_handoff: 1.05-2.2 ms per ms); a smaller switch interval did not help.
 
 Tensor parallelism: every rank runs its own worker, and the jobs, their order and which batches
 run inline are functions of the batches, which every rank plans identically (decide once,
