@@ -388,3 +388,31 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
     finally:
         ft._EX = None
         ex.close()
+
+
+def test_worker_binds_its_own_openmp_team_where_sglang_binds_the_schedulers(monkeypatch):
+    """AMX / arm64: SGLang pins the scheduler thread's OpenMP team to the rank's cores at start-up;
+    the worker's team must be bound the same way, from the worker thread."""
+    import torch
+    from sglang.srt import runtime_context
+    from sglang.srt.distributed import bootstrap
+    from sglang.srt.utils import numa_utils
+
+    from branchwise.albireo.forward_thread import bind_worker_threads
+
+    calls: list[tuple[str, str]] = []
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(dp_size=1, tp_size=2, pp_size=1))
+    monkeypatch.setattr(runtime_context, "get_device", lambda: SimpleNamespace(gpu_id=1))
+    monkeypatch.setattr(numa_utils, "init_threads_binding",
+                        lambda numa_index, world_size: f"cores of rank {numa_index} of {world_size}")
+    monkeypatch.setattr(torch.ops.sgl_kernel, "init_cpu_threads_env",
+                        lambda cpuid: calls.append((cpuid, threading.current_thread().name)), raising=False)
+    monkeypatch.setattr(bootstrap, "_is_cpu_amx_available", False)
+    monkeypatch.setattr(bootstrap, "_is_cpu_arm64", False)
+    bind_worker_threads()
+    assert calls == []  # SGLang bound nothing on this CPU: neither does the worker
+    monkeypatch.setattr(bootstrap, "_is_cpu_amx_available", True)
+    th = threading.Thread(target=bind_worker_threads, name="worker")
+    th.start()
+    th.join(5)
+    assert calls == [("cores of rank 1 of 2", "worker")]

@@ -242,6 +242,8 @@ class ForwardExecutor:
         # SGLANG_ENABLE_TORCH_INFERENCE_MODE, whose tensors cannot be written in place outside it)
         from sglang.srt.utils.common import DynamicGradMode
 
+        if self.scheduler is not None:
+            bind_worker_threads()
         with DynamicGradMode():
             self._loop()
 
@@ -295,10 +297,31 @@ class ForwardExecutor:
         s._relay_forward_payload(b, b.req_pool_indices, real)  # stash for step n+1
         real.copy_to_cpu(return_logprob=b.return_logprob, return_hidden_states=b.return_hidden_states)
         ph = job.placeholder
+        if sample and real.logits_output is not None:  # as launch_batch_sample_if_needed, after the copy
+            real.logits_output.next_token_logits = None
         for f in dataclasses.fields(real):
             if f.name not in _SCHEDULER_OWNED:
                 setattr(ph, f.name, getattr(real, f.name))
         return False
+
+
+def bind_worker_threads() -> None:
+    """On AMX / arm64 CPUs SGLang binds the rank's OpenMP threads to its cores from the scheduler
+    thread at start-up (bootstrap._init_cpu_threads_env). A thread team belongs to the thread that
+    starts it, and this thread inherited the scheduler thread's one-core affinity: bind its team the
+    same way, else all its compute threads share one core. Elsewhere SGLang binds nothing."""
+    import torch
+    from sglang.srt.distributed import bootstrap
+
+    if not (bootstrap._is_cpu_amx_available or bootstrap._is_cpu_arm64):
+        return
+    from sglang.srt.runtime_context import get_device, get_parallel
+    from sglang.srt.utils import numa_utils
+
+    p = get_parallel()
+    cpuid = numa_utils.init_threads_binding(numa_index=get_device().gpu_id,
+                                            world_size=p.dp_size * p.tp_size * p.pp_size)
+    torch.ops.sgl_kernel.init_cpu_threads_env(cpuid)
 
 
 _EX: ForwardExecutor | None = None
@@ -310,6 +333,7 @@ def executor() -> ForwardExecutor | None:
 
 def static_reason(scheduler: Any) -> str | None:
     """Why the forward thread cannot run on this server, or None. A function of the config only."""
+    from sglang.srt.environ import envs
     from sglang.srt.runtime_context import get_parallel
 
     p = get_parallel()
@@ -318,6 +342,11 @@ def static_reason(scheduler: Any) -> str | None:
         (str(scheduler.device) != "cpu", "not a CPU device (GPU streams already overlap)"),
         (not scheduler.enable_overlap, "overlap schedule disabled"),
         (p.pp_size != 1, "pp > 1"),
+        # ranks would plan different batches (idle, grammar) and gather on the forward's group
+        (getattr(scheduler.server_args, "enable_dp_attention", False), "DP attention"),
+        # the prefill delayer's all-gather would run on the forward's device_group from this thread
+        (p.tp_size > 1 and envs.SGLANG_NCCL_ALL_GATHER_IN_OVERLAP_SCHEDULER_SYNC_BATCH.get(),
+         "SGLANG_NCCL_ALL_GATHER_IN_OVERLAP_SCHEDULER_SYNC_BATCH"),
         (not scheduler.spec_algorithm.is_none(), "speculative decoding"),
         (getattr(scheduler, "enable_unified_memory", False), "unified memory"),
         (getattr(scheduler, "enable_pdmux", False), "PDMux"),
@@ -543,7 +572,7 @@ def _count_job(stats: ForwardStats, batch: Any) -> None:
                          "penalties"),
                         (si.has_custom_logit_processor, "custom logit processor"),
                         (batch.return_logprob, "logprobs"),
-                        (si.grammars is not None, "grammar"),
+                        (batch.has_grammar, "grammar"),
                         (batch.chunked_req is not None, "chunked prefill")):
         if on:
             stats.count(stats.features, f"{mode}: {feature}")
