@@ -168,6 +168,26 @@ def pressure_then_late_arrivals(url: str) -> dict[str, dict]:
         return first.result(timeout=300) | late
 
 
+def test_deferral_and_grammar_rows_on_the_forward_thread_match_eager(servers):
+    """TAPER's deferral with the CPU forward thread (--async-output, opt-in env): decode, prefill and
+    grammar forwards (sampled in a second worker job) run on the worker while branch rows are
+    deferred and resumed; outputs equal eager's."""
+    regex = r"(yes|no), [a-z]{2,6}( [a-z]{2,6}){1,3}\."
+
+    def run(url: str) -> dict[str, list[int]]:
+        outs = workload(url) | batch_gen(url, [(0, b) for b in range(3)] + [(1, None)], 48, fanout=3,
+                                         tag="gre", regex=regex)
+        return {rid: o["output_ids"] for rid, o in outs.items()}
+
+    ref = run(servers.get(*EAGER).url)
+    fast = servers.get(*TIGHT, "--async-output", env={"BRANCHWISE_FORWARD_THREAD": "1"})
+    assert run(fast.url) == ref
+    assert branchwise_report(fast.url)["taper"]["rows_deferred"] > 0
+    ft = get_json(fast.url + "/server_info")["internal_states"][0]["branchwise_forward_thread"]
+    assert ft["modes"].get("decode", 0) > 20 and ft["features"].get("decode: grammar", 0) > 0, ft
+    assert ft["samples"] > 0 and ft["inline"] == 0 and ft["reasons"] == {}, ft
+
+
 def test_abort_of_a_deferred_branch_frees_its_kv(servers):
     srv = servers.get(*TIGHT)
     assert wait_idle(srv.url) == 0
