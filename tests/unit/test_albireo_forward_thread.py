@@ -416,3 +416,20 @@ def test_worker_binds_its_own_openmp_team_where_sglang_binds_the_schedulers(monk
     th.start()
     th.join(5)
     assert calls == [("cores of rank 1 of 2", "worker")]
+
+
+def test_samples_later_follows_the_workers_delayed_sampling_condition(monkeypatch):
+    """tp_worker delays sampling under overlap, non-speculative, for grammar batches, or for every
+    non-prefill-only batch with SGLANG_ENABLE_DELAY_SAMPLE; the launch must predict the same."""
+    from branchwise.albireo.forward_thread import samples_later
+
+    monkeypatch.delenv("SGLANG_ENABLE_DELAY_SAMPLE", raising=False)
+    spec = SimpleNamespace(enable_overlap=True, enable_spec=True)
+    no_overlap = SimpleNamespace(enable_overlap=False, enable_spec=False)
+    assert samples_later(_WORKER, _stub_batch("DECODE", has_grammar=True))
+    assert not samples_later(_WORKER, _stub_batch("DECODE"))
+    assert not samples_later(spec, _stub_batch("DECODE", has_grammar=True))
+    assert not samples_later(no_overlap, _stub_batch("EXTEND", has_grammar=True))
+    monkeypatch.setenv("SGLANG_ENABLE_DELAY_SAMPLE", "1")
+    assert samples_later(_WORKER, _stub_batch("DECODE")) and samples_later(_WORKER, _stub_batch("EXTEND"))
+    assert not samples_later(_WORKER, _stub_batch("EXTEND", is_prefill_only=True))
