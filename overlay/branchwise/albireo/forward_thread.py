@@ -105,9 +105,9 @@ groups keep the threads apart: the forward (model all-reduce / all-gather, SGLan
 thread (request broadcast, TAPER's row plan) its cpu_group; a checkpoint drain only waits locally.
 
 Enabled with --async-output on a CPU device, overlap on, pp = 1, no speculative decoding / PD
-disaggregation / PDMux / unified memory / LoRA, and only when env BRANCHWISE_FORWARD_THREAD=1 opts
-in: on this box it lowers decode throughput (figures above), so it is not on by default. The
---async-output runtime switch turns it off with the rest.
+disaggregation / PDMux / unified memory / LoRA / DP attention (`static_reason`), and only when env
+BRANCHWISE_FORWARD_THREAD=1 opts in: on this box it lowers decode throughput (figures above), so
+it is not on by default. The --async-output runtime switch turns it off with the rest.
 """
 
 from __future__ import annotations
