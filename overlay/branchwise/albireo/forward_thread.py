@@ -210,7 +210,7 @@ class ForwardExecutor:
         self.launching: Any = None  # the ScheduleBatch being launched by run_batch (scheduler thread)
         self.job: ForwardJob | None = None  # the job run_batch is launching
         self.last: HostEvent | None = None  # the newest job's event: set => the worker is idle
-        self.last_end: float | None = None  # when the previous decode job ended (None: no decode before)
+        self.last_end: float | None = None  # when the previous job ended (None: after an inline batch)
         self.stats = ForwardStats()
         # chunked prefill on the worker needs every checkpoint of this tree cache to pass through
         # around_checkpoint (RadixCache's own; other caches keep chunked batches inline)

@@ -73,9 +73,11 @@ class SPState:
     fallbacks: dict[str, int] = field(default_factory=dict)  # stock sampler, by reason
     gathered: dict[str, int] = field(default_factory=dict)  # SP decode steps that kept the all-gather
 
-    def group_for(self, t: torch.Tensor) -> Any:
-        # the forward's own group (gloo on CPU), never cpu_group: with the CPU forward thread the
-        # sampler runs on the worker while the scheduler thread broadcasts requests on cpu_group
+    @property
+    def id_group(self) -> Any:
+        """The group the sampled ids are gathered on: the forward's own (gloo on CPU), never cpu_group:
+        with the CPU forward thread the sampler runs on the worker while the scheduler thread
+        broadcasts requests on cpu_group."""
         return self.tp_group.device_group
 
     def fallback(self, reason: str) -> None:
@@ -333,7 +335,7 @@ def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: An
             st.a2a_transform_steps += 1
         logits = runner.sampler._preprocess_logits(logits, info)  # NaN sanitising
         p = RowParams.from_sampling_info(info, _positions(fb))
-        ids = sample_own_rows(logits, p, plan.bs, st.group_for(logits))
+        ids = sample_own_rows(logits, p, plan.bs, st.id_group)
         runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=fb)
         st.sp_steps += 1
         st.a2a_steps += 1
@@ -353,7 +355,7 @@ def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: An
     runner._preprocess_logits(logits_output, info)
     logits = runner.sampler._preprocess_logits(logits_output.next_token_logits, info)  # NaN sanitising
     p = RowParams.from_sampling_info(info, _positions(fb))
-    ids = sp_sample_full(logits, p, st.group_for(logits)) if st.tp_size > 1 else sample_rows(logits, p)
+    ids = sp_sample_full(logits, p, st.id_group) if st.tp_size > 1 else sample_rows(logits, p)
     runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=fb)
     st.sp_steps += 1
     return ids
