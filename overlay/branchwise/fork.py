@@ -535,8 +535,11 @@ class ForkManager:
 
     # ---- report -------------------------------------------------------------------------------
     def report(self) -> dict[str, Any]:
+        reg = self.reg
+        sizes = {"forking": len(self.forking), "closed": len(self.closed), "by_branch": len(reg.by_branch),
+                 "by_parent": len(reg.by_parent), "phase_counts": len(reg._count), "enc_cache": len(self._enc)}
         return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
-                "live_branches": len(self.branch_tracks), "recent": list(self.recent)}
+                "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent)}
 
 
 # ------------------------------------------------------------------------------------------------

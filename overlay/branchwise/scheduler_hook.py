@@ -84,6 +84,7 @@ class BranchwiseState:
                 "last_predicted_s": s.last_predicted_s, "bubble_steps": s.bubble_steps,
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
+            rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed)}  # leak checks (soak)
         return rep
 
 
