@@ -181,7 +181,16 @@ def test_a_dropped_connection_on_a_live_server_fails_one_program(monkeypatch):
     assert "reset" in run.outcomes[1].error
 
 
-def test_ctrl_c_keeps_what_completed():
+@pytest.fixture
+def sigint_raises():
+    """SIGINT raises KeyboardInterrupt while the test runs, whatever this process inherited: a background
+    job of a non-interactive shell starts with SIGINT ignored, and then Python installs no handler."""
+    old = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, old)
+
+
+def test_ctrl_c_keeps_what_completed(sigint_raises):
     def hook(i):
         if i == 2:  # the third request: Ctrl-C while it is in flight
             signal.raise_signal(signal.SIGINT)
