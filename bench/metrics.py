@@ -1,14 +1,24 @@
 """Serving metrics from per-request token-delivery records (pure; shared by the simulator and replay).
 
-Definitions (TAPER Appendix D):
+Definitions (TAPER Appendix D for TPOT; the rest chosen so a policy cannot look good by stranding
+requests):
 * A request's output is a sequence of stages. A serial stage's TPOT is the time from the delivery
   before its first token to its last token, divided by its tokens (the first token of a response is
   TTFT, not TPOT). A parallel stage's effective TPOT is the phase's wall time (from the delivery
   that opened it to its last branch token) divided by the tokens of all its branches.
-* A request meets the SLO when it finished and its maximum stage TPOT is within the target.
+* A request meets the SLO when it finished, its maximum stage TPOT is within the TPOT target and,
+  when a TTFT target is set, its TTFT is within that too.
+* Attainment (`slo_attainment`): SLO-meeting share of ALL requests that arrived in the window; a
+  request that did not finish (still queued, running or failed) is a miss. `finished_frac` is the
+  finished share of those arrivals; `slo_attainment_finished` is the paper's share among finished
+  requests only (reported, never the headline).
 * Raw throughput: output tokens delivered in the window per second. Goodput: the same, counting only
-  tokens of requests that meet the SLO. Attainment: SLO-meeting share of the requests that arrived in
-  the window and finished (the paper's "completed requests"; `finished_frac` says how many did).
+  tokens of requests that meet the SLO.
+* TTFT percentiles are over every arrival in the window; a request that never got its first token
+  counts with its wait up to the end of observation (`horizon_s`), a lower bound on its TTFT.
+* Per-gap TPOT, a second figure: a request's largest interval between two consecutive deliveries
+  after its first token (`RequestRecord.max_gap_s`; any branch's token is a delivery). It is the
+  literal per-token reading of a TPOT SLO; `slo_attainment_gap` applies it instead of the stage mean.
 * Branch admission rate: admitted opportunistic rows / eligible opportunistic rows over the steps.
 
 A stage's tokens are taken as spread evenly over its wall time when a window cuts through it.
@@ -42,6 +52,11 @@ class RequestRecord:
     stages: list[StageRecord] = field(default_factory=list)
     finished: bool = False
     decomposable: bool = False
+    max_gap_s: float = float("nan")  # largest gap between deliveries after the first token; nan: unknown
+
+    @property
+    def ttft_s(self) -> float:
+        return self.first_token_s - self.arrival_s
 
     @property
     def output_tokens(self) -> int:
@@ -59,6 +74,8 @@ class RequestRecord:
         """Build a record from raw delivery times: `stages` is [(parallel, token times)], a parallel
         stage listing the tokens of all its branches (any order). For live-server replay."""
         rec = cls(rid, arrival_s, finished=finished, decomposable=any(p for p, _ in stages))
+        every = sorted(t for _, times in stages for t in times)
+        rec.max_gap_s = float(np.diff(every).max()) if len(every) > 1 else 0.0
         prev = None
         for parallel, times in stages:
             ts = sorted(times)
@@ -103,7 +120,10 @@ class _Flat:
     arrival: np.ndarray
     first: np.ndarray
     finished: np.ndarray
-    good: np.ndarray
+    good: np.ndarray  # met the SLO (stage-mean TPOT, and TTFT when a TTFT target is set)
+    good_gap: np.ndarray  # the same under the per-gap TPOT reading
+    gap: np.ndarray  # max_gap_s per request (nan: unknown)
+    horizon: float  # end of observation: a request without a first token has waited this long
     stage_req: np.ndarray
     stage_par: np.ndarray
     stage_start: np.ndarray
@@ -111,16 +131,32 @@ class _Flat:
     stage_tok: np.ndarray
 
     @classmethod
-    def build(cls, recs: Sequence[RequestRecord], slo_s: float) -> _Flat:
+    def build(cls, recs: Sequence[RequestRecord], slo_s: float, slo_ttft_s: float | None = None,
+              horizon_s: float | None = None) -> _Flat:
         tol = slo_s * (1 + 1e-9)
         st = [(i, s.parallel, s.start_s, s.end_s, s.tokens) for i, r in enumerate(recs) for s in r.stages]
         a = np.array(st, float).reshape(-1, 5)
+        arrival = np.array([r.arrival_s for r in recs], float)
+        first = np.array([r.first_token_s for r in recs], float)
         finished = np.array([r.finished for r in recs], bool)
-        good = finished & np.array([r.max_tpot_s <= tol for r in recs], bool)
+        gap = np.array([r.max_gap_s for r in recs], float)
+        on_time = finished.copy()
+        if slo_ttft_s is not None:
+            on_time &= (first - arrival) <= slo_ttft_s * (1 + 1e-9)  # nan (never started) compares False
+        good = on_time & np.array([r.max_tpot_s <= tol for r in recs], bool)
+        good_gap = on_time & (np.nan_to_num(gap, nan=np.inf) <= tol)
+        if horizon_s is None:
+            seen = [arrival, first[np.isfinite(first)], a[:, 3]]
+            horizon_s = float(max((x.max() for x in seen if len(x)), default=0.0))
         return cls(
-            np.array([r.arrival_s for r in recs], float), np.array([r.first_token_s for r in recs], float),
-            finished, good, a[:, 0].astype(int), a[:, 1] > 0, a[:, 2], a[:, 3], a[:, 4],
+            arrival, first, finished, good, good_gap, gap, horizon_s,
+            a[:, 0].astype(int), a[:, 1] > 0, a[:, 2], a[:, 3], a[:, 4],
         )
+
+    def ttft(self, sel: np.ndarray) -> np.ndarray:
+        """TTFT of the selected requests; one that never started counts its wait up to the horizon."""
+        t = self.first[sel] - self.arrival[sel]
+        return np.where(np.isfinite(t), t, np.maximum(self.horizon - self.arrival[sel], 0.0))
 
     def delivered_by(self, ts: np.ndarray, only_good: bool) -> np.ndarray:
         """Output tokens delivered before each time in `ts`: first tokens and instantaneous stages
@@ -159,24 +195,39 @@ def _p99_ms(x: np.ndarray) -> float | None:
     return float(np.percentile(x, 99) * 1e3) if len(x) else None
 
 
+def _pct(x: np.ndarray, q: float, scale: float = 1.0) -> float | None:
+    return float(np.percentile(x, q) * scale) if len(x) else None
+
+
+def _share(x: np.ndarray) -> float | None:
+    return float(x.mean()) if len(x) else None
+
+
 def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, t1: float) -> dict:
     dur = max(t1 - t0, 1e-9)
     arrived = (flat.arrival >= t0) & (flat.arrival < t1)
     done = arrived & flat.finished
     tpot = (flat.stage_end - flat.stage_start) / np.maximum(flat.stage_tok, 1)
     in_win = (flat.stage_end >= t0) & (flat.stage_end < t1) & (flat.stage_tok > 0)
-    ttft = flat.first[arrived] - flat.arrival[arrived]
-    ttft = ttft[np.isfinite(ttft)]
+    ttft = flat.ttft(arrived)
+    gap = flat.gap[done]
+    gap = gap[np.isfinite(gap)]
     out = {
         "goodput_tok_s": flat.tokens_in(t0, t1, True) / dur,
         "raw_throughput_tok_s": flat.tokens_in(t0, t1, False) / dur,
-        "slo_attainment": float(flat.good[done].mean()) if done.any() else None,
-        "finished_frac": float(done.sum() / arrived.sum()) if arrived.any() else None,
+        "slo_attainment": _share(flat.good[arrived]),
+        "finished_frac": _share(flat.finished[arrived]),
+        "slo_attainment_finished": _share(flat.good[done]),
+        "slo_attainment_gap": _share(flat.good_gap[arrived]) if len(gap) else None,
         "requests": int(arrived.sum()),
+        "unstarted": int(np.count_nonzero(~np.isfinite(flat.first[arrived]))),
         "p99_tpot_serial_ms": _p99_ms(tpot[in_win & ~flat.stage_par]),
         "p99_tpot_parallel_ms": _p99_ms(tpot[in_win & flat.stage_par]),
+        "max_gap_p50_ms": _pct(gap, 50, 1e3),
+        "max_gap_p99_ms": _pct(gap, 99, 1e3),
         "ttft_mean_s": float(ttft.mean()) if len(ttft) else None,
-        "ttft_p99_s": float(np.percentile(ttft, 99)) if len(ttft) else None,
+        "ttft_p50_s": _pct(ttft, 50),
+        "ttft_p99_s": _pct(ttft, 99),
     }
     if steps is not None:
         m = (steps["t_s"] >= t0) & (steps["t_s"] < t1)
@@ -191,9 +242,12 @@ def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, 
 def summarize(
     recs: Sequence[RequestRecord], slo_s: float, window: tuple[float, float],
     regimes: Sequence[tuple[str, float, float]] = (), steps: StepLog | None = None,
+    slo_ttft_s: float | None = None, horizon_s: float | None = None,
 ) -> dict:
-    """Whole-window metrics plus `per_regime` for each (name, start, end)."""
-    flat = _Flat.build(recs, slo_s)
+    """Whole-window metrics plus `per_regime` for each (name, start, end). `slo_ttft_s`: a TTFT
+    target that attainment and goodput also require; `horizon_s`: end of observation (default: the
+    last recorded event), the wait a request that never started is counted with."""
+    flat = _Flat.build(recs, slo_s, slo_ttft_s, horizon_s)
     arr = steps.arrays() if steps is not None else None
     out = window_metrics(flat, arr, *window)
     out["per_regime"] = {name: window_metrics(flat, arr, a, b) for name, a, b in regimes}
@@ -202,11 +256,12 @@ def summarize(
 
 def timeseries(
     recs: Sequence[RequestRecord], slo_s: float, window: tuple[float, float], bin_s: float,
-    steps: StepLog | None = None,
+    steps: StepLog | None = None, slo_ttft_s: float | None = None, horizon_s: float | None = None,
 ) -> dict[str, np.ndarray]:
     """Per-bin metrics for plots (Figure 2 panels), the same definitions as window_metrics, computed
-    in one vectorised pass; keys as in window_metrics plus `t_s` (bin start), nan where undefined."""
-    f = _Flat.build(recs, slo_s)
+    in one vectorised pass; keys as in window_metrics plus `t_s` (bin start), nan where undefined.
+    `ttft_mean_s` here averages only requests that got their first token."""
+    f = _Flat.build(recs, slo_s, slo_ttft_s, horizon_s)
     edges = np.arange(window[0], window[1], bin_s)
     nb = len(edges)
     bounds = np.append(edges, edges[-1] + bin_s if nb else window[0])
@@ -222,7 +277,8 @@ def timeseries(
     arrived = per_bin(f.arrival)
     done = per_bin(f.arrival[f.finished])
     with np.errstate(invalid="ignore", divide="ignore"):
-        out["slo_attainment"] = per_bin(f.arrival[f.good]) / done
+        out["slo_attainment"] = per_bin(f.arrival[f.good]) / arrived
+        out["slo_attainment_finished"] = per_bin(f.arrival[f.good]) / done
         out["finished_frac"] = done / arrived
         ttft = f.first - f.arrival
         ok = np.isfinite(ttft)
@@ -248,3 +304,24 @@ def timeseries(
             out["admission_rate"] = per_bin(st["t_s"], st["admitted"]) / per_bin(st["t_s"], st["eligible"])
         out["steps"] = n.astype(float)
     return out
+
+
+# ------------------------------------------------------------------------------------------ tables
+HEADLINE = ("slo_attainment", "finished_frac", "ttft_p99_s")  # printed side by side in every table
+
+
+def fmt(x: float | None, pct: bool = False, nd: int = 1) -> str:
+    if x is None or (isinstance(x, float) and not np.isfinite(x)):
+        return "-"
+    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
+
+
+def headline_head() -> str:
+    """Column titles for `headline_cells` (26 characters)."""
+    return f"{'attain':>8}{'finished':>9}{'P99 TTFT':>9}"
+
+
+def headline_cells(r: dict) -> str:
+    """Attainment over all arrivals, finished fraction and P99 TTFT (s) of one metrics dict."""
+    return (f"{fmt(r.get('slo_attainment'), True):>8}{fmt(r.get('finished_frac'), True):>9}"
+            f"{fmt(r.get('ttft_p99_s'), nd=2 if (r.get('ttft_p99_s') or 0) < 100 else 0):>9}")

@@ -42,7 +42,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.metrics import RequestRecord, StageRecord, StepLog, summarize
+from bench.metrics import RequestRecord, StageRecord, StepLog, fmt, headline_cells, headline_head, summarize
 from bench.workload import PRESETS, RequestSpec, build_schedule, compose, load_trace, workload_stats
 from branchwise.taper import (
     CapPolicy,
@@ -81,7 +81,7 @@ class _Req:
 
     __slots__ = (
         "spec", "rid", "prefill_left", "ctx", "saved_ctx", "si", "left", "done", "stage_start", "stage_tok",
-        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "idx", "off", "fixed",
+        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "idx", "off", "fixed", "gone_s",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -102,6 +102,7 @@ class _Req:
         # its place in the step's batch arrays (set when the decode set is rebuilt), and the width a
         # taper-no-replan pin holds for the open phase (0: none)
         self.idx = self.off = self.fixed = 0
+        self.gone_s = 0.0  # last delivery before a retraction
 
     @property
     def kv(self) -> int:
@@ -163,6 +164,8 @@ class Simulator:
         self.dirty = True
         if r.saved_ctx >= 0:
             r.ctx, r.saved_ctx = r.saved_ctx, -1
+            gap = t - r.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
+            r.rec.max_gap_s = gap if not r.rec.max_gap_s >= gap else r.rec.max_gap_s
             return
         r.rec.first_token_s = t
         r.ctx += 1
@@ -424,7 +427,9 @@ class Simulator:
         if refit is not None:
             stats["refits"] = refit.refits
             stats["model_after"] = list(pol.model.coefs()) if hasattr(pol.model, "coefs") else pol.model.value_s
-        return SimResult(pol.name, [r.rec for r in everyone], self.log, stats["wall_s"], stats)
+        recs = [r.rec for r in everyone]
+        set_max_gaps(recs, self.log, now)
+        return SimResult(pol.name, recs, self.log, stats["wall_s"], stats)
 
     def _all_fit_steps(self, batch: ArrayBatch, k: int, base: float, d: float, f: float,
                        all_admitted: bool) -> int:
@@ -456,12 +461,36 @@ class Simulator:
             r = live.pop()
             dec.remove(r)
             self.retractions += 1
+            r.gone_s = r.last_tok
             kv = r.kv
             self.kv -= kv
             self.slots -= max(len(r.br_left), 1)
             r.prefill_left, r.saved_ctx, r.ctx = kv, r.ctx, 0
             wait.appendleft(r)
         self.dirty = True
+
+
+def set_max_gaps(recs: list[RequestRecord], log: StepLog, t_end: float) -> None:
+    """Each request's largest delivery gap (metrics.RequestRecord.max_gap_s): every decoding request
+    gets a token from every step (its serial row or its phase's protected row), so it is the longest
+    step that started between its first token and its last, or a retraction gap set on the way."""
+    t = np.asarray(log.t_s, float)
+    mx = np.append(np.asarray(log.max_latency_s, float), 0.0)
+    if not len(recs):
+        return
+    first = np.array([r.first_token_s for r in recs], float)
+    last = np.array([r.stages[-1].end_s if r.stages else r.first_token_s for r in recs], float)
+    last = np.where([r.finished for r in recs], last, t_end)
+    lo = np.searchsorted(t, np.nan_to_num(first, nan=np.inf), side="left")
+    hi = np.searchsorted(t, last, side="left")
+    idx = np.empty(2 * len(recs), np.int64)
+    idx[0::2], idx[1::2] = np.minimum(lo, len(t)), np.minimum(hi, len(t))
+    step_max = np.maximum.reduceat(mx, idx)[0::2]
+    for r, a, b, g in zip(recs, lo, hi, step_max.tolist(), strict=True):
+        if r.first_token_s != r.first_token_s:
+            continue
+        g = g if b > a else 0.0
+        r.max_gap_s = g if not r.max_gap_s >= g else r.max_gap_s
 
 
 def _catch_up(ser: list[_Req], lag: int, t: float) -> int:
@@ -535,26 +564,21 @@ def job_list(policies: list[str], rho: float, ablations: bool) -> list[Job]:
     return jobs
 
 
-def _fmt(x, pct: bool = False, nd: int = 1) -> str:
-    if x is None:
-        return "-"
-    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
-
-
 def table(results: dict[str, dict], baseline: str = "off") -> str:
+    """One row per policy: attainment over all arrivals, finished fraction and P99 TTFT first."""
     base = results.get(baseline, {}).get("goodput_tok_s")
-    head = (f"{'policy':<24}{'goodput':>9}{'x off':>7}{'raw tok/s':>10}{'attain':>8}{'att-high':>9}"
-            f"{'P99 ser':>8}{'P99 par':>8}{'step ms':>8}{'admit':>7}{'TTFT s':>8}")
+    head = (f"{'policy':<24}{'goodput':>9}{'x off':>7}{headline_head()}{'att-high':>9}{'att-gap':>8}"
+            f"{'raw tok/s':>10}{'P99 ser':>8}{'P99 par':>8}{'P99 gap':>8}{'step ms':>8}{'admit':>7}")
     lines = [head, "-" * len(head)]
     for k, r in results.items():
         hi = r.get("per_regime", {}).get("high", {})
         ratio = r["goodput_tok_s"] / base if base else None
         lines.append(
-            f"{k:<24}{_fmt(r['goodput_tok_s']):>9}{_fmt(ratio, nd=2):>7}{_fmt(r['raw_throughput_tok_s']):>10}"
-            f"{_fmt(r['slo_attainment'], True):>8}{_fmt(hi.get('slo_attainment'), True):>9}"
-            f"{_fmt(r['p99_tpot_serial_ms']):>8}{_fmt(r['p99_tpot_parallel_ms']):>8}"
-            f"{_fmt(r.get('step_latency_mean_ms')):>8}{_fmt(r.get('admission_rate'), True, 0):>7}"
-            f"{_fmt(r.get('ttft_mean_s')):>8}")
+            f"{k:<24}{fmt(r['goodput_tok_s']):>9}{fmt(ratio, nd=2):>7}{headline_cells(r)}"
+            f"{fmt(hi.get('slo_attainment'), True):>9}{fmt(r.get('slo_attainment_gap'), True):>8}"
+            f"{fmt(r['raw_throughput_tok_s']):>10}{fmt(r['p99_tpot_serial_ms']):>8}"
+            f"{fmt(r['p99_tpot_parallel_ms']):>8}{fmt(r.get('max_gap_p99_ms'), nd=0):>8}"
+            f"{fmt(r.get('step_latency_mean_ms')):>8}{fmt(r.get('admission_rate'), True, 0):>7}")
     return "\n".join(lines)
 
 
@@ -562,14 +586,16 @@ def regime_table(results: dict[str, dict]) -> str:
     regimes = [g for g in ("low", "high", "moderate") if any(g in r["per_regime"] for r in results.values())]
     if not regimes:
         return ""
-    head = f"{'policy':<24}" + "".join(f"{g + ' ' + c:>15}" for g in regimes for c in ("step", "att", "adm"))
+    cols = ("step", "att", "done", "TTFT99", "adm")
+    head = f"{'policy':<24}" + "".join(f"{g[:4] + ' ' + c:>12}" for g in regimes for c in cols)
     lines = [head, "-" * len(head)]
     for k, r in results.items():
         cells = ""
         for g in regimes:
             x = r["per_regime"].get(g, {})
-            cells += f"{_fmt(x.get('step_latency_mean_ms')):>15}{_fmt(x.get('slo_attainment'), True):>15}"
-            cells += f"{_fmt(x.get('admission_rate'), True, 0):>15}"
+            cells += f"{fmt(x.get('step_latency_mean_ms')):>12}{fmt(x.get('slo_attainment'), True):>12}"
+            cells += f"{fmt(x.get('finished_frac'), True):>12}{fmt(x.get('ttft_p99_s'), nd=0):>12}"
+            cells += f"{fmt(x.get('admission_rate'), True, 0):>12}"
         lines.append(f"{k:<24}{cells}")
     return "\n".join(lines)
 
@@ -580,6 +606,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
     ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper")
     ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--slo-ttft-s", type=float, default=None,
+                    help="TTFT target that attainment and goodput also require (default: none)")
     ap.add_argument("--rho", type=float, default=0.8)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
@@ -625,8 +653,9 @@ def main(argv: list[str] | None = None) -> int:
     phase_s["simulate"] = time.perf_counter() - t0 - sum(phase_s.values())
     window = (0.0, sched.duration_s)
     regimes = [(g.name, g.start_s, g.end_s) for g in sched.regimes]
-    results = {k: summarize(s.records, cfg.slo_s, window, regimes, s.steps) | {"sim": s.stats}
-               for k, s in sims.items()}
+    horizon = sched.duration_s + cfg.drain_s
+    results = {k: summarize(s.records, cfg.slo_s, window, regimes, s.steps, a.slo_ttft_s, horizon)
+               | {"sim": s.stats} for k, s in sims.items()}
     phase_s["metrics"] = time.perf_counter() - t0 - sum(phase_s.values())
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -634,7 +663,8 @@ def main(argv: list[str] | None = None) -> int:
         "policies": results,
         "config": {
             "trace": a.trace, "schedule": a.schedule, "compress": a.compress, "preset": a.preset,
-            "trace_outputs": a.trace_outputs, "seed": a.seed, "rho": a.rho, "engine": asdict(cfg),
+            "trace_outputs": a.trace_outputs, "seed": a.seed, "rho": a.rho, "slo_ttft_s": a.slo_ttft_s,
+            "engine": asdict(cfg),
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(specs), "duration_s": sched.duration_s,
         },

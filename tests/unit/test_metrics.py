@@ -50,11 +50,12 @@ def test_slo_boundary_is_inclusive() -> None:
     assert summarize([exact], SLO, (0.0, 1.0))["slo_attainment"] == 1.0
 
 
-def test_unfinished_requests_count_in_throughput_not_in_attainment() -> None:
+def test_unfinished_requests_count_in_throughput_and_miss_in_attainment() -> None:
     done = _rec("d", 0.0, [(False, 0.1, 0.5, 10)])
     running = _rec("u", 0.0, [(False, 0.1, 0.9, 10)], finished=False)
     m = summarize([done, running], SLO, (0.0, 1.0))
-    assert m["slo_attainment"] == 1.0 and m["finished_frac"] == 0.5
+    assert m["slo_attainment"] == 0.5 and m["finished_frac"] == 0.5
+    assert m["slo_attainment_finished"] == 1.0  # the paper's reading, reported beside it
     assert m["raw_throughput_tok_s"] == pytest.approx(22.0)
     assert m["goodput_tok_s"] == pytest.approx(11.0)  # an unfinished request has not met its SLO
 
@@ -114,3 +115,49 @@ def test_timeseries_agrees_with_window_metrics() -> None:
             if key != "per_regime" and key in ts and key != "step_latency_max_ms":
                 want = np.nan if val is None else val
                 assert ts[key][b] == pytest.approx(want, rel=1e-9, abs=1e-9, nan_ok=True), (key, b)
+
+
+def test_queued_requests_are_misses_and_their_wait_counts_in_ttft() -> None:
+    """A policy cannot look good by leaving requests in the queue: each one is a miss, and its TTFT
+    is at least its wait up to the end of observation."""
+    served = [_rec(f"s{i}", 0.0, [(False, 0.1, 0.5, 10)]) for i in range(3)]
+    queued = RequestRecord("q", 1.0)  # never got a first token
+    m = summarize([*served, queued], SLO, (0.0, 2.0), horizon_s=101.0)
+    assert m["slo_attainment"] == 0.75 and m["finished_frac"] == 0.75 and m["unstarted"] == 1
+    assert m["ttft_p50_s"] == pytest.approx(0.1)
+    assert m["ttft_p99_s"] == pytest.approx(np.percentile([0.1, 0.1, 0.1, 100.0], 99))
+    assert summarize([*served, queued], SLO, (0.0, 2.0))["ttft_p99_s"] < 1.0  # default horizon: last event
+
+
+def test_ttft_slo_counts_in_attainment_and_goodput() -> None:
+    fast = _rec("f", 0.0, [(False, 0.1, 0.5, 10)])  # TTFT 0.1 s
+    slow = RequestRecord("s", 0.0, 3.0, [StageRecord(False, 3.0, 3.4, 10)], True)  # TTFT 3 s
+    m = summarize([fast, slow], SLO, (0.0, 5.0))
+    assert m["slo_attainment"] == 1.0
+    m = summarize([fast, slow], SLO, (0.0, 5.0), slo_ttft_s=2.0)
+    assert m["slo_attainment"] == 0.5
+    assert m["goodput_tok_s"] == pytest.approx(11 / 5.0)
+
+
+def test_per_gap_tpot_is_a_second_figure() -> None:
+    # stage mean 40 ms (within 50) but one 150 ms gap (a prefill-heavy step)
+    times = [0.0] + [0.03 * i for i in range(1, 10)] + [0.27 + 0.15]
+    rec = RequestRecord.from_token_times("r", 0.0, [(False, times)])
+    assert rec.max_gap_s == pytest.approx(0.15)
+    assert rec.max_tpot_s == pytest.approx(0.42 / 10)
+    m = summarize([rec], SLO, (0.0, 1.0))
+    assert m["slo_attainment"] == 1.0 and m["slo_attainment_gap"] == 0.0
+    assert m["max_gap_p99_ms"] == pytest.approx(150.0)
+    # a phase's deliveries from any branch count: two branches alternating every 30 ms
+    par = RequestRecord.from_token_times("p", 0.0, [(False, [0.0]), (True, [0.03, 0.06, 0.09, 0.12])])
+    assert par.max_gap_s == pytest.approx(0.03)
+
+
+def test_headline_cells_side_by_side() -> None:
+    from bench.metrics import headline_cells, headline_head
+
+    m = summarize([_rec("a", 0.0, [(False, 0.1, 0.5, 10)]), RequestRecord("q", 0.5)], SLO, (0.0, 1.0),
+                  horizon_s=10.0)
+    cells = headline_cells(m)
+    assert len(cells) == len(headline_head())
+    assert cells.split() == ["50.0%", "50.0%", f"{m['ttft_p99_s']:.2f}"]

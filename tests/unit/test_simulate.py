@@ -62,6 +62,20 @@ def test_multi_step_windows_are_exact(small, policy: str) -> None:
     a, b = ([(s.parallel, s.tokens, s.start_s, s.end_s) for r in x.records for s in r.stages] for x in runs)
     assert [s[:2] for s in a] == [s[:2] for s in b]
     np.testing.assert_allclose([s[2:] for s in a], [s[2:] for s in b], rtol=0, atol=1e-9)
+    gaps = [[r.max_gap_s for r in x.records] for x in runs]
+    np.testing.assert_allclose(gaps[0], gaps[1], rtol=0, atol=1e-9)
+
+
+def test_max_gap_is_the_longest_step_a_request_waited() -> None:
+    """Stepping one by one, a request's per-gap TPOT is its largest interval between deliveries:
+    no smaller than any serial stage's mean TPOT, and it sees the prefill-heavy step that admitted
+    a newcomer while it was decoding."""
+    specs = [RequestSpec("a", 0.0, 10, (40,)), RequestSpec("b", 0.2, 8000, (5,))]
+    _, res = _run(specs, "off", noise=0.0, refit_every_s=0.0, macro_steps=False)
+    a = res.records[0]
+    m = default_model()
+    assert a.max_gap_s == pytest.approx(m.predict(1, a.stages[0].tokens) + m.c_tok * 8000, rel=0.05)
+    assert a.max_gap_s > a.max_tpot_s
 
 
 def test_batch_layout_matches_request_state() -> None:
