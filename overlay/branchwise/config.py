@@ -7,13 +7,20 @@ bad value fails at argument parsing, before any model loads. No SGLang import he
 from __future__ import annotations
 
 import argparse
+import math
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
 
 from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
+from branchwise.taper.predictor import load_model
 from branchwise.taper.utility import UTILITY_NAMES as UTILITIES
+
+GRAMMAR_CLIENTS = ("allow", "deny")
+# custom_params.branchwise.weight is bounded to this range: weights only scale the "priority"
+# utility's gains, and an unbounded one would let a single request take every admitted row.
+MAX_WEIGHT = 10.0
 
 
 def parse_rho(value: str | float) -> float:
@@ -25,9 +32,43 @@ def parse_rho(value: str | float) -> float:
 
 def parse_positive_ms(value: str | float) -> float:
     ms = float(value)
-    if not ms > 0.0:
-        raise ValueError(f"a TPOT SLO must be > 0 ms, got {value!r}")
+    if not (ms > 0.0 and math.isfinite(ms)):
+        raise ValueError(f"a TPOT SLO must be a finite number > 0 ms, got {value!r}")
     return ms
+
+
+def _positive_int(value: str | int, flag: str) -> int:
+    try:
+        n = int(str(value).strip())
+    except ValueError:
+        raise ValueError(f"{flag} must be an integer >= 1, got {value!r}") from None
+    if n < 1:
+        raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
+    return n
+
+
+def parse_max_fanout(value: str | int) -> int:
+    return _positive_int(value, "--branch-max-fanout")
+
+
+def parse_max_branch_tokens(value: str | int | None) -> int | None:
+    """A positive token count, or None for 'auto' (the server's KV pool size)."""
+    if value is None or str(value).strip().lower() == "auto":
+        return None
+    return _positive_int(value, "--branch-max-branch-tokens")
+
+
+def parse_grammar_clients(value: str) -> str:
+    v = str(value).strip().lower()
+    if v not in GRAMMAR_CLIENTS:
+        raise ValueError(f"invalid --branch-grammar-clients {value!r}; valid: {', '.join(GRAMMAR_CLIENTS)}")
+    return v
+
+
+def parse_latency_model(path: str) -> str:
+    """The --latency-model path, after reading and validating the file (load_model's checks)."""
+    load_model(path)
+    return path
 
 
 def _argparse_type(fn):
@@ -46,16 +87,24 @@ def _argparse_type(fn):
 policy_arg = _argparse_type(parse_policy_name)
 rho_arg = _argparse_type(parse_rho)
 slo_arg = _argparse_type(parse_positive_ms)
+fanout_arg = _argparse_type(parse_max_fanout)
+branch_tokens_arg = _argparse_type(parse_max_branch_tokens)
+grammar_clients_arg = _argparse_type(parse_grammar_clients)
+latency_model_arg = _argparse_type(parse_latency_model)
 
 
 @dataclass(frozen=True, slots=True)
 class BranchwiseConfig:
     branch_policy: str = "off"
     branch_slo_tpot_ms: float = 50.0
+    branch_min_slo_tpot_ms: float | None = None  # None: half of branch_slo_tpot_ms
     taper_rho: float = 0.8
     taper_utility: str = "linear"
     latency_model: str | None = None
     branch_grammar: str = "none"
+    branch_grammar_clients: str = "allow"
+    branch_max_fanout: int = 16
+    branch_max_branch_tokens: int | None = None  # None: the KV pool size (ForkManager resolves it)
     async_output: bool = False
     parallel_sampling: bool = False
 
@@ -73,11 +122,44 @@ class BranchwiseConfig:
         parse_policy_name(self.branch_policy)
         parse_rho(self.taper_rho)
         parse_positive_ms(self.branch_slo_tpot_ms)
+        if self.branch_min_slo_tpot_ms is not None:
+            parse_positive_ms(self.branch_min_slo_tpot_ms)
+        parse_max_fanout(self.branch_max_fanout)
+        parse_max_branch_tokens(self.branch_max_branch_tokens)
+        parse_grammar_clients(self.branch_grammar_clients)
         if self.taper_utility not in UTILITIES:
             raise ValueError(f"invalid --taper-utility {self.taper_utility!r}; valid: {', '.join(UTILITIES)}")
         if self.branch_grammar not in GRAMMARS:
             raise ValueError(f"invalid --branch-grammar {self.branch_grammar!r}; valid: {', '.join(GRAMMARS)}")
         return self
+
+    # ---- per-request bounds (one client must not set the others' budget) ----------------------
+    @property
+    def min_slo_tpot_ms(self) -> float:
+        m = self.branch_min_slo_tpot_ms
+        return m if m is not None else self.branch_slo_tpot_ms / 2
+
+    def slo_s(self, requested_ms: float | None) -> float:
+        """A request's TPOT SLO in seconds: the server default when it names none, else its own
+        bounded below by --branch-min-slo-tpot-ms (TAPER's budget is rho x the least slack of the
+        batch, so an unbounded tight SLO would switch branch admission off for every tenant)."""
+        if requested_ms is None:
+            return self.branch_slo_tpot_ms / 1e3
+        return max(requested_ms, self.min_slo_tpot_ms) / 1e3
+
+    @staticmethod
+    def weight(requested: float) -> float:
+        """A request's utility weight, bounded to [0, MAX_WEIGHT]."""
+        return min(max(requested, 0.0), MAX_WEIGHT)
+
+    def client_grammar_error(self, grammar: str | None) -> str | None:
+        """Why a request may not name this grammar (HTTP 400), or None. Under
+        --branch-grammar-clients deny a request may opt out ("none") or name the server's own
+        --branch-grammar, nothing else."""
+        if self.branch_grammar_clients == "allow" or grammar in (None, "none", self.branch_grammar):
+            return None
+        return (f"custom_params.branchwise.grammar {grammar!r} is not allowed on this server "
+                f"(--branch-grammar-clients deny; server grammar: {self.branch_grammar!r})")
 
     def as_dict(self) -> dict[str, Any]:
         return asdict(self)

@@ -144,8 +144,24 @@ def default_model() -> LinearLatencyModel:
     return LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1.0e-7, c_tok=4.0e-5)
 
 
+_UNITS = {"seconds": 1.0, "s": 1.0, "milliseconds": 1e-3, "ms": 1e-3}
+_KEYS = {"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)}
+_OPTIONAL = {"linear": ("c_tok",), "constant": ()}
+MAX_INTERCEPT_S = 10.0  # a per-step floor above this is a unit mistake, not a measurement
+
+
+def _finite_number(v: Any) -> bool:
+    try:
+        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+    except OverflowError:  # an int too large for a float
+        return False
+
+
 def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | ConstantLatencyModel:
-    """Parse a latency-model JSON document; raises ValueError saying what is wrong."""
+    """Parse a latency-model JSON document; raises ValueError saying what is wrong.
+
+    Keys: kind ("linear" default, or "constant"), units ("seconds" default, or "ms"; every
+    coefficient is scaled to seconds), the kind's coefficients; any other key is an error."""
     try:
         d = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as e:
@@ -153,16 +169,29 @@ def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | Constant
     if not isinstance(d, dict):
         raise ValueError(f"latency model JSON must be an object, got {type(d).__name__}")
     kind = d.get("kind", "linear")
-    keys = {"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)}.get(kind)
+    keys = _KEYS.get(kind) if isinstance(kind, str) else None
     if keys is None:
         raise ValueError(f"latency model kind must be 'linear' or 'constant', got {kind!r}")
+    units = d.get("units", "seconds")
+    scale = _UNITS.get(units) if isinstance(units, str) else None
+    if scale is None:
+        raise ValueError(f"latency model units must be one of {', '.join(_UNITS)}, got {units!r}")
+    unknown = sorted(set(d) - {"kind", "units", *keys, *_OPTIONAL[kind]})
+    if unknown:
+        raise ValueError(f"unknown {kind} latency model keys {unknown}; valid: "
+                         f"{', '.join(['kind', 'units', *keys, *_OPTIONAL[kind]])}")
     missing = [k for k in keys if k not in d]
     if missing:
         raise ValueError(f"{kind} latency model JSON lacks {', '.join(missing)}")
-    vals = {k: d[k] for k in (*keys, "c_tok") if k in d}
-    bad = [k for k, v in vals.items() if isinstance(v, bool) or not isinstance(v, int | float)]
+    vals = {k: d[k] for k in (*keys, *_OPTIONAL[kind]) if k in d}
+    bad = [k for k, v in vals.items() if not _finite_number(v)]
     if bad:
-        raise ValueError(f"latency model fields must be numbers (seconds): {', '.join(bad)}")
+        raise ValueError(f"latency model fields must be numbers (finite, in {units}): {', '.join(bad)}")
+    vals = {k: float(v) * scale for k, v in vals.items()}
+    floor = vals.get("c0", vals.get("value_s", 0.0))
+    if floor > MAX_INTERCEPT_S:
+        raise ValueError(f"a decode step floor of {floor:g} s is implausible; a file in milliseconds "
+                         f'needs "units": "ms"')
     return LinearLatencyModel(**vals) if kind == "linear" else ConstantLatencyModel(**vals)
 
 
