@@ -2,12 +2,16 @@
 
 `load_plugins()` runs `register()` in every SGLang process (HTTP server, scheduler, detokenizer)
 before the Scheduler is built. Registration must stay cheap and must not log: logging is not yet
-configured here, so the scheduler logs Branchwise's settings from inside its __init__ hook.
+configured here, so the scheduler logs Branchwise's settings from inside its __init__ hook. On any
+SGLang version other than the one the hook targets and patches are written for, register() installs
+nothing and writes one line to stderr (`_note_once`).
 """
 
 from __future__ import annotations
 
 import functools
+import os
+import sys
 from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
@@ -116,7 +120,43 @@ def hook_tracked_request(req: Any) -> None:
     req.update_finish_state = functools.partial(fork.around_update_finish_state, cls_fn, req)
 
 
+VERSION_NOTED_ENV = "BRANCHWISE_VERSION_NOTED"  # set once the mismatch line is written (children inherit it)
+
+
+def _installed_sglang() -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version("sglang")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _version_mismatch() -> str | None:
+    """Why Branchwise must not hook this SGLang (its targets and patches are for one version), or None."""
+    from branchwise.patcher import SGLANG_VERSION
+
+    got = _installed_sglang()
+    if got == SGLANG_VERSION:
+        return None
+    return (f"Branchwise: installed sglang is {got}, Branchwise supports sglang=={SGLANG_VERSION} only; "
+            "no Branchwise hooks installed (branch policy off: SGLang serves unchanged)")
+
+
+def _note_once(line: str) -> None:
+    """One line on stderr per server: logging is not configured yet in any SGLang process when
+    plugins load, so a log record here would be dropped. The process that loads plugins first (the
+    launcher, before it spawns the scheduler and detokenizer) writes it; the env var keeps its
+    children quiet."""
+    if os.environ.get(VERSION_NOTED_ENV) != "1":
+        os.environ[VERSION_NOTED_ENV] = "1"
+        print(f"WARNING {line}", file=sys.stderr, flush=True)
+
+
 def register() -> None:
+    if (why := _version_mismatch()) is not None:
+        _note_once(why)
+        return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
     from branchwise import deferral
