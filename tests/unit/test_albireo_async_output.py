@@ -191,3 +191,86 @@ def test_send_thread_unless_inline_or_rust_egress(monkeypatch):
     monkeypatch.setenv(SEND_ENV, "sometimes")
     with pytest.raises(ValueError, match="auto, thread or inline"):
         _send_on_thread(sched())
+
+
+class GatedRecorder(Recorder):
+    """A socket whose sends block until `gate` opens; records (thread, concurrent senders) per send."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = threading.Event()
+        self.inside = 0
+        self.overlaps = 0
+
+    def send_output(self, output: object, recv_obj: object = None) -> None:
+        self.inside += 1
+        self.overlaps += self.inside > 1
+        try:
+            assert self.gate.wait(10)
+            super().send_output(output, recv_obj)
+        finally:
+            self.inside -= 1
+
+
+def _state(s: OrderedSender) -> AsyncOutput:
+    return AsyncOutput(sender=s, stop_ids=frozenset(), think=False, plain_streamer=True, force_interval=1,
+                       no_mamba=True, check_all=False)
+
+
+def test_switch_off_is_refused_until_the_queue_drains_then_sends_move_to_the_caller():
+    from branchwise.albireo.async_output import set_enabled
+
+    rec = GatedRecorder()
+    s = sender(rec)
+    st = _state(s)
+    s.send_output("a")
+    s.send_output("b")  # the worker is stuck sending "a": "b" stays queued
+    why = set_enabled(st, False, drain_timeout_s=0.05)
+    assert why is not None and "refused" in why and "still queued" in why
+    assert st.enabled and not s.inline  # nothing changed: sends stay on the worker
+    s.send_output("c")
+    rec.gate.set()
+    assert set_enabled(st, False, drain_timeout_s=10) is None
+    assert not st.enabled and s.inline
+    s.send_output("d")  # now on the calling thread
+    assert [(o, t) for o, _, t in rec.got] == [("a", "test-sender"), ("b", "test-sender"), ("c", "test-sender"),
+                                               ("d", threading.current_thread().name)]
+    assert rec.overlaps == 0  # never two threads on the socket
+    assert set_enabled(st, True) is None and st.enabled and not s.inline
+    s.close()
+
+
+def test_switch_is_refused_after_a_failed_send():
+    from branchwise.albireo.async_output import set_enabled
+
+    rec = Recorder(fail_on="bad")
+    s = sender(rec)
+    st = _state(s)
+    s.send_output("bad")
+    s.thread.join(timeout=10)
+    why = set_enabled(st, False, drain_timeout_s=10)  # returns at once: the worker is gone
+    assert why is not None and "failed" in why and not s.inline and st.enabled
+
+
+def test_set_internal_state_reports_a_refused_switch(monkeypatch):
+    from branchwise.albireo import async_output as ao
+
+    rec = GatedRecorder()
+    s = sender(rec)
+    proc = object()
+    monkeypatch.setitem(ao._STATE, id(proc), _state(s))
+    monkeypatch.setattr(ao, "SWITCH_DRAIN_S", 0.05)
+    scheduler = SimpleNamespace(batch_result_processor=proc)
+    s.send_output("a")
+    s.send_output("b")
+
+    def orig(*a, **k):
+        raise AssertionError("a refused switch must not apply the request's other keys")
+
+    req = SimpleNamespace(server_args={ao.SWITCH_KEY: 0, "pp_max_micro_batch_size": 4})
+    assert ao.around_set_internal_state(orig, scheduler, req).updated is False
+    assert not s.inline
+    rec.gate.set()
+    assert ao.around_set_internal_state(orig, scheduler, SimpleNamespace(server_args={ao.SWITCH_KEY: 0})).updated
+    assert s.inline and rec.overlaps == 0
+    s.close()

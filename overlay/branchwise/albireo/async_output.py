@@ -89,7 +89,10 @@ class OrderedSender:
                 t.add_worker(time.perf_counter() - t0)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
-        """Block until everything queued so far is sent (tests, shutdown)."""
+        """Block until everything queued so far is sent; False if it was not within `timeout_s`
+        (or the worker stopped at a failed send: what is queued will never be sent)."""
+        if self.error is not None or not self.thread.is_alive():
+            return False
         done = threading.Event()
         self.q.put((_Marker(done), None))
         return done.wait(timeout_s)
@@ -307,10 +310,20 @@ def state_of(proc: Any) -> AsyncOutput | None:
     return _STATE.get(id(proc))
 
 
-def set_enabled(st: AsyncOutput, on: bool) -> None:
-    """Switch every part at once, between steps (the sender drains first: order is kept)."""
+SWITCH_DRAIN_S = 10.0  # how long a runtime switch waits for the queued sends
+
+
+def set_enabled(st: AsyncOutput, on: bool, drain_timeout_s: float = SWITCH_DRAIN_S) -> str | None:
+    """Switch every part at once, between steps; None when switched, else why not (nothing changed).
+
+    The sender drains first, so order is kept and only one thread ever sends on the socket: sends
+    move to the scheduler thread only once the worker has sent everything queued. Called on the
+    scheduler thread, the only one that queues sends, so nothing is queued after the drain."""
     if st.sender is not None:
-        st.sender.drain()
+        if not st.sender.drain(drain_timeout_s):
+            why = "its send worker failed" if st.sender.error is not None else \
+                f"sends still queued after {drain_timeout_s:g} s"
+            return f"Branchwise async output: switch {'on' if on else 'off'} refused, {why}; nothing changed"
         st.sender.inline = not on
     if st.table_tok is not None:
         st.table_tok.enabled = on
@@ -318,6 +331,7 @@ def set_enabled(st: AsyncOutput, on: bool) -> None:
     from branchwise.albireo import forward_thread
 
     forward_thread.set_enabled(on)  # the CPU forward thread is part of --async-output
+    return None
 
 
 def _qualifies(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> bool:
@@ -433,15 +447,19 @@ SWITCH_KEY = "branchwise_async_output"  # POST /set_internal_state {"server_args
 
 
 def around_set_internal_state(orig: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang."""
+    """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang.
+
+    A switch that cannot drain the queued sends is refused as a whole (updated=False to the caller,
+    the reason in the log, like SGLang's own rejected updates); the caller may retry."""
     req_args = getattr(recv_req, "server_args", None) or {}
     if SWITCH_KEY not in req_args:
         return orig(self, recv_req, *args, **kwargs)
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
     st = state_of(self.batch_result_processor)
-    if st is not None:
-        set_enabled(st, bool(req_args[SWITCH_KEY]))
+    if st is not None and (why := set_enabled(st, bool(req_args[SWITCH_KEY]), SWITCH_DRAIN_S)) is not None:
+        logger.warning(why)
+        return SetInternalStateReqOutput(updated=False)
     rest = {k: v for k, v in req_args.items() if k != SWITCH_KEY}
     if rest:
         recv_req.server_args = rest
