@@ -170,15 +170,21 @@ def _meta(req: Any) -> request_meta.RequestMeta:
 
 
 def _key(req: Any) -> str:
+    """TAPER's grouping key, the one derivation every per-row path uses: rows of one phase share
+    it, a serial request has its own. Request ids, client phase ids and server-side fork phases
+    are all client-chosen strings, so each gets its own prefix: no rid or phase id a client picks
+    can group with another request's rows."""
     m = _meta(req)
-    return m.phase if m.phase is not None else req.rid
+    if m.phase is None:
+        return "rid:" + req.rid
+    t = getattr(req, "bw_fork", None)
+    return ("fork:" if t is not None and t.branch else "phase:") + m.phase
 
 
 def _row(req: Any, cfg: BranchwiseConfig) -> Row:
     m = _meta(req)
-    slo_ms = m.slo_tpot_ms if m.slo_tpot_ms is not None else cfg.branch_slo_tpot_ms
-    return Row(_key(req), m.branch, req.kv.kv_committed_len, slo_ms / 1e3, m.weight, m.is_branch,
-               m.fanout, req.to_finish is not None)
+    return Row(_key(req), m.branch, req.kv.kv_committed_len, cfg.slo_s(m.slo_tpot_ms), cfg.weight(m.weight),
+               m.is_branch, m.fanout, req.to_finish is not None)
 
 
 def _pipeline_bubble(scheduler: Any) -> bool:
@@ -238,17 +244,15 @@ def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
 
 def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, tuple[int, float, bool]], int]:
     """Tokens delivered per key this step -> (tokens, slo_s, in a phase), and the context sum."""
-    default_slo_ms = st.config.branch_slo_tpot_ms
-    serial = request_meta.SERIAL
+    cfg = st.config
     delivered: dict[str, tuple[int, float, bool]] = {}
     ctx = 0
     for req in reqs:
-        m = getattr(req, "bw_meta", serial)
-        key = m.phase if m.phase is not None else req.rid
+        key = _key(req)
         got = delivered.get(key)
         if got is None:
-            slo_ms = m.slo_tpot_ms if m.slo_tpot_ms is not None else default_slo_ms
-            delivered[key] = (1, slo_ms / 1e3, m.is_branch)
+            m = _meta(req)
+            delivered[key] = (1, cfg.slo_s(m.slo_tpot_ms), m.is_branch)
         else:
             delivered[key] = (got[0] + 1, got[1], got[2])
         ctx += req.kv.kv_committed_len
