@@ -7,13 +7,14 @@ from __future__ import annotations
 import json
 import threading
 import time
+import traceback
 from types import SimpleNamespace
 
 import pytest
 
 from bench.overhead import summarize
-from branchwise.albireo import step_timer
-from branchwise.albireo.forward_thread import ForwardExecutor, ForwardJob, HostEvent
+from branchwise.albireo import forward_thread, step_timer
+from branchwise.albireo.forward_thread import ForwardExecutor, ForwardJob, ForwardThreadError, HostEvent
 
 
 class _Recording(ForwardExecutor):
@@ -62,6 +63,78 @@ def test_failed_job_raises_on_the_waiting_thread_and_later_jobs_still_complete()
     good.done.synchronize()
     assert ex.order == [1]
     ex.close()
+
+
+def _frames(exc: BaseException) -> list[str]:
+    return [f.name for f in traceback.extract_tb(exc.__traceback__)]
+
+
+def test_a_failed_job_raises_with_the_workers_traceback():
+    ex = _Recording()
+    bad = _job(0, fail=True)
+    ex.submit(bad)
+    with pytest.raises(ForwardThreadError, match="forward failed") as e:
+        bad.done.synchronize()
+    assert isinstance(e.value.__cause__, ValueError) and "_execute" in _frames(e.value.__cause__)
+    ex.close()
+
+
+def test_a_worker_that_fails_to_start_fails_the_waiter_and_later_submits(monkeypatch):
+    def broken_binding() -> None:
+        raise OSError("no such CPU set")
+
+    monkeypatch.setattr(forward_thread, "bind_worker_threads", broken_binding)
+    ex = ForwardExecutor(scheduler=SimpleNamespace(), timeout_s=30)  # the worker binds its threads first
+    job = _job(0)
+    ex.thread.join(timeout=10)  # it stopped at start-up, before its loop
+    assert not ex.thread.is_alive() and isinstance(ex.fatal, OSError)
+    with pytest.raises(ForwardThreadError, match="died") as e:
+        ex.submit(job)  # nothing is queued on a dead worker
+    assert e.value.__cause__ is ex.fatal and "broken_binding" in _frames(e.value.__cause__)
+
+
+def test_a_waiter_raises_when_the_worker_dies_after_the_submit(monkeypatch):
+    gate = threading.Event()
+
+    class Dies(ForwardExecutor):
+        def _loop(self) -> None:
+            assert gate.wait(10)
+            raise ImportError("worker start-up failed late")
+
+    ex = Dies(scheduler=None, timeout_s=30)
+    job = _job(0)
+    ex.submit(job)  # accepted: the worker is alive
+    gate.set()
+    with pytest.raises(ForwardThreadError, match="died") as e:
+        job.done.synchronize()  # the worker never runs it: raise at once, not after the 30 s timeout
+    assert isinstance(e.value.__cause__, ImportError) and "_loop" in _frames(e.value.__cause__)
+    with pytest.raises(ForwardThreadError):
+        ex.drain()
+
+
+def test_a_hung_job_raises_after_the_timeout_with_the_workers_stack():
+    ex = _Recording()
+    ex.timeout_s = 0.2
+    stuck = threading.Event()
+    job = _job(0, gate=stuck)
+    ex.submit(job)
+    with pytest.raises(ForwardThreadError, match="no result after 0.2 s") as e:
+        job.done.synchronize()
+    assert "gate.wait(5)" in str(e.value) and "_execute" in str(e.value)  # where the worker is stuck
+    stuck.set()
+    ex.drain()
+    ex.close()
+
+
+def test_the_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.delenv(forward_thread.TIMEOUT_ENV, raising=False)
+    assert forward_thread._timeout_s() == forward_thread.DEFAULT_TIMEOUT_S
+    monkeypatch.setenv(forward_thread.TIMEOUT_ENV, "42.5")
+    assert forward_thread._timeout_s() == 42.5
+    for bad in ("0", "-1", "nan", "inf"):
+        monkeypatch.setenv(forward_thread.TIMEOUT_ENV, bad)
+        with pytest.raises(ValueError, match=forward_thread.TIMEOUT_ENV):
+            forward_thread._timeout_s()
 
 
 def test_worker_runs_under_the_scheduler_loops_grad_mode():

@@ -104,6 +104,12 @@ groups keep the threads apart: the forward (model all-reduce / all-gather, SGLan
 --parallel-sampling's all-to-all and id gather) uses the TP group's device_group, the scheduler
 thread (request broadcast, TAPER's row plan) its cpu_group; a checkpoint drain only waits locally.
 
+Failures stop the scheduler, never hang it: a job's exception is re-raised where the scheduler
+thread waits for it (`HostEvent.synchronize`); if the worker thread itself dies (start-up included:
+imports, thread binding) every wait and every later submit raises, chained to the worker's traceback;
+a job that does not finish within env BRANCHWISE_FORWARD_TIMEOUT_S (default 600 s) raises with the
+worker's current stack.
+
 Enabled with --async-output on a CPU device, overlap on, pp = 1, no speculative decoding / PD
 disaggregation / PDMux / unified memory / LoRA / DP attention (`static_reason`), and only when env
 BRANCHWISE_FORWARD_THREAD=1 opts in: on this box it lowers decode throughput (figures above), so
@@ -121,6 +127,7 @@ import queue
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -133,6 +140,11 @@ ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (op
 # one GIL, and a thread that gives it up inside a torch op waits up to this long for the other's
 # Python to hand it back (CPython's default is 5 ms). Unset = leave CPython's default.
 SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
+# Longest wait for one job (seconds): a forward that takes longer, or a worker that hangs (e.g. in
+# a collective whose peer died), stops the scheduler with the worker's stack instead of hanging it.
+TIMEOUT_ENV = "BRANCHWISE_FORWARD_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 600.0
+_POLL_S = 1.0  # how often a waiting scheduler thread checks that the worker is still alive
 _STOP = object()
 # fields the scheduler thread itself sets on the placeholder before it synchronises
 # (run_batch sets the extend_* lists after forward_batch_generation returns; the worker's result has None)
@@ -140,18 +152,25 @@ _SCHEDULER_OWNED = frozenset({"copy_done", "delay_sample_func", "future_indices"
                               "extend_input_len_per_req", "extend_logprob_start_len_per_req"})
 
 
+class ForwardThreadError(RuntimeError):
+    """The forward thread failed, died or did not finish a job in time (raised on the scheduler thread)."""
+
+
 class HostEvent:
     """Drop-in for a `copy_done` device event: set by the worker when the job is complete.
 
     `synchronize()` re-raises a failure of the job on the scheduler thread (SGLang would have
-    raised in place), so a broken forward still stops the scheduler.
+    raised in place), so a broken forward still stops the scheduler. It never waits forever: it
+    raises as soon as the worker thread it was submitted to is dead (chained to the worker's own
+    exception and traceback), and after the executor's timeout with the worker's current stack.
     """
 
-    __slots__ = ("_done", "error")
+    __slots__ = ("_done", "error", "_worker")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
+        self._worker: ForwardExecutor | None = None  # bound at submit
 
     def record(self, stream: Any = None) -> None:  # the worker sets it; recording is a no-op
         return None
@@ -163,9 +182,22 @@ class HostEvent:
         return self._done.is_set()
 
     def synchronize(self) -> None:
-        self._done.wait()
+        if not self._done.is_set():
+            self._wait()
         if self.error is not None:
-            raise RuntimeError("Branchwise forward thread: the forward failed") from self.error
+            raise ForwardThreadError("Branchwise forward thread: the forward failed") from self.error
+
+    def _wait(self) -> None:
+        ex = self._worker
+        limit = ex.timeout_s if ex is not None else DEFAULT_TIMEOUT_S
+        deadline = time.monotonic() + limit
+        while not self._done.wait(max(0.0, min(_POLL_S, deadline - time.monotonic()))):
+            if ex is not None:
+                ex.check_alive()
+            if time.monotonic() >= deadline:
+                stack = ex.worker_stack() if ex is not None else "(not submitted to a worker)"
+                raise ForwardThreadError(f"Branchwise forward thread: no result after {limit:g} s "
+                                         f"({TIMEOUT_ENV}); the worker is at:\n{stack}")
 
     def wait(self, stream: Any = None) -> None:
         self.synchronize()
@@ -203,8 +235,11 @@ class ForwardStats:
 class ForwardExecutor:
     """The CPU "forward stream": one worker thread running jobs in submission order."""
 
-    def __init__(self, scheduler: Any, name: str = "branchwise-forward") -> None:
+    def __init__(self, scheduler: Any, name: str = "branchwise-forward",
+                 timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.scheduler = scheduler
+        self.timeout_s = timeout_s  # longest wait for one job (HostEvent.synchronize)
+        self.fatal: BaseException | None = None  # why the worker thread stopped (it runs no more jobs)
         self.q: queue.SimpleQueue = queue.SimpleQueue()
         self.enabled = True  # runtime switch (follows --async-output's)
         self.launching: Any = None  # the ScheduleBatch being launched by run_batch (scheduler thread)
@@ -221,8 +256,24 @@ class ForwardExecutor:
     # ---- scheduler thread
     def submit(self, job: ForwardJob, sample: bool = False) -> None:
         """Queue `job`'s forward, or with `sample` the sampling half of a delayed job."""
+        self.check_alive()
+        for ev in (job.done, job.forwarded):
+            if ev is not None:
+                ev._worker = self
         self.last = job.forwarded if job.forwarded is not None and not sample else job.done
         self.q.put((job, sample))
+
+    def check_alive(self) -> None:
+        """Raise (chained to the worker's exception) if the worker thread has stopped."""
+        if self.thread.is_alive():
+            return
+        if self.fatal is not None:
+            raise ForwardThreadError("Branchwise forward thread: the worker thread died") from self.fatal
+        raise ForwardThreadError("Branchwise forward thread: the worker thread is not running")
+
+    def worker_stack(self) -> str:
+        frame = sys._current_frames().get(self.thread.ident or -1)
+        return "".join(traceback.format_stack(frame)) if frame is not None else "(not running)"
 
     def drain(self) -> None:
         """Wait for every submitted job (FIFO: the newest done => all done)."""
@@ -238,14 +289,20 @@ class ForwardExecutor:
 
     # ---- worker thread
     def _run(self) -> None:
-        # grad mode is per thread: run under the scheduler loop's (no_grad, or inference_mode with
-        # SGLANG_ENABLE_TORCH_INFERENCE_MODE, whose tensors cannot be written in place outside it)
-        from sglang.srt.utils.common import DynamicGradMode
+        # Everything in here, start-up included, ends in `fatal`: a waiting scheduler thread then
+        # raises with this traceback (check_alive) instead of waiting for a job that never runs.
+        try:
+            # grad mode is per thread: run under the scheduler loop's (no_grad, or inference_mode with
+            # SGLANG_ENABLE_TORCH_INFERENCE_MODE, whose tensors cannot be written in place outside it)
+            from sglang.srt.utils.common import DynamicGradMode
 
-        if self.scheduler is not None:
-            bind_worker_threads()
-        with DynamicGradMode():
-            self._loop()
+            if self.scheduler is not None:
+                bind_worker_threads()
+            with DynamicGradMode():
+                self._loop()
+        except BaseException as e:  # noqa: BLE001 - handed to the scheduler thread
+            logger.exception("Branchwise forward thread: the worker thread stopped")
+            self.fatal = e
 
     def _loop(self) -> None:
         while (item := self.q.get()) is not _STOP:
@@ -466,10 +523,20 @@ def install(scheduler: Any) -> ForwardExecutor | None:
         if not 0 < ms <= 100:
             raise ValueError(f"{SWITCH_ENV} must be in (0, 100] ms, got {switch!r}")
         sys.setswitchinterval(ms / 1e3)
-    _EX = ForwardExecutor(scheduler)
+    _EX = ForwardExecutor(scheduler, timeout_s=_timeout_s())
     logger.info("Branchwise forward thread on (torch intra-op threads: %d, GIL switch interval %.2f ms)",
                 _torch_threads(), 1e3 * sys.getswitchinterval())
     return _EX
+
+
+def _timeout_s() -> float:
+    raw = os.environ.get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    t = float(raw)
+    if not 0 < t < float("inf"):
+        raise ValueError(f"{TIMEOUT_ENV} must be a positive number of seconds, got {raw!r}")
+    return t
 
 
 def _torch_threads() -> int:
