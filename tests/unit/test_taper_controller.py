@@ -36,9 +36,9 @@ def test_forced_rows_always_run():
     assert active == [0, 3]
 
 
-def test_taper_width_follows_slack():
+def test_taper_paper_width_follows_slack():
     rs = rows()
-    ctl = StepController(parse_policy("taper", model=MODEL, rho=0.8))
+    ctl = StepController(parse_policy("taper-paper", model=MODEL, rho=0.8))
     wide = keys(rs, ctl.select(rs, 0.0))  # fresh requests: full SLO of slack (40 ms budget)
     assert wide == {"ph0": 4, "ph1": 4, "r0": 1, "r1": 1}
     ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
@@ -51,7 +51,7 @@ def test_pipeline_bubble_reserves_the_next_protected_step():
     """After a prefill under overlap, the next delivery also waits for the following step: the
     planner gets each slack minus T(S0) (here 4 requests: 2 ms + 4 x 1 ms = 6 ms)."""
     rs = rows()
-    plain, bubbled = (StepController(parse_policy("taper", model=MODEL, rho=0.8)) for _ in range(2))
+    plain, bubbled = (StepController(parse_policy("taper-paper", model=MODEL, rho=0.8)) for _ in range(2))
     for ctl in (plain, bubbled):
         ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
     # r0: 14 ms of slack -> budget 11.2 ms -> 9 rows; with the reserve: 8 ms -> 6.4 ms -> 4 rows

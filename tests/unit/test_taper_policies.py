@@ -49,7 +49,8 @@ def test_parse_invalid_names_say_what_is_valid(name):
 
 
 def test_policy_names_cover_the_cli_values():
-    assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-slack", "taper-no-replan",
+    assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
+                            "taper-no-backlog", "taper-paper", "taper-no-slack", "taper-no-replan",
                             "taper-const-predictor")
 
 

@@ -3,11 +3,22 @@
 Pure (no SGLang): the scheduler hook turns its ScheduleBatch into `Row`s, asks `select`, and runs
 the chosen sub-batch; after the step it reports deliveries and the realized latency. Rows of one
 parallel phase share a `key` (the phase id); a serial request's key is its rid.
+
+Per-key state (slack trackers, taper-no-replan pins) lives while the key has rows: the caller
+reports each finished or aborted request's key (`on_finished`), and the entry goes with the key's
+last row; a select whose batch lacks keys the controller still holds drops those too (requests
+retracted to the queue or aborted there start afresh when they return).
+
+A failure inside planning (a policy or predictor bug, a bad number) must not stop the step: under
+TP the other ranks wait in a broadcast for rank 0's decision. `select` logs the first failure,
+counts them in stats.planner_errors, and runs every row (nothing deferred).
 """
 
 from __future__ import annotations
 
+import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -16,6 +27,8 @@ from branchwise.taper.policies import Policy
 from branchwise.taper.predictor import OnlineRefit
 from branchwise.taper.slack import SlackTracker
 from branchwise.taper.state import ArrayBatch, StepPlan
+
+logger = logging.getLogger("branchwise")
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,6 +55,7 @@ class StepStats:
     last_budget_s: float = float("inf")
     last_predicted_s: float = 0.0
     bubble_steps: int = 0  # planned with the next step's protected composition reserved
+    planner_errors: int = 0  # steps whose planning raised (every row ran)
 
     @property
     def admission_rate(self) -> float:
@@ -55,20 +69,37 @@ class StepController:
     trackers: dict[str, SlackTracker] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
     stats: StepStats = field(default_factory=StepStats)
+    live: dict[str, int] = field(default_factory=dict)  # rows per key in the last planned batch
 
-    def select(self, rows: list[Row], now: float, bubble: bool = False) -> list[int]:
+    def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
         """Indices of the rows to run this step (every key gets at least one).
 
         bubble: the batch in flight delivers no token to these rows (overlap scheduling after a
         prefill), so their next delivery comes only after this step AND the next one; the next
-        step's protected composition is reserved out of every slack before planning."""
+        step's protected composition is reserved out of every slack before planning.
+        waiting: requests queued for admission (SGLang: len(waiting_queue)); taper's backlog term.
+        `rows` must be every live row of the running batch (deferred ones included)."""
         groups: dict[str, list[int]] = {}
         for i in sorted(range(len(rows)), key=lambda i: (rows[i].key, rows[i].order)):
             groups.setdefault(rows[i].key, []).append(i)
         self.stats.steps += 1
         if len(groups) == len(rows):
             return list(range(len(rows)))  # nothing to defer: skip the planner
-        batch = self._snapshot(rows, groups, now, bubble)
+        try:
+            return self._plan(rows, groups, now, bubble, waiting)
+        except Exception:  # noqa: BLE001 - a planner bug must not stall the step or the TP broadcast
+            self.stats.planner_errors += 1
+            if self.stats.planner_errors == 1:
+                logger.exception("Branchwise: TAPER planning failed; running every row this step "
+                                 "(logged once, counted in planner_errors)")
+            return list(range(len(rows)))
+
+    def _plan(self, rows: list[Row], groups: dict[str, list[int]], now: float, bubble: bool,
+              waiting: int) -> list[int]:
+        self.live = {k: len(idx) for k, idx in groups.items()}
+        if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
+            self.forget(set(groups))
+        batch = self._snapshot(rows, groups, now, bubble, waiting)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch)
         self.fixed.update(self.policy.pins(batch, plan))
@@ -80,7 +111,7 @@ class StepController:
         return sorted(active)
 
     def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], now: float,
-                  bubble: bool = False) -> ArrayBatch:
+                  bubble: bool = False, waiting: int = 0) -> ArrayBatch:
         """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
         n = len(groups)
         heads = [rows[idx[0]] for idx in groups.values()]
@@ -98,12 +129,17 @@ class StepController:
             list(groups), np.fromiter(map(len, groups.values()), np.int64, n),
             np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
             np.array(slack, dtype=np.float64), np.array([h.weight for h in heads], dtype=np.float64),
-            np.array([h.phase for h in heads], dtype=bool), fixed)
+            np.array([h.phase for h in heads], dtype=bool), fixed, 0,
+            np.array([h.slo_s for h in heads], dtype=np.float64), max(int(waiting), 0))
+
+    @property
+    def _mean(self) -> bool:
+        return bool(getattr(self.policy, "stage_mean", False))
 
     def _tracker(self, head: Row, now: float) -> SlackTracker:
         tr = self.trackers.get(head.key)
         if tr is None:
-            tr = self.trackers[head.key] = SlackTracker(head.slo_s, now)
+            tr = self.trackers[head.key] = SlackTracker(head.slo_s, now, mean=self._mean)
             if head.phase:
                 tr.start_phase(now)
         return tr
@@ -123,7 +159,7 @@ class StepController:
         for key, (n, slo_s, phase) in delivered.items():
             tr = self.trackers.get(key)
             if tr is None:
-                tr = self.trackers[key] = SlackTracker(slo_s, now)
+                tr = self.trackers[key] = SlackTracker(slo_s, now, mean=self._mean)
                 if phase:
                     tr.start_phase(now)
             tr.on_tokens(now, n)
@@ -133,8 +169,21 @@ class StepController:
         if self.refit is not None:
             self.refit.observe(n_rows, ctx_tokens, latency_s)  # refits policy.model in place
 
+    def on_finished(self, keys: Iterable[str]) -> None:
+        """Requests left for good (finished or aborted), one key per request: a key's state goes
+        with its last row (the row counts come from the last planned batch; a key it did not
+        hold has one row)."""
+        for key in keys:
+            n = self.live.get(key, 1) - 1
+            if n > 0:
+                self.live[key] = n
+                continue
+            self.live.pop(key, None)
+            self.trackers.pop(key, None)
+            self.fixed.pop(key, None)
+
     def forget(self, live_keys: set[str]) -> None:
         """Drop state of requests and phases that left the batch."""
-        for key in [k for k in self.trackers if k not in live_keys]:
-            del self.trackers[key]
-            self.fixed.pop(key, None)
+        for d in (self.trackers, self.fixed, self.live):
+            for key in [k for k in d if k not in live_keys]:
+                del d[key]

@@ -54,11 +54,13 @@ def _arange(n: int) -> np.ndarray:
 
 
 def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
-              *, pinned: bool = False, fill: bool = False) -> StepPlan:
+              *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None) -> StepPlan:
     """Widths per request for one decode step.
 
     pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
     min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
+    floor: int64[n], rows per request that run whatever the budget (>= 1; capped by the ready rows);
+    taper's late phases (policies.py). Rows above the floor are admitted as usual.
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
@@ -80,6 +82,8 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
         ready = cap
         starts = ready.cumsum()
         starts -= ready
+    elif floor is not None and bool((floor > 1).any()):
+        lo = np.minimum(np.maximum(floor, 1), ready)
     else:
         t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
         if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
@@ -156,3 +160,15 @@ def _fill(rest: np.ndarray, cost: np.ndarray, seg: np.ndarray, pos: np.ndarray, 
             dropped[s] = True
     width[:] = done
     return added
+
+
+def floor_cost(a: ArrayBatch, model: LatencyModel, floor: np.ndarray | None) -> float:
+    """Predicted latency of the composition that runs `floor` rows per request (None: one each)."""
+    if floor is None:
+        starts = a.ready.cumsum() - a.ready
+        return model.predict(len(a.rids), int(a.ctx[starts].sum()), a.extra_tokens)
+    lo = np.minimum(np.maximum(floor, 1), a.ready)
+    seg = _arange(len(a.rids)).repeat(a.ready)
+    starts = a.ready.cumsum() - a.ready
+    keep = _arange(len(a.ctx)) - starts[seg] < lo[seg]
+    return model.predict(int(lo.sum()), int(a.ctx[keep].sum()), a.extra_tokens)

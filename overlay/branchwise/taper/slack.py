@@ -11,6 +11,12 @@ Slack is how long the *next* step may take before the request's TPOT exceeds its
 Budget B_t = rho * min slack over every request in the batch: width must be safe for the most urgent
 request, not for the one being widened.
 
+The serial rule above is the paper's per-gap reading. The SLO is judged per stage (a serial stage's
+TPOT is its wall time over its tokens, like a phase's), so a tracker built with `mean=True` (policy
+`taper`) gives a serial stage the same form as a phase:
+      slack = (tokens_in_stage + 1) * slo - (now - stage_start)
+A request that ran ahead of its pace has banked the difference; one that fell behind has less.
+
 Time is always passed in (scheduler clock of TP rank 0), never read here, so every function is
 deterministic and rank-invariant.
 """
@@ -29,6 +35,11 @@ def phase_slack(slo_s: float, now_s: float, phase_start_s: float, tokens_in_phas
     return (tokens_in_phase + 1) * slo_s - (now_s - phase_start_s)
 
 
+def stage_slack(slo_s: float, now_s: float, stage_start_s: float, tokens_in_stage: int) -> float:
+    """Serial stage judged by its mean TPOT (the same form as phase_slack)."""
+    return (tokens_in_stage + 1) * slo_s - (now_s - stage_start_s)
+
+
 def slack_budget(slacks: Iterable[float], rho: float = 0.8) -> float:
     """rho * min(slacks); +inf for an empty batch. Negative when some request is already late."""
     if not 0.0 < rho <= 1.0:
@@ -42,23 +53,34 @@ class SlackTracker:
 
     In a phase, `on_tokens(now, n)` is called with the tokens delivered by all of its branches in
     that step; after the reduce, `end_phase(now)` resumes serial timing from the reduce time.
+    `mean`: a serial stage's slack is judged on its mean pace since the stage began (stage_slack).
     """
 
     slo_s: float
     last_token_s: float  # serial stage: time of the last token delivery (first token time initially)
     phase_start_s: float | None = None
     phase_tokens: int = 0
+    mean: bool = False
+    stage_start_s: float = float("nan")  # serial stage start; NaN: last_token_s at creation
+    stage_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage_start_s != self.stage_start_s:
+            self.stage_start_s = self.last_token_s
 
     def on_tokens(self, now_s: float, n: int = 1) -> None:
         self.last_token_s = now_s
         if self.phase_start_s is not None:
             self.phase_tokens += n
+        else:
+            self.stage_tokens += n
 
     def start_phase(self, now_s: float) -> None:
         self.phase_start_s, self.phase_tokens = now_s, 0
 
     def end_phase(self, now_s: float) -> None:
         self.phase_start_s, self.phase_tokens, self.last_token_s = None, 0, now_s
+        self.stage_start_s, self.stage_tokens = now_s, 0
 
     @property
     def in_phase(self) -> bool:
@@ -66,6 +88,8 @@ class SlackTracker:
 
     def slack(self, now_s: float) -> float:
         if self.phase_start_s is None:
+            if self.mean:
+                return stage_slack(self.slo_s, now_s, self.stage_start_s, self.stage_tokens)
             return serial_slack(self.slo_s, now_s, self.last_token_s)
         return phase_slack(self.slo_s, now_s, self.phase_start_s, self.phase_tokens)
 

@@ -28,6 +28,7 @@ class RequestView:
     phase_id: str | None = None  # None: serial stage
     phase_fanout: int = 1  # branches the phase announced (>= ready rows)
     fixed_width: int | None = None  # taper-no-replan: width committed at phase start
+    slo_s: float | None = None  # the request's TPOT target (taper's SLO-pace terms); None: unknown
 
     @property
     def ready(self) -> int:
@@ -38,6 +39,7 @@ class RequestView:
 class BatchView:
     requests: tuple[RequestView, ...]
     extra_tokens: int = 0  # tokens in the same forward that are not decode rows (mixed prefill)
+    waiting: int = 0  # requests queued for admission (the backlog; see policies.py)
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -56,6 +58,8 @@ class ArrayBatch:
     phase: np.ndarray | None = None  # bool[n], in a parallel phase; None: none is
     fixed_width: np.ndarray | None = None  # int64[n], 0 = not pinned (taper-no-replan)
     extra_tokens: int = 0
+    slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
+    waiting: int = 0  # requests queued for admission (SGLang's waiting queue): the backlog
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -65,7 +69,7 @@ class ArrayBatch:
             raise ValueError("ArrayBatch: every request needs at least one ready row")
         if self.ctx.shape != (int(self.ready.sum()),):
             raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
-        for name in ("weight", "phase", "fixed_width"):
+        for name in ("weight", "phase", "fixed_width", "slo_s"):
             a = getattr(self, name)
             if a is not None and a.shape != (n,):
                 raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
@@ -76,13 +80,15 @@ class ArrayBatch:
         n = len(reqs)
         lens = [r.context_lens for r in reqs]
         fixed = [r.fixed_width or 0 for r in reqs]
+        slo = [r.slo_s for r in reqs]
         return cls(
             [r.rid for r in reqs], np.fromiter(map(len, lens), np.int64, n),
             np.fromiter(chain.from_iterable(lens), np.int64),
             np.array([r.slack_s for r in reqs], dtype=np.float64),
             np.array([r.weight for r in reqs], dtype=np.float64),
             np.array([r.phase_id is not None for r in reqs], dtype=bool),
-            np.array(fixed, dtype=np.int64) if any(fixed) else None, batch.extra_tokens)
+            np.array(fixed, dtype=np.int64) if any(fixed) else None, batch.extra_tokens,
+            np.array(slo, dtype=np.float64) if reqs and None not in slo else None, batch.waiting)
 
 
 def as_arrays(batch: BatchView | ArrayBatch) -> ArrayBatch:
