@@ -82,6 +82,7 @@ class BranchwiseState:
                 "planner_ms_mean": 1e3 * s.planner_s / max(s.planned_steps, 1),
                 "last_budget_s": s.last_budget_s if math.isfinite(s.last_budget_s) else None,
                 "last_predicted_s": s.last_predicted_s, "bubble_steps": s.bubble_steps,
+                "planner_errors": s.planner_errors,
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
             rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed)}  # leak checks (soak)
@@ -206,7 +207,8 @@ def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
     if st.tp_rank == 0:
         if st.quiet_ts is not None:
             _resume_serial_clocks(st, rows)
-        active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self))
+        active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
+                                      waiting=len(getattr(self, "waiting_queue", ())))
     if st.tp_size == 1:
         return active
     import torch
@@ -237,8 +239,6 @@ def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
         st.bump("fallback_retract")
         return orig(self, batch)
     st.bump("subset_steps")
-    if st.tp_rank == 0 and st.controller.stats.steps % 64 == 0:
-        st.controller.forget(set(keys))
     return sub
 
 
@@ -257,6 +257,19 @@ def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, tuple[i
             delivered[key] = (got[0] + 1, got[1], got[2])
         ctx += req.kv.kv_committed_len
     return delivered, ctx
+
+
+def _release_finished(ctl: StepController, scheduler: Any, reqs: list[Any]) -> None:
+    """Keys whose last row finished or was aborted in this step leave the controller (a reused
+    phase id or rid must not inherit their clock). Deferred rows stay in the running batch, so a
+    key with any unfinished request there keeps its state."""
+    keys = {_key(r) for r in reqs if r.finished()}
+    keys = {k for k in keys if k in ctl.trackers or k in ctl.fixed}
+    if not keys:
+        return
+    running = getattr(scheduler, "running_batch", None)
+    left = {_key(r) for r in running.reqs if not r.finished()} if running is not None else set()
+    ctl.on_finished(keys - left)
 
 
 def _resume_serial_clocks(st: BranchwiseState, rows: list[Row]) -> None:
@@ -288,6 +301,7 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
         delivered, ctx = _deliveries(st, reqs)
         ctl.on_step_done(delivered, now, len(reqs))
         st.quiet_ts = None
+        _release_finished(ctl, self, reqs)  # quiet steps: serial clocks go below, no phase row left
     else:  # serial rows only: their clocks matter only once a phase row joins (_resume_serial_clocks)
         ctl.on_step_done({}, now, len(reqs))
         if st.quiet_ts is None:
