@@ -5,9 +5,9 @@ the chosen sub-batch; after the step it reports deliveries and the realized late
 parallel phase share a `key` (the phase id); a serial request's key is its rid.
 
 Per-key state (slack trackers, taper-no-replan pins) lives while the key has rows: the caller
-reports each finished or aborted request's key (`on_finished`), and the entry goes with the key's
-last row; a select whose batch lacks keys the controller still holds drops those too (requests
-retracted to the queue or aborted there start afresh when they return).
+reports keys whose last row finished or was aborted (`on_finished`), and their entries go; a
+select whose batch lacks keys the controller still holds drops those too (requests retracted to
+the queue start a fresh clock when they return).
 
 A failure inside planning (a policy or predictor bug, a bad number) must not stop the step: under
 TP the other ranks wait in a broadcast for rank 0's decision. `select` logs the first failure,
@@ -69,7 +69,6 @@ class StepController:
     trackers: dict[str, SlackTracker] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
     stats: StepStats = field(default_factory=StepStats)
-    live: dict[str, int] = field(default_factory=dict)  # rows per key in the last planned batch
 
     def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
         """Indices of the rows to run this step (every key gets at least one).
@@ -96,7 +95,6 @@ class StepController:
 
     def _plan(self, rows: list[Row], groups: dict[str, list[int]], now: float, bubble: bool,
               waiting: int) -> list[int]:
-        self.live = {k: len(idx) for k, idx in groups.items()}
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
         batch = self._snapshot(rows, groups, now, bubble, waiting)
@@ -170,20 +168,14 @@ class StepController:
             self.refit.observe(n_rows, ctx_tokens, latency_s)  # refits policy.model in place
 
     def on_finished(self, keys: Iterable[str]) -> None:
-        """Requests left for good (finished or aborted), one key per request: a key's state goes
-        with its last row (the row counts come from the last planned batch; a key it did not
-        hold has one row)."""
+        """These keys' last rows left for good (finished or aborted): drop their state, so a reused
+        phase id or rid starts a fresh clock. The caller decides that no row of a key is left."""
         for key in keys:
-            n = self.live.get(key, 1) - 1
-            if n > 0:
-                self.live[key] = n
-                continue
-            self.live.pop(key, None)
             self.trackers.pop(key, None)
             self.fixed.pop(key, None)
 
     def forget(self, live_keys: set[str]) -> None:
         """Drop state of requests and phases that left the batch."""
-        for d in (self.trackers, self.fixed, self.live):
+        for d in (self.trackers, self.fixed):
             for key in [k for k in d if k not in live_keys]:
                 del d[key]
