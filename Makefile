@@ -70,13 +70,12 @@ test: apply
 test-unit:
 	$(PY) -m pytest tests/unit -q
 
-# make bench: off/eager/taper at three absolute operating points of this 2-core box (bench/README.md,
-# "Replay"); BENCH_ARGS overrides any of them, e.g. BENCH_ARGS="--rate-scale 1.8", or for a point
-# relative to a probe of the box: BENCH_ARGS="--slo-tpot-ms auto --rate-scale auto --load 0.4,0.5".
-BENCH_POINT := --slo-tpot-ms 16 --rate-scale 1.6,2.0,2.4 --output-scale 1.0 --max-stage-tokens 256 --duration-s 45
+# make bench: off/eager/taper at six loads from a probe of this machine (bench/README.md, "Replay"):
+# loads 0.1-1.0 of the fluid bound at the probed SLO, every policy at every load, one run (~20 min on
+# 2 cores). BENCH_ARGS adds or overrides flags of bench.sweep, e.g. BENCH_ARGS="--seed 1".
 bench: apply tiny-model
-	$(PY) -m bench.replay --launch --model $(MODEL) --compare --policies off,eager,taper --out runs/bench \
-		$(BENCH_POINT) $(BENCH_ARGS)
+	$(PY) -m bench.sweep --launch --model $(MODEL) --policies off,eager,taper --out runs/bench --no-progress \
+		$(BENCH_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check overlay bench frontends tests

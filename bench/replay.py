@@ -30,9 +30,10 @@ import json
 import random
 import re
 import shlex
-import statistics
 import sys
 import time
+import urllib.error
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
@@ -43,13 +44,15 @@ import aiohttp
 import numpy as np
 from tqdm import tqdm
 
-from bench.metrics import RequestRecord, StepLog, summarize
+from bench.metrics import RequestRecord, StepLog, headline_cells, headline_head, summarize
+from bench.probe import Probe, probe
 from bench.workload import (
     PRESETS,
     Regime,
     RequestSpec,
     Schedule,
     TraceError,
+    _unit_gaps,
     build_schedule,
     compose,
     load_trace,
@@ -58,7 +61,7 @@ from bench.workload import (
 from branchwise import client
 from branchwise.client import GenerateError, Generation
 from branchwise.launch import LocalServer, ServerError, branchwise_report
-from branchwise.taper.predictor import LinearLatencyModel, load_model
+from branchwise.taper.predictor import load_model
 
 DEFAULT_TRACE = str(Path(__file__).parent / "data" / "AzureLLMInferenceTrace_conv.csv")
 GenerateFn = Callable[..., Awaitable[Generation]]
@@ -128,6 +131,23 @@ def build_programs(trace: Any, schedule: Schedule, preset: str, seed: int, scali
     return [scale_spec(s, scaling) for s in compose(trace, schedule, preset, seed)]
 
 
+def stationary_schedule(trace: Any, rate: float, duration_s: float, seed: int = 0) -> Schedule:
+    """`rate` req/s for `duration_s`: the trace's burst pattern (each gap over its local mean, as in
+    bench.workload's paper-3regime) at a constant mean rate, read from a seed-chosen place in the
+    trace. A prefix of the trace would not do for a short live run: the Azure trace starts at ~60% of
+    its mean rate, with one gap of ~14 local means first, so a 40 s point would miss its nominal rate."""
+    if not (rate > 0 and duration_s > 0):
+        raise ValueError(f"rate and duration must be > 0, got {rate}, {duration_s}")
+    gaps = _unit_gaps(trace)
+    start = int(np.random.default_rng(seed).integers(len(gaps)))
+    n = int(rate * duration_s * 3) + 16
+    arrival = np.concatenate([[0.0], np.cumsum(np.resize(np.roll(gaps, -start), n))]) / rate
+    keep = arrival < duration_s
+    row = (start + np.arange(len(arrival))) % len(trace)
+    return Schedule(arrival[keep], row[keep], duration_s, (Regime("all", 0.0, duration_s),),
+                    f"stationary {rate:.3g} req/s")
+
+
 def prompt_ids(rid: str, tokens: int, seed: int, vocab: int = 400) -> list[int]:
     """A deterministic prompt of random token ids. Programs send token ids, not text, so every
     shared prefix is exactly the tokens in the radix cache (text would be re-tokenized at each seam)."""
@@ -183,6 +203,7 @@ class Run:
     steps: StepLog = field(default_factory=StepLog)
     t0: float = 0.0
     t_stop: float | None = None  # seconds after t0 when the run ended early (error, Ctrl-C)
+    t_end: float | None = None  # seconds after t0 when observation ended (all done, deadline or early stop)
     error: str | None = None  # the run ended early: dead server, Ctrl-C
     warning: str | None = None  # it ran to the end but some programs did not finish in time
     interrupted: bool = False
@@ -192,7 +213,9 @@ class Run:
 
     @property
     def records(self) -> list[RequestRecord]:
-        return [o.record() for o in self.outcomes if o.started]
+        """Every program, started or not: metrics count the ones that arrived in the window, and one
+        that never got a token is a miss like any other unfinished one."""
+        return [o.record() for o in self.outcomes]
 
 
 def _sp(tokens: int, tg: Target) -> dict[str, Any]:
@@ -336,6 +359,7 @@ async def replay(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, p
             run.interrupted, run.t_stop = True, time.perf_counter() - t0
             raise
         finally:
+            run.t_end = time.perf_counter() - t0
             for t in [*tasks, *helpers]:
                 t.cancel()
             await asyncio.gather(*tasks, *helpers, return_exceptions=True)
@@ -363,54 +387,75 @@ def _report(url: str) -> dict | None:
         return None
 
 
-# --------------------------------------------------------------------------------- calibration
+# ------------------------------------------------------------------------------- one live point
 @dataclass(frozen=True, slots=True)
-class Probe:
-    """Decode step latency of the live server with b concurrent serial streams of ctx-token prompts,
-    and T(S) fitted to it (bench.profile's model: rows and context tokens, NNLS, monotone)."""
+class PointSetup:
+    """What every live point of a sweep shares: the workload, the SLO and how long a point runs."""
 
-    step_s: dict[tuple[int, int], float]  # (streams, prompt tokens) -> median step
-    model: LinearLatencyModel
-    tokens: int = 32
+    trace: Any
+    slo_tpot_ms: float
+    scaling: Scaling = Scaling(output_scale=1.0, max_stage_tokens=256)
+    duration_s: float = 40.0
+    drain_s: float = 25.0  # after the last arrival; whatever is unfinished then is a miss
+    preset: str = "multiverse"
+    slo_ttft_s: float | None = None
+    stream_interval: int = 8
+    vocab: int = 400
+    poll_s: float = 1.0
+    generate: GenerateFn = client.generate
 
-    def at(self, rows: float, ctx: float) -> float:
-        """Predicted step with `rows` rows whose KV holds `ctx` tokens each."""
-        return self.model.predict(rows, rows * ctx)
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"step_ms": {f"{b}x{c}": 1e3 * t for (b, c), t in self.step_s.items()},
-                "model": json.loads(self.model.to_json())}
-
-
-async def _probe_step(url: str, session: Any, b: int, ctx: int, tokens: int) -> float:
-    sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-    gens = await asyncio.gather(*[client.generate(url, None, sp, stream=True, session=session,
-                                                  input_ids=prompt_ids(f"probe{i}", ctx, b)) for i in range(b)])
-    steps = [(g.chunk_times[-1] - g.chunk_times[0]) / (g.completion_tokens - 1) for g in gens
-             if len(g.chunk_times) > 1 and g.completion_tokens > 1]
-    if not steps:
-        raise RuntimeError(f"probe at {b} streams: no streamed decode timings from {url}")
-    return statistics.median(steps)
+    def programs(self, rate: float, seed: int) -> tuple[Schedule, list[RequestSpec]]:
+        schedule = stationary_schedule(self.trace, rate, self.duration_s, seed)
+        return schedule, build_programs(self.trace, schedule, self.preset, seed, self.scaling)
 
 
-async def probe(url: str, sizes: tuple[int, ...] = (1, 8, 16, 32), contexts: tuple[int, ...] = (32, 512),
-                tokens: int = 32, repeats: int = 2) -> Probe:
-    """Serial streams only, so the probe means the same under every branch policy. Grid points take
-    turns and each keeps its median, so a passing burst of load on a shared box bends no single point.
-    Contexts matter: a replay's rows hold hundreds of tokens, and a fit on short prompts alone
-    under-predicts its steps (measured: by ~30%)."""
-    grid = [(b, c) for c in contexts for b in sizes]
-    seen: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
-    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
-        await _probe_step(url, session, 1, 8, 4)  # warm up
-        for _ in range(repeats):
-            for b, c in grid:
-                seen[b, c].append(await _probe_step(url, session, b, c, tokens))
-    step = {g: statistics.median(v) for g, v in seen.items()}
-    model = LinearLatencyModel.fit([(b, b * (c + tokens // 2), t) for (b, c), t in step.items()])
-    return Probe(step, model, tokens)
+def flush_cache(url: str, wait_s: float = 120.0) -> bool:
+    """Empty the server's radix cache once it is idle (the previous point's aborted requests may
+    still be leaving), so that no point starts with another point's prefixes cached. False when it
+    stayed busy for `wait_s` or has no such endpoint."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST"),
+                                        timeout=30):
+                return True
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > end:  # 400: requests still running
+                return False
+        except (urllib.error.URLError, TimeoutError, ConnectionError):
+            return False
+        time.sleep(0.5)
 
 
+def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
+              progress: bool = False) -> tuple[dict[str, Any], Run]:
+    """One policy at one stationary load on a running server: flush its cache, replay `rate` req/s for
+    setup.duration_s (+ drain), and return the point's metrics (bench.capacity's point keys first:
+    rate, goodput, attainment over all arrivals, finished fraction, P99 TTFT) and the run."""
+    flushed = flush_cache(url)
+    schedule, specs = setup.programs(rate, seed)
+    run = Run(policy, [Outcome(s) for s in specs])
+    tg = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab, generate=setup.generate)
+    execute(run, tg, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
+    res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
+    return point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed}, run
+
+
+POINT_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
+              "max_gap_p99_ms", "ttft_p50_s", "step_latency_mean_ms", "admission_rate")
+
+
+def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec], duration_s: float) -> dict[str, Any]:
+    run = res.get("run", {})
+    return {"rate": rate, "goodput_tok_s": res.get("goodput_tok_s"), "attainment": res.get("slo_attainment"),
+            "finished_frac": res.get("finished_frac"), "p99_ttft_s": res.get("ttft_p99_s"),
+            "requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)} | {
+        k: res.get(k) for k in POINT_KEYS} | {
+        "error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
+        "client_stalls": run.get("client_stalls")}
+
+
+# --------------------------------------------------------------------------------- calibration
 def mean_demand_tok_s(specs: list[RequestSpec], duration_s: float) -> float:
     return sum(s.output_tokens for s in specs) / duration_s
 
@@ -455,13 +500,15 @@ def client_stalls(lags: list[tuple[float, float]], over_s: float = 0.1) -> dict[
             "stalled_s": sum(late)}
 
 
-def summarize_run(run: Run, slo_s: float, schedule: Schedule) -> dict[str, Any]:
+def summarize_run(run: Run, slo_s: float, schedule: Schedule, slo_ttft_s: float | None = None) -> dict[str, Any]:
     """The simulator's per-policy results (bench.metrics.summarize) plus the replay's bookkeeping."""
     end = schedule.duration_s if run.t_stop is None else min(schedule.duration_s, run.t_stop)
     window = (0.0, max(end, 1e-9))
     regimes = [(g.name, g.start_s, min(g.end_s, end)) for g in schedule.regimes if g.start_s < end]
     recs = run.records
-    out = summarize(recs, slo_s, window, regimes, run.steps) if recs else _empty(regimes)
+    horizon = run.t_end if run.t_end is not None else window[1]
+    out = (summarize(recs, slo_s, window, regimes, run.steps, slo_ttft_s=slo_ttft_s, horizon_s=horizon)
+           if recs else _empty(regimes))
     srv = server_delta(run.report_before, run.report_after)
     out["admission_rate"] = srv["admission_rate"] if srv else out.get("admission_rate")
     started = [o for o in run.outcomes if o.started]
@@ -525,7 +572,7 @@ def _ratio(r: dict, base: dict | None) -> float | None:
 
 def table(results: dict[str, dict]) -> str:
     off, eager = results.get("off"), results.get("eager")
-    head = (f"{'policy':<10}{'goodput':>9}{'x off':>7}{'x eager':>8}{'raw tok/s':>10}{'attain':>8}"
+    head = (f"{'policy':<10}{'goodput':>9}{'x off':>7}{'x eager':>8}{'raw tok/s':>10}{headline_head()}"
             f"{'P99 ser':>8}{'P99 par':>8}{'step ms':>8}{'admit':>7}{'done':>9}{'probe ms':>9}")
     lines = [head, "-" * len(head)]
     for k, r in results.items():
@@ -534,7 +581,7 @@ def table(results: dict[str, dict]) -> str:
         lines.append(
             f"{k:<10}{_fmt(r.get('goodput_tok_s')):>9}{_fmt(_ratio(r, off), nd=2):>7}"
             f"{_fmt(_ratio(r, eager), nd=2):>8}{_fmt(r.get('raw_throughput_tok_s')):>10}"
-            f"{_fmt(r.get('slo_attainment'), True):>8}{_fmt(r.get('p99_tpot_serial_ms')):>8}"
+            f"{headline_cells(r)}{_fmt(r.get('p99_tpot_serial_ms')):>8}"
             f"{_fmt(r.get('p99_tpot_parallel_ms')):>8}{_fmt(r.get('step_latency_mean_ms')):>8}"
             f"{_fmt(r.get('admission_rate'), True, 0):>7}{done:>9}"
             f"{_fmt((run.get('probe') or {}).get('at_slo_rows_ms')):>9}")
@@ -722,10 +769,7 @@ def _needs_probe(a: argparse.Namespace) -> bool:
 
 def _probe_url(url: str) -> Probe:
     p = asyncio.run(probe(url))
-    steps = ", ".join(f"{b}x{c} {1e3 * t:.1f}" for (b, c), t in p.step_s.items())
-    m = p.model
-    print(f"probe {url}: ms at streams x prompt tokens: {steps} -> T = {1e3 * m.c0:.2f} ms + "
-          f"{1e3 * m.c_seq:.3f} ms/row + {1e6 * m.c_ctx:.3f} us/ctx token", flush=True)
+    print(f"probe {url}: {p.line()}", flush=True)
     return p
 
 

@@ -307,3 +307,79 @@ def test_sweep_report_names_the_loads_where_taper_holds_and_eager_collapses(tmp_
     assert doc["loads"][1]["policies"]["eager"]["slo_attainment"] == 0.7
     none = replay.sweep_report(tmp_path, [bench(0.4, 1.0, 1.0)])
     assert "no load with taper" in none and json.loads((tmp_path / "sweep.json").read_text())["separating_loads"] == []
+
+
+# ---- one live point, the load rule, the sweep's verdict ------------------------------------------
+def test_stationary_schedule_holds_its_rate_from_any_place_in_the_trace():
+    trace = synthetic_trace(duration_s=3600, rate=2.0, seed=4)
+    for rate, seed in ((0.4, 0), (3.0, 1), (3.0, 2)):
+        s = replay.stationary_schedule(trace, rate, 200.0, seed)
+        assert s.duration_s == 200.0 and s.arrival_s[0] == 0.0 and s.arrival_s[-1] < 200.0
+        assert np.all(np.diff(s.arrival_s) >= 0) and len(s) == pytest.approx(rate * 200, rel=0.25)
+        assert [g.name for g in s.regimes] == ["all"] and np.all(s.row < len(trace))
+    a, b = (replay.stationary_schedule(trace, 3.0, 50.0, k) for k in (1, 2))
+    assert not np.array_equal(a.arrival_s[:5], b.arrival_s[:5])  # the seed picks the stretch of trace
+    with pytest.raises(ValueError):
+        replay.stationary_schedule(trace, 0.0, 10.0)
+
+
+def test_run_point_counts_every_arrival_and_a_stuck_program_is_a_miss():
+    trace = synthetic_trace(duration_s=600, rate=4.0, seed=6)
+
+    def hook(i):
+        if i == 0:  # the first program's first request never answers
+            return asyncio.Event().wait()
+
+    setup = replay.PointSetup(trace, 40.0, Scaling(output_scale=0.01, max_stage_tokens=4), duration_s=1.0,
+                              drain_s=0.5, poll_s=0, generate=FakeGenerate(hook))
+    m, run = replay.run_point(DEAD, "off", 6.0, 0, setup)
+    n = len(run.outcomes)
+    assert n >= 2 and m["requests"] == n and m["rate"] == 6.0 and m["cache_flushed"] is False
+    assert m["finished_frac"] == pytest.approx((n - 1) / n) and m["attainment"] == pytest.approx((n - 1) / n)
+    assert {"goodput_tok_s", "p99_ttft_s", "demand_tok_s"} <= set(m) and m["goodput_tok_s"] > 0
+    assert m["p99_ttft_s"] >= 1.0  # the stuck one waited to the end of observation (1.5 s after its arrival)
+
+
+def test_load_grid_follows_the_probe():
+    from bench import sweep
+    from branchwise.taper.predictor import LinearLatencyModel
+
+    slow = replay.Probe({}, LinearLatencyModel(0.004, 0.0004, 0.0))
+    g = sweep.load_grid(slow, 500.0)
+    t32 = 0.004 + 32 * 0.0004
+    assert g.slo_tpot_ms == pytest.approx(1e3 * t32) and g.rows_at_slo == pytest.approx(32)
+    assert g.reference_rate == pytest.approx(32 / t32 / 500.0) and g.loads == sweep.LOADS
+    assert g.rates[-1] == pytest.approx(g.reference_rate) and g.rates == sorted(g.rates)
+    fast = replay.Probe({}, LinearLatencyModel(0.002, 0.0002, 0.0))
+    assert sweep.load_grid(fast, 500.0).reference_rate == pytest.approx(2 * g.reference_rate)  # 2x box, 2x rates
+    fixed = sweep.load_grid(slow, 500.0, slo_tpot_ms=20.0)
+    assert fixed.slo_tpot_ms == 20.0 and fixed.rows_at_slo == pytest.approx(40)
+    floor = sweep.load_grid(replay.Probe({}, LinearLatencyModel(0.010, 0.0001, 0.0)), 500.0)
+    assert floor.slo_tpot_ms == pytest.approx(2.5 * 10.1)  # at least 2.5 x T(1 row)
+
+
+def test_sweep_capacity_and_verdict():
+    from bench import sweep
+
+    def row(load, off, eager, taper, n=20):
+        return {"load": load, "rate": 2 * load, "requests": n, "demand_tok_s": 100 * load,
+                "policies": {k: {"attainment": v, "requests": n, "finished_frac": 1.0, "goodput_tok_s": 10.0,
+                                 "p99_ttft_s": 0.1, "rate": 2 * load}
+                             for k, v in (("off", off), ("eager", eager), ("taper", taper))}}
+
+    rows = [row(0.1, 1.0, 1.0, 1.0), row(0.2, 0.96, 0.7, 0.96), row(0.4, 0.5, 0.97, 0.90), row(0.8, 0.1, 0.2, 0.2)]
+    pts = {k: [{"load": r["load"], "rate": r["rate"]} | r["policies"][k] for r in rows] for k in ("off", "eager", "taper")}
+    caps = {k: sweep.capacity(v) for k, v in pts.items()}
+    assert caps["off"]["load"] == 0.2 and caps["taper"] == {"load": 0.2, "rate": 0.4}
+    assert caps["eager"]["load"] == 0.1  # 0.4 holds again, but capacity needs every load below to hold
+    v = sweep.verdict(rows, caps)
+    assert v["capacity_highest"] and v["grid_spans_hold_to_fail"] and not v["passed"]
+    assert [(b["load"], b["policy"]) for b in v["breaks"]] == [(0.4, "eager")]  # 0.90 < 0.97 - 1/20
+    rows[2]["policies"]["taper"]["attainment"] = 0.925  # one request of 20 below eager: within tolerance
+    assert sweep.verdict(rows, caps)["pointwise"]
+    doc = sweep.capacity_doc(rows, caps, ["off", "eager", "taper"])
+    assert doc["policies"]["taper"]["capacity_rps"] == 0.4
+    assert set(doc["policies"]["off"]["points"][0]) == {"rate", "load", "goodput_tok_s", "attainment",
+                                                       "finished_frac", "p99_ttft_s"}
+    text = sweep.table(rows, ["off", "eager", "taper"])
+    assert text.count("\n") == len(rows) + 1 and "96%" in text
