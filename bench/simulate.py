@@ -1,35 +1,41 @@
-"""Discrete-event simulator of continuous-batching decode steps driving the server's TAPER policies.
+"""Discrete-event simulator of continuous-batching decode steps driving the server's TAPER controller.
 
     python -m bench.simulate --trace CSV --schedule paper-3regime --policies off,cap:2,cap:5,eager,taper \
         --slo-tpot-ms 50 --rho 0.8 --seed 0 --out DIR [--ablations] [--preset multiverse|sprint] \
-        [--compress F] [--latency-model model.json] [--trace-outputs]
+        [--compress F] [--latency-model model.json] [--trace-outputs] [--max-running sglang|slo|N]
 
 Engine model (SGLang-like, one server, see bench/README.md "Simulator"):
-* every step runs all decoding requests plus up to `chunk_tokens` of chunked prefill (mixed batch);
-  its latency is the latency model's T(rows, context tokens, prefill tokens) times lognormal noise;
-* a request is admitted FCFS while the running batch holds fewer than `max_running` sequences (a
-  live branch is a sequence, as in SGLang's running_batch) and its prompt fits the KV pool;
+* every step runs all decoding requests' chosen rows plus up to `chunk_tokens` of chunked prefill
+  (mixed batch); its latency is the latency model's T(rows, context tokens, prefill tokens) times
+  lognormal noise;
+* a request is admitted FCFS while the running requests (a live branch is a request, as in SGLang's
+  running_batch) are fewer than `max_running` (SGLang's default for the pool unless set) and its
+  prompt fits the KV pool below `admit_kv_frac`;
 * a parallel phase forks all its branches at once; a branch shares the parent's KV prefix and owns
   only its generated tokens; deferred branches keep their KV; the reduce is free and the parent
   resumes with every branch's tokens in its context; when the pool overflows the newest request is
   retracted (KV freed, recomputed on re-admission);
-* every step the policy sees the batch (an ArrayBatch, the planner's own input): per decoding request
-  its ready rows' context lengths (the first unfinished branch is the protected row, then branch
-  order) and its slack from slack.py.
+* the widths come from the server's own `StepController` (taper/controller.py), driven by `HookDriver`
+  exactly as overlay/branchwise/scheduler_hook.py drives it: `Row`s for the live rows, `select` only
+  when some phase has more than one ready row, deliveries per key after each step (the quiet-step
+  rule for batches without phase rows included), realized pure-decode latencies to its refit.
 
 Several steps run in one go when no step in between can differ: no row finishes, no arrival can
-be admitted, the pool cannot overflow, no refit is due. That holds outright for off, cap:K and eager
-(their widths depend on ready-row counts only) and for any step where no request has a second ready
-row. For TAPER it holds when the policy admitted every ready row and also admits every row of the
-window's worst case (contexts of its last step, the slack of its first; T is monotone and slack
-never shrinks while steps stay within the SLO). Step times inside a window are exact (T grows
-linearly with context); only the latency noise is drawn once per window. `macro_steps=False` steps
-one by one, and the unit tests hold both modes to the same deliveries.
+be admitted, the pool cannot overflow. For off, cap:K and eager the widths depend on ready-row
+counts only, so one `select` serves the window. For slack-driven policies a window also needs: an
+arrival cannot fall inside it (a controller input may count the queue), every key already has its
+delivery clock, no refit falls inside it, and either no phase has a second ready row (nothing to
+plan) or the controller admitted every ready row now and a probe controller sharing its clocks also
+admits every row of the window's worst case (contexts of its last step, today's slack; T is
+monotone and slack never shrinks while steps stay within the SLO). Step times inside a window are
+exact (T grows linearly with context); only the latency noise is drawn once per window.
+`macro_steps=False` steps one by one, and the unit tests hold both modes to the same deliveries.
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import math
 import os
@@ -45,6 +51,7 @@ import numpy as np
 from bench.metrics import RequestRecord, StageRecord, StepLog, fmt, headline_cells, headline_head, summarize
 from bench.workload import PRESETS, RequestSpec, build_schedule, compose, load_trace, workload_stats
 from branchwise.taper import (
+    POLICY_NAMES,
     CapPolicy,
     LinearLatencyModel,
     OnlineRefit,
@@ -52,40 +59,72 @@ from branchwise.taper import (
     default_model,
     load_model,
     parse_policy,
-    phase_slack,
-    serial_slack,
 )
-from branchwise.taper.state import ArrayBatch
+from branchwise.taper.controller import Row, StepController
 
 _BIG = 1 << 62
+# Slack-driven policies whose "everything fits" is monotone (budget rho * min slack, T monotone), so
+# a window's worst case proves its middle; any other rule steps one by one while it has a choice.
+_PROVABLE = {"taper-paper", "taper-no-slack", "taper-const-predictor"} | \
+    ({"taper"} if "taper-paper" not in POLICY_NAMES else set())
+# SGLang derives --max-running-requests from the KV pool and the model's context length when it is
+# unset; the modelled server is Qwen3-32B (max_position_embeddings 40960).
+CONTEXT_LEN = 40960
+
+
+def sglang_max_running(kv_tokens: int, context_len: int = CONTEXT_LEN) -> int:
+    """SGLang 0.5.23's running-request limit when --max-running-requests is unset
+    (KVCacheConfigurator.resolve_max_num_reqs): pool / context_len * 512 clamped to [2048, 4096],
+    at most pool // 2."""
+    est = max(min(int(kv_tokens / context_len * 512), 4096), 2048)
+    return min(est, kv_tokens // 2)
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     slo_s: float = 0.050
-    max_running: int = 64  # sequences in the running batch (SGLang --max-running-requests); CLI: auto
     kv_tokens: int = 1_500_000  # KV pool (Qwen3-32B, 8xA100-80GB, ~62% of memory; TAPER D)
+    max_running: int = 0  # running requests incl. branches (SGLang --max-running-requests); 0: SGLang's default
     admit_kv_frac: float = 0.9  # admit only while the pool is below this (headroom for decode growth)
     chunk_tokens: int = 8192  # chunked-prefill tokens per step (SGLang default for 80 GB GPUs)
     noise: float = 0.02  # lognormal sigma of realized vs modelled step latency
     drain_s: float = 600.0  # keep stepping this long after the schedule ends
     macro_steps: bool = True  # run provably identical steps in one go (exact; False for checking)
-    refit_every_s: float = 600.0  # TAPER refits T(S) from the last 200 decode steps this often (App. C); 0: never
+
+    @property
+    def running_cap(self) -> int:
+        return self.max_running if self.max_running > 0 else sglang_max_running(self.kv_tokens)
 
 
 _DEF = EngineConfig()
+
+
+def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, calibrated: bool = False,
+                     **kw) -> StepController:
+    """The controller scheduler_hook._build_controller builds: the policy over a copy of the engine's
+    model, refit online (a calibrated --latency-model keeps its slopes and refits the intercept over
+    the last 64 steps every 16; the default model is fully refit over 200 every 50)."""
+    pol = parse_policy(policy, model=LinearLatencyModel(*model.coefs()), rho=rho, **kw)
+    if pol.model is None:
+        return StepController(pol)
+    if calibrated:
+        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True))
+    return StepController(pol, OnlineRefit(pol.model))
 
 
 class _Req:
     """Mutable per-request simulation state."""
 
     __slots__ = (
-        "spec", "rid", "prefill_left", "ctx", "saved_ctx", "si", "left", "done", "stage_start", "stage_tok",
-        "last_tok", "br_left", "cl", "phase_start", "phase_tok", "rec", "idx", "off", "fixed", "gone_s",
+        "spec", "rid", "key", "pkey", "fan", "prefill_left", "ctx", "saved_ctx", "si", "left", "done",
+        "stage_start", "stage_tok", "last_tok", "br_left", "cl", "bi", "phase_start", "phase_tok", "rec",
+        "gone_s",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
         self.spec, self.rid = spec, spec.rid
+        self.key = "rid:" + spec.rid  # the hook's grouping key of a serial request
+        self.pkey, self.fan = "", 1  # the open phase's key and announced fanout
         self.prefill_left = spec.prompt_tokens
         self.ctx = 0  # parent KV tokens: prompt + serial output + reduced branches
         self.saved_ctx = -1  # >= 0 while re-prefilling after a retraction
@@ -94,19 +133,90 @@ class _Req:
         self.done = False
         self.stage_start = self.last_tok = 0.0
         self.stage_tok = 0
-        # the open phase's unfinished branches, in branch order: tokens left and context length
+        # the open phase's unfinished branches, in branch order: tokens left, context length, index
         self.br_left: list[int] = []  # empty outside a phase
         self.cl: list[int] = []
+        self.bi: list[int] = []
         self.phase_start, self.phase_tok = 0.0, 0
         self.rec = RequestRecord(spec.rid, spec.arrival_s, decomposable=spec.decomposable)
-        # its place in the step's batch arrays (set when the decode set is rebuilt), and the width a
-        # taper-no-replan pin holds for the open phase (0: none)
-        self.idx = self.off = self.fixed = 0
         self.gone_s = 0.0  # last delivery before a retraction
 
     @property
     def kv(self) -> int:
         return self.ctx + self.phase_tok if self.br_left else self.ctx
+
+
+class HookDriver:
+    """Drives a StepController the way scheduler_hook.py drives it (around_update_running_batch,
+    after_process_batch_result), from simulator requests instead of SGLang Reqs.
+
+    Differences, both forced by the engine model: the simulator's steps may carry a prefill chunk
+    (mixed batch) and their decode rows deliver, so every step reports deliveries (the hook hears
+    decode steps only, SGLang's default runs prefill in steps of its own); there is no overlap
+    scheduling, so `select` never reserves a pipeline bubble."""
+
+    __slots__ = ("ctl", "slo_s", "quiet_ts", "selects", "subset_steps", "takes_waiting")
+
+    def __init__(self, ctl: StepController, slo_s: float) -> None:
+        self.ctl, self.slo_s = ctl, slo_s
+        self.quiet_ts: float | None = None  # the hook's quiet_ts: last step without phase rows
+        self.selects = self.subset_steps = 0
+        self.takes_waiting = "waiting" in inspect.signature(ctl.select).parameters
+
+    def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
+        """The hook's `_row` for every live row: phase rows request-major in branch order, then serial."""
+        slo = self.slo_s
+        out = [Row(r.pkey, b, c + grow, slo, 1.0, True, r.fan) for r in par for b, c in zip(r.bi, r.cl, strict=True)]
+        out += [Row(r.key, 0, r.ctx + lag + grow, slo) for r in ser]
+        return out
+
+    def select(self, rows: list[Row], now: float, waiting: int = 0) -> list[int]:
+        """around_update_running_batch + _decide: active row indices (the caller checked that some
+        key has two rows); `waiting`: requests queued for admission."""
+        ctl = self.ctl
+        if self.quiet_ts is not None:  # _resume_serial_clocks
+            fresh = {r.key: (0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
+            ctl.on_step_done(fresh, self.quiet_ts, 0)
+            self.quiet_ts = None
+        self.selects += 1
+        active = ctl.select(rows, now, waiting=waiting) if self.takes_waiting else ctl.select(rows, now)
+        self.subset_steps += len(active) < len(rows)
+        return active
+
+    def forget(self, live: list[_Req]) -> None:
+        """Drop the clocks of keys whose rows left the batch (the hook does this every 64 planned
+        steps; here at every change of composition, so windowed and single steps agree). A parent
+        that resumes after its phase's reduce starts a fresh serial clock either way."""
+        keys = {r.pkey if r.br_left else r.key for r in live}
+        if len(self.ctl.trackers) > len(keys) or any(k not in keys for k in self.ctl.trackers):
+            self.ctl.forget(keys)
+
+    def would_admit_all(self, rows: list[Row], now: float, waiting: int = 0) -> bool:
+        """Whether the controller would run every row of `rows` now, without changing it: a probe
+        controller over the same policy, the same delivery clocks and a copy of the pins."""
+        ctl = self.ctl
+        probe = StepController(ctl.policy, None, ctl.trackers, dict(ctl.fixed))
+        kw = {"waiting": waiting} if self.takes_waiting else {}
+        return len(probe.select(rows, now, **kw)) == len(rows)
+
+    def delivered(self, par: list[_Req], widths: list[int] | None, ser: list[_Req], k: int, t: float,
+                  n_rows: int) -> None:
+        """after_process_batch_result for k identical steps, the last ending at t."""
+        ctl = self.ctl
+        if par:
+            slo = self.slo_s
+            d = {r.key: (k, slo, False) for r in ser}
+            if widths is None:
+                d.update((r.pkey, (k, slo, True)) for r in par)
+            else:
+                d.update((r.pkey, (w * k, slo, True)) for r, w in zip(par, widths, strict=True))
+            ctl.on_step_done(d, t, n_rows * k)
+            self.quiet_ts = None
+        else:
+            ctl.on_step_done({}, t, n_rows * k)
+            if self.quiet_ts is None:  # serial clocks go stale while no phase row runs
+                ctl.forget({key for key, tr in ctl.trackers.items() if tr.in_phase})
+            self.quiet_ts = t
 
 
 @dataclass(slots=True)
@@ -119,22 +229,29 @@ class SimResult:
 
 
 class Simulator:
-    def __init__(self, specs: list[RequestSpec], policy: Policy, model: LinearLatencyModel, cfg: EngineConfig,
-                 t_end: float, seed: int = 0) -> None:
+    def __init__(self, specs: list[RequestSpec], controller: StepController | Policy, model: LinearLatencyModel,
+                 cfg: EngineConfig, t_end: float, seed: int = 0) -> None:
         self.specs = sorted(specs, key=lambda s: s.arrival_s)
-        self.policy, self.model, self.cfg = policy, model, cfg
+        if not isinstance(controller, StepController):  # a bare policy: the hook's controller around it
+            controller = StepController(controller)
+        self.ctl, self.model, self.cfg = controller, model, cfg
+        self.policy = controller.policy
+        self.driver = HookDriver(controller, cfg.slo_s)
         self.t_end = t_end
-        self.static = isinstance(policy, CapPolicy)  # plan depends only on ready-row counts
+        # off, cap:K, eager: the plan is a function of ready-row counts (and the model only fills
+        # predicted_s), so deliveries and latencies need not reach the controller
+        self.static = isinstance(self.policy, CapPolicy)
+        self.provable = self.policy.name in _PROVABLE
         rng = np.random.default_rng(seed + 7919)
         sig = cfg.noise
         self.noise = np.exp(rng.normal(-sig * sig / 2, sig, 1 << 16)).tolist() if sig > 0 else [1.0]
-        self.refit = None
-        if cfg.refit_every_s > 0 and not self.static and policy.model is not None:
-            self.refit = OnlineRefit(policy.model, every=1 << 62)  # refit on our clock, not per count
         self.log = StepLog()
         self.slots = self.kv = 0
         self.retractions = 0
         self.dirty = True  # decode set or some request's stage changed: rebuild partitions
+        # set to [] to record (start, end, live rows, active rows or None, queued) of every iteration
+        self.trace: list[tuple[float, float, list[Row], list[int] | None, int]] | None = None
+        self._obs = self._since = 0  # the refit's observation count and count since its last refit
 
     # ----------------------------------------------------------------------------- stage machine
     def _next_stage(self, r: _Req, t: float) -> None:
@@ -149,10 +266,10 @@ class Simulator:
             return
         st = stages[r.si]
         r.stage_start, r.stage_tok = t, 0
-        r.fixed = 0  # a taper-no-replan pin lives for one phase
         if isinstance(st, tuple):
             n = len(st)
-            r.br_left, r.cl = list(st), [r.ctx] * n
+            r.br_left, r.cl, r.bi = list(st), [r.ctx] * n, list(range(n))
+            r.pkey, r.fan = f"phase:{r.rid}.{r.si}", n
             r.phase_start, r.phase_tok = t, 0
             self.slots += n - 1
         else:
@@ -195,73 +312,60 @@ class Simulator:
         self.dirty = True
         keep = [j for j in range(len(left)) if left[j] > 0]
         if keep:
-            r.br_left, r.cl = [left[j] for j in keep], [cl[j] for j in keep]
+            r.br_left, r.cl, r.bi = [left[j] for j in keep], [cl[j] for j in keep], [r.bi[j] for j in keep]
             self.slots -= finished
             return True
         self.slots -= finished - 1  # the parent keeps one slot after the reduce
         r.rec.stages.append(StageRecord(True, r.phase_start, t, r.phase_tok))
         r.ctx += r.phase_tok  # the reduce: every branch's tokens join the parent's context
-        r.br_left, r.cl = [], []
+        r.br_left, r.cl, r.bi = [], [], []
         self._next_stage(r, t)
         return False
 
     # ------------------------------------------------------------------------------------ loop
-    def _prepare(self, dec: list[_Req], now: float) -> tuple[int, int, bool]:
-        """Lay out the batch of a step starting at `now`, in decode (admission) order: every request's
-        place in the row arrays (r.idx, r.off), its rows' contexts and its slack (what the server's
-        step controller writes into RequestViews). Returns the serial rows' context sum, their fewest
-        tokens left, and whether any request has more than one ready row."""
-        slo = self.cfg.slo_s
-        ctx, k, wide = 0, _BIG, False
-        rows: list[int] = []
-        ready: list[int] = []
-        slack: list[float] = []
-        for i, r in enumerate(dec):
-            r.idx, r.off = i, len(rows)
-            if r.br_left:
-                rows += r.cl
-                ready.append(len(r.cl))
-                slack.append(phase_slack(slo, now, r.phase_start, r.phase_tok))
-                wide = wide or len(r.cl) > 1
-            else:
-                rows.append(r.ctx)
-                ready.append(1)
-                slack.append(serial_slack(slo, now, r.last_tok))
-                ctx += r.ctx
-                k = min(k, r.left)
-        self.rids = [r.rid for r in dec]
-        self.ready = np.array(ready, dtype=np.int64)
-        self.phase = np.array([bool(r.br_left) for r in dec], dtype=bool)
-        self.row_ctx, self.slack = rows, slack
-        return ctx, k, wide
+    def _until_refit(self) -> int:
+        """Observations until the controller's refit next runs (OnlineRefit's counting rule)."""
+        rf = self.ctl.refit
+        if rf is None or self.static:
+            return _BIG
+        return max(rf.every - self._since, rf.min_samples - min(self._obs, rf.window), 1)
+
+    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int) -> None:
+        """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step)."""
+        rf = self.ctl.refit
+        if rf is None or self.static:
+            return
+        for j in range(k):
+            self.ctl.on_latency(rows, ctx + j * rows, (base + d * j) * f)
+            self._obs += 1
+            self._since += 1
+            if self._since >= rf.every and min(self._obs, rf.window) >= rf.min_samples:
+                self._since = 0
 
     def run(self) -> SimResult:
         t_wall, t_cpu = time.perf_counter(), time.process_time()
-        cfg, m, pol = self.cfg, self.model, self.policy
+        cfg, m, drv = self.cfg, self.model, self.driver
         c0, cs, cc, ct = m.c0, m.c_seq, m.c_ctx, m.c_tok
-        slo, cap, chunk_max = cfg.slo_s, cfg.max_running, cfg.chunk_tokens
+        cap, chunk_max = cfg.running_cap, cfg.chunk_tokens
         specs, n_specs, nxt = self.specs, len(self.specs), 0
         wait: deque[_Req] = deque()
         pre: list[_Req] = []
         dec: list[_Req] = []
         ser: list[_Req] = []
         par: list[_Req] = []
-        rids: list[str] = []
-        ready = phase = np.zeros(0)
-        row_ctx: list[int] = []  # per ready row, request-major: the batch's ctx, kept current every step
-        slack: list[float] = []  # per request, for the next step
-        by_rid: dict[str, _Req] = {}
         everyone: list[_Req] = []
         noise, nz, nmask = self.noise, 0, len(self.noise) - 1
         kv_admit = cfg.kv_tokens * cfg.admit_kv_frac
         log_add = self.log.add
-        refit, next_refit = self.refit, cfg.refit_every_s if self.refit is not None else math.inf
-        pinning = getattr(pol, "replan", True) is False
         static, macro = self.static, cfg.macro_steps
-        macro_ok, wide, ser_ctx, ser_k = False, False, 0, _BIG
+        pinning = getattr(self.policy, "replan", True) is False
+        tracing = self.trace is not None
+        fresh, wide, ser_ctx, ser_k = True, False, 0, _BIG
+        widths: list[int] | None = None
+        cached: list[int] | None = None  # a static policy's widths for the current composition
         # serial rows all run every step: while none of them closes its stage they advance lazily, by
         # `lag` tokens since the layout was built (last at t_lag); _catch_up writes it into them
-        lag, t_lag, ser_pos, ser_slo = 0, 0.0, np.zeros(0, dtype=np.int64), False
+        lag, t_lag = 0, 0.0
         now = 0.0
         while now < self.t_end:
             while nxt < n_specs and specs[nxt].arrival_s <= now:
@@ -273,19 +377,20 @@ class Simulator:
                 r = wait.popleft()
                 pre.append(r)
                 self.slots += max(len(r.br_left), 1)
-            if self.dirty:  # composition changed: rebuild partitions and the batch layout
+            if self.dirty:  # composition changed: rebuild partitions
                 if lag:
                     lag = _catch_up(ser, lag, t_lag)
                 dec = [r for r in dec if not r.done]
                 ser = [r for r in dec if not r.br_left]
                 par = [r for r in dec if r.br_left]
-                ser_ctx, ser_k, wide = self._prepare(dec, now)
-                rids, ready, phase, row_ctx, slack = self.rids, self.ready, self.phase, self.row_ctx, self.slack
-                ser_pos, ser_slo = np.array([r.off for r in ser], dtype=np.int64), False
-                if pinning:
-                    by_rid = {r.rid: r for r in par}
-                self.dirty = False
-                macro_ok = not pinning
+                ser_ctx, ser_k = 0, _BIG
+                for r in ser:
+                    ser_ctx += r.ctx
+                    ser_k = min(ser_k, r.left)
+                wide = any(len(r.cl) > 1 for r in par)
+                if not static:
+                    drv.forget(dec)
+                self.dirty, fresh, cached = False, True, None
             if not dec and not pre:
                 if nxt >= n_specs:
                     break
@@ -303,28 +408,28 @@ class Simulator:
                 if chunk >= chunk_max:
                     break
             self.kv += chunk
-            # step composition: serial rows always run; the policy sets the parallel widths
+            # step composition: serial rows always run; the controller sets the phase widths
             rows, ctx, k = len(ser), ser_ctx, ser_k
             elig = adm = 0
-            width: dict[str, int] | None = None
-            if wide:  # otherwise every width is 1 (1 <= width <= ready), whatever the policy
-                fixed = np.array([r.fixed for r in dec], dtype=np.int64) if pinning else None
-                row = np.array(row_ctx, dtype=np.int64)
-                if lag:
-                    row[ser_pos] += lag
-                batch = ArrayBatch(rids, ready, row, np.array(slack), None, phase, fixed, chunk)
-                plan = pol.plan(batch)
-                width = plan.width
-                if pinning:
-                    for rid, w in pol.pins(batch, plan).items():  # cleared when the phase reduces
-                        by_rid[rid].fixed = w
-                need_k = macro and (static or macro_ok)  # k only bounds a multi-step window
-                for r in par:
-                    w = width[r.rid]
+            widths, rowlist, active, all_in = None, None, None, True
+            if wide:  # otherwise every width is 1 and the hook never calls select
+                if cached is not None:
+                    widths = cached
+                else:
+                    rowlist = drv.rows(par, ser, lag)
+                    active = drv.select(rowlist, now, len(wait))
+                    owner = np.repeat(np.arange(len(par)), [len(r.cl) for r in par])
+                    a = np.asarray(active)
+                    widths = np.bincount(owner[a[a < len(owner)]], minlength=len(par)).tolist()
+                    all_in = len(active) == len(rowlist)
+                    if static and not tracing:
+                        cached = widths
+                need_k = macro
+                for r, w in zip(par, widths, strict=True):
                     cl = r.cl
                     elig += len(cl)
                     rows += w
-                    if w == 1:  # most rows under load: no slices
+                    if w == 1:
                         ctx += cl[0]
                         if need_k and r.br_left[0] < k:
                             k = r.br_left[0]
@@ -344,42 +449,42 @@ class Simulator:
             f = noise[nz]
             nz = (nz + 1) & nmask
             # several steps at once when nothing can change the plan in between (module docstring)
-            if k > 1 and macro and not pre and not (wait and self.slots < cap) and (static or macro_ok):
+            if k > 1 and macro and not pre and not (wait and self.slots < cap):
                 k = min(k, max(1, (cfg.kv_tokens - self.kv) // max(rows, 1)))
-                horizon = self.t_end if wait or nxt >= n_specs else min(self.t_end, specs[nxt].arrival_s)
-                if not static:
-                    horizon = min(horizon, next_refit)
+                nxt_t = specs[nxt].arrival_s if nxt < n_specs else math.inf
+                horizon = self.t_end if (static and wait) or nxt >= n_specs else min(self.t_end, nxt_t)
                 k = min(k, _steps_until(base, d, horizon - now))
-                if not static and width is not None and k > 1:
-                    k = self._all_fit_steps(batch, k, base, d, f, adm == elig)
-                    macro_ok = k > 1
+                if not static:
+                    if fresh or pinning and wide:
+                        k = 1  # a new key's clock starts at its first step; pins change step by step
+                    else:
+                        k = min(k, self._until_refit())
+                    if k > 1 and wide:
+                        fits = all_in and self.provable
+                        k = self._all_fit_steps(par, ser, lag, now, k, base, d, f, len(wait)) if fits else 1
             else:
                 k = 1
+            fresh = False
             total = (k * base + d * k * (k - 1) / 2) * f
             t = now + total
             log_add(now, k, total, (base + d * (k - 1)) * f, elig * k, adm * k)
-            if refit is not None:
+            if tracing:
+                self.trace.append((now, t, rowlist or drv.rows(par, ser, lag), active, len(wait)))
+            if not static:
+                drv.delivered(par, widths, ser, k, t, rows)
                 if chunk == 0:
-                    refit.observe(rows, ctx, base * f)  # the window's first step
-                if t >= next_refit:
-                    refit.refit()
-                    next_refit += cfg.refit_every_s
+                    self._observe(rows, ctx, base, d, f, k)
             self.kv += rows * k
-            # advance every row k tokens and lay out the next step (it starts at t); a request whose
-            # rows change (a branch ends, a stage closes) sets dirty, and the layout is rebuilt
-            wide = False
+            # advance every row k tokens; a request whose rows change (a branch ends, a stage
+            # closes) sets dirty, and the partitions are rebuilt
             if k < ser_k:  # no serial stage closes: move the serial rows on lazily
                 lag, t_lag = lag + k, t
                 ser_ctx += k * len(ser)
                 if ser:
                     ser_k -= k
-                if not ser_slo:
-                    for r in ser:
-                        slack[r.idx] = slo  # serial_slack(slo, t, last token at t)
-                    ser_slo = True
             else:
                 kk, lag = k + lag, 0
-                ser_ctx, ser_k, ser_slo = 0, _BIG, True
+                ser_ctx, ser_k = 0, _BIG
                 for r in ser:
                     r.stage_tok += kk
                     r.last_tok = t
@@ -391,24 +496,16 @@ class Simulator:
                     ser_ctx += c
                     if left < ser_k:
                         ser_k = left
-                    row_ctx[r.off] = c
-                    slack[r.idx] = slo
-            for r in par:
-                w = width[r.rid] if width else 1
+            for j, r in enumerate(par):
+                w = widths[j] if widths else 1
                 left = r.br_left
                 if w == 1 and left[0] > k:  # the common case, inlined: no branch ends
                     left[0] -= k
                     r.cl[0] += k
                     r.phase_tok += k
                     r.last_tok = t
-                elif not self._advance_phase(r, w, k, t):
-                    continue
-                cl = r.cl
-                o = r.off
-                row_ctx[o:o + len(cl)] = cl
-                slack[r.idx] = phase_slack(slo, t, r.phase_start, r.phase_tok)
-                if len(cl) > 1:
-                    wide = True
+                else:
+                    self._advance_phase(r, w, k, t)
             for r in filled:
                 self._prefilled(r, t)
                 dec.append(r)
@@ -421,38 +518,34 @@ class Simulator:
                 self._retract(dec, wait)
         if lag:
             _catch_up(ser, lag, t_lag)
+        ctl = self.ctl
         stats = {"retractions": self.retractions, "unadmitted": len(wait) + (n_specs - nxt),
-                 "iterations": len(self.log.t_s), "wall_s": time.perf_counter() - t_wall,
+                 "iterations": len(self.log.t_s), "selects": drv.selects, "subset_steps": drv.subset_steps,
+                 "max_running": cap, "wall_s": time.perf_counter() - t_wall,
                  "cpu_s": time.process_time() - t_cpu}
-        if refit is not None:
-            stats["refits"] = refit.refits
-            stats["model_after"] = list(pol.model.coefs()) if hasattr(pol.model, "coefs") else pol.model.value_s
+        if ctl.refit is not None and not static:
+            stats["refits"] = ctl.refit.refits
+            pm = self.policy.model
+            stats["model_after"] = list(pm.coefs()) if hasattr(pm, "coefs") else pm.value_s
         recs = [r.rec for r in everyone]
         set_max_gaps(recs, self.log, now)
-        return SimResult(pol.name, recs, self.log, stats["wall_s"], stats)
+        return SimResult(self.policy.name, recs, self.log, stats["wall_s"], stats)
 
-    def _all_fit_steps(self, batch: ArrayBatch, k: int, base: float, d: float, f: float,
-                       all_admitted: bool) -> int:
-        """k if the policy provably admits every ready row in each of the next k steps, else 1.
+    def _all_fit_steps(self, par: list[_Req], ser: list[_Req], lag: int, now: float, k: int, base: float,
+                       d: float, f: float, waiting: int) -> int:
+        """k if the controller provably admits every ready row in each of the next k steps, else 1.
 
-        Proof obligation, checked with the policy itself: it admitted everything now, and it admits
-        everything on the window's worst case (contexts of step k, today's slack). T is monotone in
-        context and slack never shrinks inside the window (serial rows deliver every step; a phase
-        gains >= slo - T per step, so we need every step within the SLO), so each step in between
-        has a cheaper composition and at least this budget, and "everything fits" holds for it too.
-        """
-        if not all_admitted:
-            return 1
+        It admitted everything now; the probe asks whether it admits everything on the window's worst
+        case (contexts of step k, today's slack). T is monotone in context and slack never shrinks
+        inside the window (serial rows deliver every step; a phase gains >= slo - T per step, so we
+        need every step within the SLO), so each step in between has a cheaper composition and at
+        least this budget, and "everything fits" holds for it too."""
         slo = self.cfg.slo_s
         if (base + d * (k - 1)) * f > slo:  # keep every step within the SLO
             k = int((slo / f - base) / d) + 1 if d > 0 and base * f <= slo else 1
             if k <= 1:
                 return 1
-        g = k - 1
-        b = batch
-        worst = ArrayBatch(b.rids, b.ready, b.ctx + g, b.slack_s, b.weight, b.phase, b.fixed_width, 0)
-        width = self.policy.plan(worst).width
-        return k if all(width[rid] == n for rid, n in zip(b.rids, b.ready.tolist(), strict=True)) else 1
+        return k if self.driver.would_admit_all(self.driver.rows(par, ser, lag, k - 1), now, waiting) else 1
 
     def _retract(self, dec: list[_Req], wait: deque[_Req]) -> None:
         """Free the newest requests' KV until the pool fits; they re-prefill what they held."""
@@ -525,18 +618,34 @@ def slo_sized_cap(model: LinearLatencyModel, slo_s: float, specs: list[RequestSp
     return max(1, int((slo_s - model.c0) / per_row)) if per_row > 0 else 1 << 20
 
 
+def resolve_max_running(spec: str, model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> int:
+    """--max-running: `sglang` (0: SGLang's default for the pool), `slo` (the SLO-sized sensitivity
+    cap) or an integer."""
+    if spec == "sglang":
+        return 0
+    if spec == "slo":
+        return slo_sized_cap(model, slo_s, specs)
+    try:
+        n = int(spec)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise ValueError(f"--max-running must be sglang, slo or an integer >= 1, got {spec!r}")
+    return n
+
+
 @dataclass(frozen=True, slots=True)
 class Job:
     key: str  # name in results.json
     policy: str
     rho: float
+    calibrated: bool = False  # the latency model came from --latency-model (the hook's refit differs)
 
 
 def _run_job(job: Job, specs: list[RequestSpec], model: LinearLatencyModel, cfg: EngineConfig,
              duration: float, seed: int) -> SimResult:
-    taper = job.policy.startswith("taper")
-    pol = parse_policy(job.policy, model=LinearLatencyModel(*model.coefs()) if taper else None, rho=job.rho)
-    res = Simulator(specs, pol, model, cfg, duration + cfg.drain_s, seed).run()
+    ctl = build_controller(job.policy, model, job.rho, job.calibrated)
+    res = Simulator(specs, ctl, model, cfg, duration + cfg.drain_s, seed).run()
     res.policy = job.key
     return res
 
@@ -554,13 +663,13 @@ def run_jobs(jobs: list[Job], specs: list[RequestSpec], model: LinearLatencyMode
     return {j.key: done[j.key] for j in jobs}
 
 
-def job_list(policies: list[str], rho: float, ablations: bool) -> list[Job]:
-    jobs = [Job(p, p, rho) for p in policies]
+def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool = False) -> list[Job]:
+    jobs = [Job(p, p, rho, calibrated) for p in policies]
     if ablations:
         names = {j.key for j in jobs}
-        jobs += [Job(p, p, rho) for p in ("taper-no-slack", "taper-no-replan", "taper-const-predictor")
+        jobs += [Job(p, p, rho, calibrated) for p in ("taper-no-slack", "taper-no-replan", "taper-const-predictor")
                  if p not in names]
-        jobs += [Job(f"taper(rho={r:g})", "taper", r) for r in (0.5, 0.8, 1.0) if r != rho]
+        jobs += [Job(f"taper(rho={r:g})", "taper", r, calibrated) for r in (0.5, 0.8, 1.0) if r != rho]
     return jobs
 
 
@@ -616,13 +725,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
     ap.add_argument("--compress", type=float, default=1.0, help="run F times shorter at the same load")
     ap.add_argument("--trace-outputs", action="store_true", help="output lengths from the trace")
-    ap.add_argument("--max-running", default="auto",
-                    help="running-sequence cap; auto: the largest batch whose T stays within the SLO")
+    ap.add_argument("--max-running", default="sglang",
+                    help="running-request limit (branches count): sglang (SGLang's default for the pool), "
+                         "slo (sensitivity: the largest batch whose T stays within the SLO) or N")
     ap.add_argument("--kv-tokens", type=int, default=_DEF.kv_tokens)
     ap.add_argument("--chunk-tokens", type=int, default=_DEF.chunk_tokens)
     ap.add_argument("--noise", type=float, default=_DEF.noise)
-    ap.add_argument("--refit-every-s", type=float, default=_DEF.refit_every_s,
-                    help="refit TAPER's T(S) from the last 200 decode steps this often (0: never)")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
     a = ap.parse_args(argv)
@@ -644,11 +752,14 @@ def main(argv: list[str] | None = None) -> int:
     specs = compose(trace, sched, a.preset, a.seed, trace_outputs=a.trace_outputs)
     phase_s = {"workload": time.perf_counter() - t0}
     slo_s = a.slo_tpot_ms / 1e3
-    cap = slo_sized_cap(model, slo_s, specs) if a.max_running == "auto" else int(a.max_running)
+    try:
+        cap = resolve_max_running(a.max_running, model, slo_s, specs)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     cfg = EngineConfig(slo_s=slo_s, max_running=cap, kv_tokens=a.kv_tokens,
-                       chunk_tokens=a.chunk_tokens, noise=a.noise, refit_every_s=a.refit_every_s,
-                       drain_s=600.0 / a.compress)
-    jobs = job_list(policies, a.rho, a.ablations)
+                       chunk_tokens=a.chunk_tokens, noise=a.noise, drain_s=600.0 / a.compress)
+    jobs = job_list(policies, a.rho, a.ablations, calibrated=bool(a.latency_model))
     sims = run_jobs(jobs, specs, model, cfg, sched.duration_s, a.seed, a.jobs)
     phase_s["simulate"] = time.perf_counter() - t0 - sum(phase_s.values())
     window = (0.0, sched.duration_s)
