@@ -31,7 +31,8 @@ COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
 
 
 class TraceError(ValueError):
-    """The CSV is not a usable trace (missing columns, unparsable or empty rows)."""
+    """The CSV is not a usable trace (missing columns, unparsable, non-finite or empty rows), or it
+    cannot supply the asked-for schedule (too few arrivals, too short)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,10 @@ def load_trace(path: str | Path) -> Trace:
         prompts.append(p)
         outputs.append(o)
     t = _parse_times(times, path)
+    bad = np.flatnonzero(~np.isfinite(t))
+    if len(bad):
+        raise TraceError(f"{path}: row {bad[0] + 2}: TIMESTAMP {times[bad[0]]!r} is not a finite time "
+                         f"({len(bad)} such row(s))")
     order = np.argsort(t, kind="stable")
     t = t[order] - t[order[0]]
     return Trace(t, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order], path)
@@ -205,23 +210,36 @@ def _warp(trace: Trace, rate_fn, duration_s: float, steps: int = 20000) -> tuple
     return arrivals, np.arange(len(arrivals)) % len(trace)
 
 
-def build_schedule(trace: Trace, spec: str, compress: float = 1.0) -> Schedule:
-    """`unscaled` | `rate:X` | `paper-3regime`; see the module docstring for `compress`."""
-    if compress < 1.0:
+def build_schedule(trace: Trace, spec: str, compress: float = 1.0, duration_s: float | None = None) -> Schedule:
+    """`unscaled` | `rate:X` | `paper-3regime`; see the module docstring for `compress`.
+    `duration_s` (unscaled and rate:X): keep only the first duration_s seconds; TraceError when the
+    (scaled) trace is shorter than that. TraceError too when the trace has fewer than two distinct
+    arrival times or the schedule would hold no arrival."""
+    if not compress >= 1.0:
         raise ValueError(f"compress must be >= 1, got {compress}")
     if spec in ("unscaled",) or spec.startswith("rate:"):
+        if len(trace) < 2 or not trace.duration_s > 0:
+            raise TraceError(f"{trace.source}: schedule {spec!r} needs at least two distinct arrival times, "
+                             f"the trace has {len(trace)} row(s) over {trace.duration_s:g} s")
         scale = 1.0
         if spec.startswith("rate:"):
             try:
                 rate = float(spec.split(":", 1)[1])
             except ValueError:
                 raise ValueError(f"bad schedule {spec!r}: rate:X needs a number") from None
-            if rate <= 0:
-                raise ValueError(f"bad schedule {spec!r}: rate must be > 0")
+            if not (rate > 0 and math.isfinite(rate)):
+                raise ValueError(f"bad schedule {spec!r}: rate must be a finite number > 0")
             scale = trace.mean_rate / rate
         t = trace.arrival_s * scale
         duration = (trace.duration_s * scale) / compress
+        if duration_s is not None:
+            if duration_s > trace.duration_s * scale:
+                raise TraceError(f"{trace.source}: too short for {spec!r} over {duration_s:g} s: it spans "
+                                 f"{trace.duration_s * scale:g} s at that rate ({len(trace)} arrivals)")
+            duration = duration_s
         keep = t <= duration
+        if not keep.any():
+            raise TraceError(f"{trace.source}: schedule {spec!r} holds no arrival")
         return Schedule(t[keep], np.flatnonzero(keep), duration, (Regime("all", 0.0, duration),), spec)
     if spec == "paper-3regime":
         duration = 600.0 * 60.0 / compress

@@ -148,3 +148,38 @@ def test_trace_outputs_flag_uses_generated_tokens(azure: Trace) -> None:
     # branch rounding may move a decomposable request by a few tokens
     assert np.abs(got - want).max() <= 8 and np.mean(got == want) > 0.4
     assert [r.prompt_tokens for r in reqs] == np.maximum(azure.prompt_tokens[sched.row], 1).tolist()
+
+
+@pytest.mark.parametrize("stamp", ["nan", "inf", "-inf", "NaN"])
+def test_non_finite_timestamps_are_rejected(tmp_path: Path, stamp: str) -> None:
+    text = f"TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n{stamp},2,3\n5,2,3\n"
+    with pytest.raises(TraceError, match="row 3.*not a finite time"):
+        load_trace(_csv(tmp_path, text))
+
+
+@pytest.mark.parametrize("spec", ["unscaled", "rate:2", "paper-3regime"])
+def test_a_trace_too_short_for_any_schedule(tmp_path: Path, spec: str) -> None:
+    one = load_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n"))
+    with pytest.raises(TraceError, match="two distinct arrival times"):
+        build_schedule(one, spec)
+    same = load_trace(_csv(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n1,4,5\n"))
+    with pytest.raises(TraceError, match="two distinct arrival times"):
+        build_schedule(same, spec)
+
+
+def test_a_trace_too_short_for_the_asked_duration(azure: Trace) -> None:
+    s = build_schedule(azure, "rate:2", duration_s=600.0)
+    assert s.duration_s == 600.0 and s.arrival_s.max() <= 600.0
+    assert s.rate_in(0, 600.0) == pytest.approx(2.0, rel=0.25)
+    span = azure.duration_s * azure.mean_rate / 2
+    with pytest.raises(TraceError, match="too short"):
+        build_schedule(azure, "rate:2", duration_s=span * 1.01)
+
+
+def test_simulate_refuses_a_short_trace_instead_of_writing_nan(tmp_path: Path, capsys) -> None:
+    from bench.simulate import main
+
+    csv = _csv(tmp_path, "TIMESTAMP,ContextTokens,GeneratedTokens\n1,2,3\n")
+    assert main(["--trace", str(csv), "--schedule", "rate:1", "--out", str(tmp_path / "o"), "--no-plots"]) == 2
+    assert "two distinct arrival times" in capsys.readouterr().err
+    assert not (tmp_path / "o" / "results.json").exists()
