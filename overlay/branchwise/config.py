@@ -89,7 +89,6 @@ rho_arg = _argparse_type(parse_rho)
 slo_arg = _argparse_type(parse_positive_ms)
 fanout_arg = _argparse_type(parse_max_fanout)
 branch_tokens_arg = _argparse_type(parse_max_branch_tokens)
-grammar_clients_arg = _argparse_type(parse_grammar_clients)
 latency_model_arg = _argparse_type(parse_latency_model)
 
 

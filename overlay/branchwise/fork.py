@@ -26,6 +26,12 @@ run at the top of the next loop iteration (AFTER Scheduler.ingest_requests), the
 where SGLang itself changes queues, so get_next_batch_to_run always sees a consistent state.
 A grammar error stops branching for that sequence (it continues serial, already joined text kept);
 the request's finish_reason then carries `branchwise_error` with the detector's message (HTTP 200).
+Limits (one request must not take the server): a fork of more than --branch-max-fanout branches, or
+one whose branches would together be granted more than --branch-max-branch-tokens decode tokens
+(counting the request's live branches of all its phases, nested ones included), is not taken: the
+request continues serially and its finish_reason says why in `branchwise_error`. Under
+--branch-grammar-clients deny a request naming a grammar other than "none" or the server's own
+--branch-grammar is rejected with HTTP 400.
 
 Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
 the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
@@ -55,6 +61,7 @@ hisparse and mamba caches.
 
 from __future__ import annotations
 
+import functools
 import logging
 from array import array
 from bisect import bisect_right
@@ -64,6 +71,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
+from branchwise.config import BranchwiseConfig
 from branchwise.grammars import (
     BranchClosed,
     Detector,
@@ -79,6 +87,7 @@ logger = logging.getLogger("branchwise.fork")
 
 MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
 RECENT = 64  # phase records kept for /server_info
+ENC_CACHE = 4096  # encoded texts kept (headers carry client text: the cache must not grow per request)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -141,6 +150,21 @@ def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:
     return parent_max_new - kept - header_len
 
 
+def fork_limit_error(fanout: int, grants: Sequence[int], granted: int, max_fanout: int,
+                     max_tokens: int) -> str | None:
+    """Why a fork may not be taken (the request then continues serially), or None.
+
+    grants: decode tokens each new branch would be granted; granted: what the request's live
+    branches already hold."""
+    if fanout > max_fanout:
+        return f"fork of {fanout} branches exceeds --branch-max-fanout {max_fanout}; continued serially"
+    total = sum(grants)
+    if granted + total > max_tokens:
+        return (f"fork of {fanout} branches would grant {total} decode tokens ({granted} already held by "
+                f"live branches), over --branch-max-branch-tokens {max_tokens}; continued serially")
+    return None
+
+
 def needs_close(text: str, close: str) -> bool:
     """Same rule as phases.reduce_text: a branch without its close tag gets one appended."""
     return bool(close) and not text.rstrip().endswith(close.strip())
@@ -174,6 +198,10 @@ class Track:
     close_keep: int = 0
     close_leftover: str = ""
     error: str | None = None
+    root: Track | None = None  # a branch's client request (charged for its branch tokens)
+    grant: int = 0  # a branch: decode tokens granted at its fork
+    held: int = 0  # a client request: tokens granted to its live branches (and forks about to spawn)
+    reserved: int = 0  # a forking sequence: its fork's grants, charged to the root until spawned
 
     @property
     def rid(self) -> str:
@@ -207,20 +235,26 @@ class ForkManager:
         self.stats: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.branch_tracks: dict[str, Track] = {}  # live server-side branches by rid
-        self._enc: dict[str, tuple[int, ...]] = {}  # headers, close tags, separators
         self._tok = sched.tokenizer
+        # headers, close tags, separators: bounded, since headers carry each request's own text
+        self._enc = functools.lru_cache(maxsize=ENC_CACHE)(self._encode_uncached)
+        from branchwise.scheduler_hook import state_of
+
+        st = state_of(sched)
+        self.cfg: BranchwiseConfig = st.config if st is not None else BranchwiseConfig()
+        # auto: a request's branches may not claim more decode tokens than the whole KV pool holds
+        self.max_branch_tokens: int = (self.cfg.branch_max_branch_tokens
+                                       or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
 
     # ---- text --------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
     def encode(self, text: str) -> list[int]:
-        if not text:
-            return []
-        ids = self._enc.get(text)
-        if ids is None:
-            ids = self._enc[text] = tuple(self._tok.encode(text, add_special_tokens=False))
-        return list(ids)
+        return list(self._enc(text)) if text else []
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False))
 
     # ---- request admission ---------------------------------------------------------------------
     def grammar_for(self, req: Any, recv_req: Any) -> str | None:
@@ -228,12 +262,7 @@ class ForkManager:
         meta = getattr(req, "bw_meta", None)
         if meta is None or meta.is_branch or req.to_finish is not None:
             return None
-        g = meta.grammar
-        if g is None:
-            from branchwise.scheduler_hook import state_of
-
-            st = state_of(self.sched)
-            g = st.config.branch_grammar if st is not None else "none"
+        g = meta.grammar if meta.grammar is not None else self.cfg.branch_grammar
         if g in (None, "none"):
             return None
         sp = req.sampling_params
@@ -295,9 +324,16 @@ class ForkManager:
         base = t.text.ends[keep - 1] if keep else 0
         leftover = det.text[base : ev.at]
         headers = [self.encode(leftover + h) for h in ev.headers]
-        budget = min(branch_budget(req.sampling_params.max_new_tokens, keep, len(h)) for h in headers)
-        if budget < 1:
+        grants = [branch_budget(req.sampling_params.max_new_tokens, keep, len(h)) for h in headers]
+        if min(grants) < 1:
             t.fail(f"fork at token {keep}: no max_new_tokens budget left for branches")
+            return
+        root = t.root or t
+        why = fork_limit_error(len(headers), grants, root.held, self.cfg.branch_max_fanout,
+                               self.max_branch_tokens)
+        if why is not None:
+            self.stats["over_limit_forks"] += 1
+            t.fail(why)
             return
         if keep < req.send_token_offset:  # cannot happen while `undecided` holds streaming back
             t.fail("fork point already streamed")
@@ -309,6 +345,8 @@ class ForkManager:
         except PhaseError as e:
             t.fail(str(e))
             return
+        t.reserved = sum(grants)
+        root.held += t.reserved
         del req.output_ids[keep:]
         t.text.truncate(keep, ev.at)
         t.state, t.fork, t.keep, t.leftover, t.headers = State.FORKING, ev, keep, leftover, headers
@@ -338,6 +376,9 @@ class ForkManager:
             self.parked.pop(t.rid, None)
             self._unpin(t)
         t.state = State.DONE
+        root = t.root or t
+        root.held -= t.grant + t.reserved  # a fork that never spawned gives its reservation back
+        t.grant = t.reserved = 0
         self.reg.drop_request(t.rid)  # its own (nested) phases die with it
         if t.branch:
             self.branch_tracks.pop(t.rid, None)
@@ -398,9 +439,11 @@ class ForkManager:
                                      parent_meta.weight, t.grammar)
             bdet = t.det.branch(i, b.label, t.fork.depth) if t.det is not None else None
             bt = self.track(br, bdet, t.grammar, branch=True)
+            bt.root, bt.grant = t.root or t, br.sampling_params.max_new_tokens
             self.branch_tracks[b.rid] = bt
             sched.init_req_max_new_tokens(br)
             sched._add_request_to_queue(br)
+        t.reserved = 0  # now held by the branches (released as each one ends)
         self._record(ph, t)
         self.stats["forks"] += 1
         self.stats["branches"] += ph.fanout
@@ -537,7 +580,8 @@ class ForkManager:
     def report(self) -> dict[str, Any]:
         reg = self.reg
         sizes = {"forking": len(self.forking), "closed": len(self.closed), "by_branch": len(reg.by_branch),
-                 "by_parent": len(reg.by_parent), "phase_counts": len(reg._count), "enc_cache": len(self._enc)}
+                 "by_parent": len(reg.by_parent), "phase_counts": len(reg._count),
+                 "enc_cache": self._enc.cache_info().currsize}
         return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
                 "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent)}
 
@@ -625,6 +669,16 @@ def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
 
 def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     """Runs after the lead's hook of the same target has set `req.bw_meta`."""
+    meta = getattr(req, "bw_meta", None)
+    if meta is not None and meta.grammar is not None and req.to_finish is None:
+        from branchwise.scheduler_hook import state_of
+
+        st = state_of(self)
+        why = st.config.client_grammar_error(meta.grammar) if st is not None else None
+        if why is not None:  # --branch-grammar-clients deny: HTTP 400, as for any malformed stamp
+            req.set_finish_with_abort(f"Branchwise: {why}")
+            st.bump("bad_requests")
+            return req
     mgr = manager(self)
     if mgr is not None and (g := mgr.grammar_for(req, recv_req)) is not None:
         mgr.track(req, get_detector(g), g)
