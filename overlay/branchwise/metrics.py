@@ -1,7 +1,8 @@
 """Prometheus series for branch admission (scheduler process, TP rank 0, under --enable-metrics).
 
 SGLang runs prometheus_client in multiprocess mode, so series created in the scheduler process are
-served by the HTTP server's /metrics like SGLang's own scheduler metrics.
+served by the HTTP server's /metrics like SGLang's own scheduler metrics. Every series carries a
+`dp_rank` label: under `--dp-size N` each DP rank's scheduler reports its own (0 without DP).
 """
 
 from __future__ import annotations
@@ -10,27 +11,42 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def current_dp_rank() -> int:
+    """This scheduler's DP rank (0 without DP, or outside an SGLang scheduler process)."""
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        rank = get_parallel().dp_rank
+    except Exception:  # no SGLang, or its runtime context is not published in this process
+        return 0
+    return int(rank) if rank is not None else 0
+
+
 @dataclass
 class BranchwiseMetrics:
+    dp_rank: int = field(default_factory=current_dp_rank)
     _last: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         from prometheus_client import Counter, Gauge, Histogram
 
-        self.admitted = Counter("branchwise:admitted_branches", "Opportunistic branch rows admitted")
-        self.deferred = Counter("branchwise:deferred_branches", "Branch rows deferred")
-        self.candidates = Counter("branchwise:candidate_branches", "Opportunistic branch rows ready")
-        self.admission_rate = Gauge("branchwise:admission_rate", "Admitted / ready opportunistic rows",
-                                    multiprocess_mode="mostrecent")
-        self.budget = Gauge("branchwise:slack_budget_seconds", "Last step's slack budget",
-                            multiprocess_mode="mostrecent")
-        self.predicted = Gauge("branchwise:predicted_step_seconds", "Predicted latency of the last plan",
-                               multiprocess_mode="mostrecent")
+        def labeled(kind: type, name: str, doc: str, **kw: Any) -> Any:
+            return kind(name, doc, labelnames=("dp_rank",), **kw).labels(dp_rank=str(self.dp_rank))
+
+        self.admitted = labeled(Counter, "branchwise:admitted_branches", "Opportunistic branch rows admitted")
+        self.deferred = labeled(Counter, "branchwise:deferred_branches", "Branch rows deferred")
+        self.candidates = labeled(Counter, "branchwise:candidate_branches", "Opportunistic branch rows ready")
+        self.admission_rate = labeled(Gauge, "branchwise:admission_rate", "Admitted / ready opportunistic rows",
+                                      multiprocess_mode="mostrecent")
+        self.budget = labeled(Gauge, "branchwise:slack_budget_seconds", "Last step's slack budget",
+                              multiprocess_mode="mostrecent")
+        self.predicted = labeled(Gauge, "branchwise:predicted_step_seconds", "Predicted latency of the last plan",
+                                 multiprocess_mode="mostrecent")
         buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-        self.realized = Histogram("branchwise:realized_step_seconds", "Realized decode step latency",
-                                  buckets=buckets)
-        self.planner = Gauge("branchwise:planner_seconds_mean", "Mean planner time per planned step",
-                             multiprocess_mode="mostrecent")
+        self.realized = labeled(Histogram, "branchwise:realized_step_seconds", "Realized decode step latency",
+                                buckets=buckets)
+        self.planner = labeled(Gauge, "branchwise:planner_seconds_mean", "Mean planner time per planned step",
+                               multiprocess_mode="mostrecent")
 
     def observe_step(self, latency_s: float, stats: Any) -> None:
         for name, counter in (("admitted", self.admitted), ("rows_deferred", self.deferred),

@@ -1,0 +1,183 @@
+"""Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
+
+With `--dp-size N` SGLang's DataParallelController sends each request to a DP rank by its
+`--load-balance-method`. A client-side phase's branches are separate requests, so that would
+spread one phase over ranks: its prefix is prefilled on each, and each rank's TAPER sees part of
+the phase. Here the controller's own dispatch decides the rank of a phase's first request; the
+rank is remembered under the phase's affinity key, and later requests of that key carry it as
+SGLang's `routed_dp_rank` (the controller's external-routing path). Requests without a key (serial
+requests, health checks) and requests the client routed itself are untouched.
+
+Affinity key: the part before the first "/" of `custom_params.branchwise.phase`, else of SGLang's
+own `routing_key` field. The part before "/" is the group of Branchwise's structured ids, so a
+nested fork inside a branch (phase "g/b1/f0") stays with its parent phase "g", and the frontend's
+fork-point prefix request (sent with routing_key = the fork's group) lands where its branches do.
+
+The map is an LRU of bounded size: a phase ends and is never seen again, so the oldest key goes;
+an evicted key that comes back is placed afresh (placement only, outputs do not depend on it).
+
+The pure parts (affinity_key, PhaseRanks) import no SGLang; the hook bodies run in the DP
+controller process and the schedulers (plugin.py registers them).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+KEY = "branchwise"
+MAX_PHASES = 4096  # keys remembered by the controller (oldest evicted)
+MAX_REPORTED = 256  # phases a scheduler lists in /server_info (its most recent)
+MAX_KEY_CHARS = 256  # a longer key is truncated: the map's memory stays bounded whatever clients send
+
+
+# ---- pure logic ----------------------------------------------------------------------------------
+def _root(value: Any) -> str | None:
+    if not isinstance(value, str) or not value:
+        return None
+    return value.split("/", 1)[0][:MAX_KEY_CHARS] or None
+
+
+def affinity_key(custom_params: Any, routing_key: Any = None) -> str | None:
+    """The key that keeps a request with its phase, or None (the configured method places it).
+    Total over client input: anything malformed is None here; the scheduler rejects bad stamps."""
+    if isinstance(custom_params, dict):
+        meta = custom_params.get(KEY)
+        if isinstance(meta, dict) and (key := _root(meta.get("phase"))) is not None:
+            return key
+    return _root(routing_key)
+
+
+@dataclass
+class PhaseRanks:
+    """Affinity key -> DP rank, least recently used evicted past `capacity`."""
+
+    capacity: int = MAX_PHASES
+    ranks: OrderedDict[str, int] = field(default_factory=OrderedDict)
+    routed: int = 0  # requests sent to their key's remembered rank
+    placed: int = 0  # first requests of a key, placed by the configured method
+    evicted: int = 0
+    replaced: int = 0  # remembered rank no longer active: placed afresh
+
+    def __post_init__(self) -> None:
+        if self.capacity < 1:
+            raise ValueError(f"capacity must be >= 1, got {self.capacity}")
+
+    def lookup(self, key: str, active: Any) -> int | None:
+        """The remembered rank of `key` if it is still in `active`, else None (and forget it)."""
+        rank = self.ranks.get(key)
+        if rank is None:
+            return None
+        if rank not in active:
+            del self.ranks[key]
+            self.replaced += 1
+            return None
+        self.ranks.move_to_end(key)
+        self.routed += 1
+        return rank
+
+    def remember(self, key: str, rank: int) -> None:
+        self.ranks[key] = rank
+        self.ranks.move_to_end(key)
+        self.placed += 1
+        while len(self.ranks) > self.capacity:
+            self.ranks.popitem(last=False)
+            self.evicted += 1
+
+    def report(self) -> dict[str, int]:
+        return {"keys": len(self.ranks), "routed": self.routed, "placed": self.placed,
+                "evicted": self.evicted, "replaced": self.replaced}
+
+
+class WorkerLog(list):
+    """The controller's worker-socket list, noting the last index read. Every SGLang dispatch method
+    sends with `sock_send(self.workers[rank], req)`, so after a dispatch `last` is the rank it chose."""
+
+    last: int | None = None
+
+    def __getitem__(self, i: Any) -> Any:
+        if isinstance(i, int):
+            self.last = i
+        return super().__getitem__(i)
+
+
+@dataclass
+class PhaseRows:
+    """A scheduler's per-phase row counts for /server_info (most recent MAX_REPORTED phases)."""
+
+    capacity: int = MAX_REPORTED
+    rows: OrderedDict[str, int] = field(default_factory=OrderedDict)
+
+    def add(self, phase: str) -> None:
+        self.rows[phase] = self.rows.get(phase, 0) + 1
+        self.rows.move_to_end(phase)
+        while len(self.rows) > self.capacity:
+            self.rows.popitem(last=False)
+
+
+# ---- DataParallelController hooks (DP controller process) ----------------------------------------
+def after_controller_init(result: None, ctl: Any, *args: Any, **kwargs: Any) -> None:
+    ctl.workers = WorkerLog(ctl.workers)
+    ctl._bw_phase_ranks = PhaseRanks()
+
+
+def _key_of(req: Any) -> str | None:
+    try:
+        cp = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        return affinity_key(cp, getattr(req, "routing_key", None))
+    except Exception:  # never let a request's content break the controller's loop
+        return None
+
+
+def around_dispatching_with_trace(orig: Any, ctl: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """Send a keyed request to its key's rank; let SGLang place a key's first request and note where."""
+    phases: PhaseRanks | None = getattr(ctl, "_bw_phase_ranks", None)
+    if phases is None or getattr(req, "routed_dp_rank", None) is not None:
+        return orig(ctl, req, *args, **kwargs)
+    key = _key_of(req)
+    if key is None:
+        return orig(ctl, req, *args, **kwargs)
+    rank = phases.lookup(key, ctl._active_workers)
+    if rank is not None:
+        req.routed_dp_rank = rank
+        return orig(ctl, req, *args, **kwargs)
+    workers = ctl.workers
+    workers.last = None
+    out = orig(ctl, req, *args, **kwargs)
+    if isinstance(workers, WorkerLog) and workers.last is not None:
+        phases.remember(key, workers.last)
+    return out
+
+
+# ---- Scheduler hooks (per DP rank): which rank this is, and which phases it served ---------------
+def _dp_rank() -> int:
+    from sglang.srt.runtime_context import get_parallel
+
+    rank = get_parallel().dp_rank
+    return int(rank) if rank is not None else 0
+
+
+def after_scheduler_init(result: None, sched: Any, *args: Any, **kwargs: Any) -> None:
+    sched._bw_dp_rank = _dp_rank()
+    sched._bw_phase_rows = PhaseRows()
+
+
+def after_create_generation_req(req: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
+    meta = getattr(req, "bw_meta", None)
+    rows: PhaseRows | None = getattr(sched, "_bw_phase_rows", None)
+    if rows is not None and meta is not None and getattr(meta, "phase", None):
+        rows.add(meta.phase)
+    return req
+
+
+def after_get_internal_state(result: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
+    state = getattr(result, "internal_state", None)
+    report = state.get("branchwise") if isinstance(state, dict) else None
+    if isinstance(report, dict) and hasattr(sched, "_bw_dp_rank"):
+        report["dp_rank"] = sched._bw_dp_rank
+        report["phase_rows"] = dict(sched._bw_phase_rows.rows)
+    return result
