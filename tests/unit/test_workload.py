@@ -183,3 +183,14 @@ def test_simulate_refuses_a_short_trace_instead_of_writing_nan(tmp_path: Path, c
     assert main(["--trace", str(csv), "--schedule", "rate:1", "--out", str(tmp_path / "o"), "--no-plots"]) == 2
     assert "two distinct arrival times" in capsys.readouterr().err
     assert not (tmp_path / "o" / "results.json").exists()
+
+
+def test_stationary_schedule_holds_its_rate_from_any_place(azure: Trace) -> None:
+    from bench.workload import stationary_schedule
+
+    runs = [stationary_schedule(azure, 0.8, 1200.0, seed) for seed in range(3)]
+    for s in runs:
+        assert s.rate_in(0, 1200.0) == pytest.approx(0.8, rel=0.15)
+        assert s.arrival_s.max() < 1200.0 and len(set(s.row.tolist())) == len(s)
+    assert len({int(s.row[0]) for s in runs}) == 3  # each seed reads another part of the trace
+    np.testing.assert_array_equal(stationary_schedule(azure, 0.8, 1200.0, 1).arrival_s, runs[1].arrival_s)
