@@ -10,7 +10,9 @@ tp=1 parallel sampler: SGLang itself honours per-request seeds only under
 --enable-deterministic-inference, which CPU attention does not support. Batch sizes 5 and 1 are
 not multiples of t (padding rows; at bs=1 rank 1 samples padding only). Penalty and logit_bias
 batches also come through the all-to-all (each rank applies them to its own rows) and equal tp=1,
-where they are applied to full rows by SGLang itself.
+where they are applied to full rows by SGLang itself. Unseeded requests draw independently (each
+gets a seed from its rid and a nonce shared by the ranks): the n samples of an n = 4 request differ,
+and so do two identical requests; with the same --random-seed and client rids, tp=2 equals tp=1.
 """
 
 from __future__ import annotations
@@ -38,6 +40,8 @@ PENALTY = GREEDY | {"frequency_penalty": 1.5, "logit_bias": {"441": -30.0}}
 PENALTIES = [{"repetition_penalty": 1.3}, {"presence_penalty": 0.8, "frequency_penalty": 0.3},
              {"min_new_tokens": 12, "repetition_penalty": 0.9}, {"logit_bias": {"441": 8.0, "17": -5.0}}, {}]
 PENALTY_MIXED = [s | pen for s, pen in zip(SEEDED, PENALTIES, strict=True)]
+UNSEEDED = [k | {"max_new_tokens": 16, "ignore_eos": True} for k in KINDS]
+N4 = UNSEEDED[1] | {"n": 4}  # temperature 1
 
 
 def gen(url: str, text: Any, sp: Any, **extra: Any) -> Any:
@@ -61,6 +65,10 @@ def workload(url: str, stock_greedy: bool) -> dict[str, Any]:
         "seeded1": gen(url, PROMPTS[4], SEEDED[4])["output_ids"],
         "penalty": ids(gen(url, PROMPTS[:3], PENALTY)),
         "penalty_mixed": ids(gen(url, PROMPTS, PENALTY_MIXED)),
+        "n4": ids(gen(url, PROMPTS[1], N4)),
+        "seeded_n4": ids(gen(url, PROMPTS[1], N4 | {"sampling_seed": 7})),
+        "twice": [gen(url, PROMPTS[2], UNSEEDED[1])["output_ids"] for _ in range(2)],
+        "unseeded_rids": ids(gen(url, PROMPTS, UNSEEDED, rid=[f"u{i}" for i in range(len(PROMPTS))])),
     }
     out["before_logprobs"] = sp_report(url)
     out["logprobs"] = ids(gen(url, PROMPTS[:3], GREEDY, return_logprob=True))
@@ -92,6 +100,21 @@ def test_tp2_all_to_all_outputs_equal_tp1(runs):
     assert a2a["penalty_mixed"] == ref["penalty_mixed"] and a2a["penalty_mixed"] != ref["seeded"]
     assert a2a["penalty_mixed"][4] == ref["seeded"][4]  # the row without penalties: its own draw
     assert a2a["logprobs"] == ref["greedy"][:3]
+
+
+@pytest.mark.parametrize("name", ["ref", "a2a"])
+def test_unseeded_samples_are_independent_seeded_ones_reproducible(runs, name):
+    run = runs[name]
+    assert len(run["n4"]) == 4 and len({tuple(x) for x in run["n4"]}) == 4  # n = 4, temperature 1
+    assert run["twice"][0] != run["twice"][1]  # the same unseeded request twice
+    assert len({tuple(x) for x in run["seeded_n4"]}) == 1  # one seed, one text
+    assert run["seeded_n4"][0] not in run["n4"]
+
+
+def test_unseeded_rows_get_the_same_seed_on_every_rank(runs):
+    # the seed is a function of (--random-seed, rid) only: rank 1 samples its rows with rank 0's nonce
+    assert runs["a2a"]["unseeded_rids"] == runs["ref"]["unseeded_rids"]
+    assert runs["a2a"]["seeded_n4"] == runs["ref"]["seeded_n4"]
 
 
 def test_tp2_counters_show_all_to_all_and_fallbacks(runs):

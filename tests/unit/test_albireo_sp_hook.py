@@ -46,17 +46,49 @@ def forward_batch(info, n: int, logprob: bool = False) -> SimpleNamespace:
                            seq_lens=torch.arange(n) + 11, forward_mode=SimpleNamespace(is_decode=lambda: True))
 
 
-def test_seeds_injected_from_requests_with_sglang_default(state):
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=s)) for s in (None, 123, None, -5)]
-    info = sp.after_from_schedule_batch(batch_info(4), None, SimpleNamespace(reqs=reqs), 460)
-    assert info.sampling_seed.tolist() == [42, 123, 42, -5] and info.sampling_seed.dtype == torch.int64
+def _reqs(*rid_seed: tuple[str, int | None]) -> SimpleNamespace:
+    return SimpleNamespace(reqs=[SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(sampling_seed=s))
+                                 for rid, s in rid_seed])
+
+
+def test_seeded_rows_keep_their_seed_unseeded_rows_get_one_per_request(state):
+    state.nonce = 99
+    info = sp.after_from_schedule_batch(batch_info(4), None, _reqs(("a", None), ("b", 123), ("c", None), ("d", -5)), 460)
+    seeds = info.sampling_seed.tolist()
+    assert info.sampling_seed.dtype == torch.int64
+    assert seeds[1] == 123 and seeds[3] == -5  # as given
+    assert seeds[0] == sp.request_seed(99, "a") and seeds[2] == sp.request_seed(99, "c") and seeds[0] != seeds[2]
+    # a function of (nonce, rid) only: the same rid gets the same seed in any batch, another nonce another one
+    again = sp.after_from_schedule_batch(batch_info(2), None, _reqs(("x", 1), ("c", None)), 460)
+    assert again.sampling_seed.tolist() == [1, seeds[2]]
+    state.nonce = 100
+    assert sp.after_from_schedule_batch(batch_info(1), None, _reqs(("c", None)), 460).sampling_seed.item() != seeds[2]
+
+
+def test_request_seeds_are_distinct_int64():
+    seeds = {sp.request_seed(7, f"{i:032x}") for i in range(10_000)}
+    assert len(seeds) == 10_000
+    assert all(-(2**63) <= s < 2**63 for s in seeds) and min(seeds) < 0 < max(seeds)
+
+
+def test_shared_nonce_follows_random_seed_and_is_rank_0s_under_tp(monkeypatch):
+    assert sp.shared_nonce(0, 1, None) == sp.shared_nonce(0, 1, None) != sp.shared_nonce(1, 1, None)
+    assert sp.shared_nonce(None, 1, None) != sp.shared_nonce(None, 1, None)  # no --random-seed: fresh
+    sent = []
+
+    def broadcast(t, src, group):  # what rank 1 receives: rank 0's value
+        sent.append((src, group))
+        t.fill_(1234)
+
+    monkeypatch.setattr(sp.dist, "broadcast", broadcast)
+    group = SimpleNamespace(ranks=[4, 5], cpu_group="gloo-cpu")
+    assert sp.shared_nonce(0, 2, group) == 1234 and sent == [(4, "gloo-cpu")]
 
 
 def test_seeds_left_alone_when_sglang_provides_them(state):
     state.inject_seeds = False
     info = batch_info(2, seeds=[7, 8])
-    reqs = [SimpleNamespace(sampling_params=SimpleNamespace(sampling_seed=None))] * 2
-    assert sp.after_from_schedule_batch(info, None, SimpleNamespace(reqs=reqs), 460).sampling_seed.tolist() == [7, 8]
+    assert sp.after_from_schedule_batch(info, None, _reqs(("a", None), ("b", None)), 460).sampling_seed.tolist() == [7, 8]
 
 
 def test_sp_path_samples_every_row_with_its_seed(state):

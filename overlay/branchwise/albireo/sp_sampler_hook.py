@@ -11,8 +11,13 @@ counter-based `multinomial_with_seed` noise (bit-exact with SGLang's seeded samp
 token does not depend on the rank that samples it or on the batch around it: outputs equal
 single-rank sampling with the same seeds, at any TP degree, including tp=1. SGLang fills
 `SamplingBatchInfo.sampling_seed` only under --enable-deterministic-inference; otherwise an AFTER
-hook on `SamplingBatchInfo.from_schedule_batch` fills it (a request's `sampling_seed`, else 42,
-SGLang's default), and SGLang's filter/merge keep it aligned with the rows.
+hook on `SamplingBatchInfo.from_schedule_batch` fills it, and SGLang's filter/merge keep it aligned
+with the rows. A request's `sampling_seed` is used as given (same seed, same text, at any TP
+degree). An unseeded request gets its own seed, `request_seed(nonce, rid)`: rids are unique per
+request (SGLang gives each of the n samples of an `n > 1` request its own), so unseeded requests,
+and the n samples of one, draw independently, as with SGLang's own sampler. The nonce is drawn on
+TP rank 0 from --random-seed and broadcast once at start-up, so every rank (also on other nodes)
+gives a row the same seed; with a fixed --random-seed a request with a fixed rid is reproducible.
 
 Batches SP does not cover fall back to SGLang's sampler (logged once per reason): logprobs,
 grammar, custom logit processors, watermarks, sampling observers/masks, speculative decoding.
@@ -39,7 +44,9 @@ sampled as before); the all-to-all runs for eager decode batches (all of them on
 from __future__ import annotations
 
 import copy
+import hashlib
 import logging
+import random
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,7 +65,6 @@ from branchwise.albireo.parallel_sampler import (
 )
 
 logger = logging.getLogger("branchwise")
-DEFAULT_SEED = 42  # SGLang's seed for rows without sampling_params.sampling_seed
 
 
 @dataclass(slots=True)
@@ -67,6 +73,7 @@ class SPState:
     tp_group: Any  # SGLang GroupCoordinator of the TP group
     inject_seeds: bool  # False under --enable-deterministic-inference: SGLang's seeds are used
     tp_rank: int = 0
+    nonce: int = 0  # the same on every TP rank (broadcast at start-up): unseeded rows' seeds
     sp_steps: int = 0
     a2a_steps: int = 0  # decode steps whose logits came through the all-to-all
     a2a_transform_steps: int = 0  # ... of which penalties or logit_bias were applied to the row block
@@ -221,6 +228,24 @@ def _positions(fb: Any) -> torch.Tensor:
     return fb.positions if fb.forward_mode.is_decode() else fb.seq_lens - 1
 
 
+def request_seed(nonce: int, rid: Any) -> int:
+    """An unseeded request's seed: a keyed hash of its rid, as a signed int64 (SGLang's seed dtype)."""
+    h = hashlib.blake2b(str(rid).encode(), digest_size=8, key=(nonce & (2**64 - 1)).to_bytes(8, "little"))
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def shared_nonce(random_seed: int | None, tp_size: int, tp_group: Any) -> int:
+    """Rank 0's nonce (from --random-seed) on every TP rank: a gloo broadcast on the CPU group,
+    once, at start-up, where every rank runs this hook in the same order."""
+    seed = random_seed if random_seed is not None else random.SystemRandom().getrandbits(62)
+    nonce = random.Random(f"branchwise-sp-{seed}").getrandbits(63)
+    if tp_size == 1:
+        return nonce
+    t = torch.tensor([nonce], dtype=torch.int64)
+    dist.broadcast(t, src=tp_group.ranks[0], group=tp_group.cpu_group)
+    return int(t.item())
+
+
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
 def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
@@ -237,9 +262,10 @@ def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> 
     par = get_parallel()
     det = bool(getattr(self.server_args, "enable_deterministic_inference", False))
     _STATE = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det,
-                     tp_rank=par.tp_group.rank_in_group)
-    logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds (default %d)%s%s",
-                par.tp_size, DEFAULT_SEED, "" if _STATE.inject_seeds else " from SGLang",
+                     tp_rank=par.tp_group.rank_in_group,
+                     nonce=shared_nonce(getattr(self.server_args, "random_seed", None), par.tp_size, par.tp_group))
+    logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds%s%s",
+                par.tp_size, " (unseeded: from the rid)" if _STATE.inject_seeds else " from SGLang",
                 ", decode logits exchanged with an all-to-all" if par.tp_size > 1 else "")
     args = self.server_args
     if par.tp_size > 1 and args.device == "cuda" and not getattr(args, "disable_cuda_graph", False):
@@ -249,10 +275,11 @@ def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> 
 
 
 def after_from_schedule_batch(info: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    """SamplingBatchInfo.from_schedule_batch: give every row its request's seed."""
+    """SamplingBatchInfo.from_schedule_batch: give every row its request's seed (unseeded: request_seed)."""
     st = _STATE
     if st is not None and st.inject_seeds and info.sampling_seed is None:
-        seeds = [s if (s := r.sampling_params.sampling_seed) is not None else DEFAULT_SEED for r in batch.reqs]
+        seeds = [s if (s := r.sampling_params.sampling_seed) is not None else request_seed(st.nonce, r.rid)
+                 for r in batch.reqs]
         info.sampling_seed = torch.tensor(seeds, dtype=torch.int64).to(info.temperatures.device)
     return info
 
