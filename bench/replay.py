@@ -52,10 +52,10 @@ from bench.workload import (
     RequestSpec,
     Schedule,
     TraceError,
-    _unit_gaps,
     build_schedule,
     compose,
     load_trace,
+    stationary_schedule,
     workload_stats,
 )
 from branchwise import client
@@ -129,23 +129,6 @@ def fit_schedule(trace: Any, spec: str, duration_s: float, rate_scale: float = 1
 
 def build_programs(trace: Any, schedule: Schedule, preset: str, seed: int, scaling: Scaling) -> list[RequestSpec]:
     return [scale_spec(s, scaling) for s in compose(trace, schedule, preset, seed)]
-
-
-def stationary_schedule(trace: Any, rate: float, duration_s: float, seed: int = 0) -> Schedule:
-    """`rate` req/s for `duration_s`: the trace's burst pattern (each gap over its local mean, as in
-    bench.workload's paper-3regime) at a constant mean rate, read from a seed-chosen place in the
-    trace. A prefix of the trace would not do for a short live run: the Azure trace starts at ~60% of
-    its mean rate, with one gap of ~14 local means first, so a 40 s point would miss its nominal rate."""
-    if not (rate > 0 and duration_s > 0):
-        raise ValueError(f"rate and duration must be > 0, got {rate}, {duration_s}")
-    gaps = _unit_gaps(trace)
-    start = int(np.random.default_rng(seed).integers(len(gaps)))
-    n = int(rate * duration_s * 3) + 16
-    arrival = np.concatenate([[0.0], np.cumsum(np.resize(np.roll(gaps, -start), n))]) / rate
-    keep = arrival < duration_s
-    row = (start + np.arange(len(arrival))) % len(trace)
-    return Schedule(arrival[keep], row[keep], duration_s, (Regime("all", 0.0, duration_s),),
-                    f"stationary {rate:.3g} req/s")
 
 
 def prompt_ids(rid: str, tokens: int, seed: int, vocab: int = 400) -> list[int]:
@@ -396,7 +379,7 @@ class PointSetup:
     slo_tpot_ms: float
     scaling: Scaling = Scaling(output_scale=1.0, max_stage_tokens=256)
     duration_s: float = 40.0
-    drain_s: float = 25.0  # after the last arrival; whatever is unfinished then is a miss
+    drain_s: float = 20.0  # after the last arrival; whatever is unfinished then is a miss
     preset: str = "multiverse"
     slo_ttft_s: float | None = None
     stream_interval: int = 8
@@ -430,15 +413,18 @@ def flush_cache(url: str, wait_s: float = 120.0) -> bool:
 def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
               progress: bool = False) -> tuple[dict[str, Any], Run]:
     """One policy at one stationary load on a running server: flush its cache, replay `rate` req/s for
-    setup.duration_s (+ drain), and return the point's metrics (bench.capacity's point keys first:
+    setup.duration_s (+ drain), wait until the server is idle again, and return the point's metrics (bench.capacity's point keys first:
     rate, goodput, attainment over all arrivals, finished fraction, P99 TTFT) and the run."""
     flushed = flush_cache(url)
     schedule, specs = setup.programs(rate, seed)
     run = Run(policy, [Outcome(s) for s in specs])
     tg = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab, generate=setup.generate)
     execute(run, tg, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
+    # wait until the server has dropped the abandoned requests: on a shared box its leftover work
+    # would slow whatever runs next
+    idle = flush_cache(url) if not run.interrupted else False
     res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
-    return point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed}, run
+    return point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed, "left_idle": idle}, run
 
 
 POINT_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
@@ -554,6 +540,7 @@ def write_records(out: Path, runs: dict[str, Run]) -> Path:
                             for o in r.outcomes if o.started],
                "client_stalls": [[round(t, 3), round(d, 4)] for t, d in r.loop_lag_s if d > 0.1],
                "steps": {k2: list(v) for k2, v in r.steps.arrays().items()}} for k, r in runs.items()}
+    out.mkdir(parents=True, exist_ok=True)
     path = out / "records.json"
     path.write_text(json.dumps(doc))
     return path

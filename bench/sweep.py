@@ -32,6 +32,7 @@ import asyncio
 import json
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -234,9 +235,13 @@ def server_args(policy: str, a: argparse.Namespace, slo_ms: float | None, model:
     return args + (["--latency-model", model] if model else []) + a.server_args.split()
 
 
+def _env(a: argparse.Namespace) -> dict[str, str]:
+    # torch's OpenMP threads spin at barriers: more threads than free cores slows every step
+    return {"OMP_NUM_THREADS": str(a.server_threads)} if a.server_threads else {}
+
+
 def start(a: argparse.Namespace, args: list[str]) -> LocalServer:
-    env = {"OMP_NUM_THREADS": str(a.server_threads)} if a.server_threads else {}
-    return LocalServer(a.model, args, env=env, max_total_tokens=a.max_total_tokens).start()
+    return LocalServer(a.model, args, env=_env(a), max_total_tokens=a.max_total_tokens).start()
 
 
 def _loads(text: str) -> tuple[float, ...]:
@@ -270,7 +275,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: from the probe (module docstring)")
     ap.add_argument("--slo-ttft-s", type=float, default=None, help="a TTFT target attainment also requires")
     ap.add_argument("--duration-s", type=float, default=40.0)
-    ap.add_argument("--drain-s", type=float, default=25.0)
+    ap.add_argument("--drain-s", type=float, default=20.0)
     ap.add_argument("--output-scale", type=float, default=1.0)
     ap.add_argument("--max-stage-tokens", type=int, default=256)
     ap.add_argument("--taper-rho", type=float, default=0.8)
@@ -312,11 +317,14 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         model = str(out / "latency_model.json")
         p.model.save(model)
-        if a.launch:
-            for k in policies:
-                if k not in urls:
-                    servers.append(start(a, server_args(k, a, sw.grid.slo_tpot_ms, model)))
-                    urls[k] = servers[-1].url
+        if a.launch:  # the others start together (most of a start is imports and warm-up)
+            rest = [k for k in policies if k not in urls]
+            new = [LocalServer(a.model, server_args(k, a, sw.grid.slo_tpot_ms, model), env=_env(a),
+                               max_total_tokens=a.max_total_tokens) for k in rest]
+            servers += new
+            with ThreadPoolExecutor(len(new) or 1) as pool:
+                list(pool.map(LocalServer.start, new))
+            urls |= {k: s.url for k, s in zip(rest, new, strict=True)}
         g = sw.grid
         print(f"SLO {g.slo_tpot_ms:.2f} ms, load 1.0 = {g.reference_rate:.2f} req/s; loads "
               + ", ".join(f"{x:g} ({r:.2f} req/s)" for x, r in zip(g.loads, g.rates, strict=True)), flush=True)
@@ -327,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
                 return 130
         end = _probe(urls[calib or policies[0]])
         sw.probes["end"] = end.as_dict()
-    except (ServerError, ConnectionError, RuntimeError) as e:
+    except (ServerError, ConnectionError, RuntimeError, OSError) as e:
         print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

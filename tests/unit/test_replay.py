@@ -310,19 +310,6 @@ def test_sweep_report_names_the_loads_where_taper_holds_and_eager_collapses(tmp_
 
 
 # ---- one live point, the load rule, the sweep's verdict ------------------------------------------
-def test_stationary_schedule_holds_its_rate_from_any_place_in_the_trace():
-    trace = synthetic_trace(duration_s=3600, rate=2.0, seed=4)
-    for rate, seed in ((0.4, 0), (3.0, 1), (3.0, 2)):
-        s = replay.stationary_schedule(trace, rate, 200.0, seed)
-        assert s.duration_s == 200.0 and s.arrival_s[0] == 0.0 and s.arrival_s[-1] < 200.0
-        assert np.all(np.diff(s.arrival_s) >= 0) and len(s) == pytest.approx(rate * 200, rel=0.25)
-        assert [g.name for g in s.regimes] == ["all"] and np.all(s.row < len(trace))
-    a, b = (replay.stationary_schedule(trace, 3.0, 50.0, k) for k in (1, 2))
-    assert not np.array_equal(a.arrival_s[:5], b.arrival_s[:5])  # the seed picks the stretch of trace
-    with pytest.raises(ValueError):
-        replay.stationary_schedule(trace, 0.0, 10.0)
-
-
 def test_run_point_counts_every_arrival_and_a_stuck_program_is_a_miss():
     trace = synthetic_trace(duration_s=600, rate=4.0, seed=6)
 
