@@ -427,6 +427,13 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
     return point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed, "left_idle": idle}, run
 
 
+def capacity_engine(a: argparse.Namespace) -> Any:
+    """bench.capacity's `--engine replay` (live servers, points from run_point): bench.sweep builds it."""
+    from bench.sweep import capacity_engine as live
+
+    return live(a)
+
+
 POINT_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
               "max_gap_p99_ms", "ttft_p50_s", "step_latency_mean_ms", "admission_rate")
 

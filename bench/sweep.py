@@ -33,7 +33,7 @@ import json
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -242,6 +242,85 @@ def _env(a: argparse.Namespace) -> dict[str, str]:
 
 def start(a: argparse.Namespace, args: list[str]) -> LocalServer:
     return LocalServer(a.model, args, env=_env(a), max_total_tokens=a.max_total_tokens).start()
+
+
+# ------------------------------------------------------------- bench.capacity's replay engine
+@dataclass(slots=True)
+class ServerPool:
+    """One launched server per policy, at most `max_alive` at once (least recently used stops first):
+    bench.capacity runs policies one after another, and a server holds ~3 GB on CPU."""
+
+    a: argparse.Namespace
+    slo_ms: float
+    model: str | None
+    alive: dict[str, LocalServer] = field(default_factory=dict)
+    max_alive: int = 3
+
+    def url(self, policy: str) -> str:
+        if policy in self.alive:
+            self.alive[policy] = self.alive.pop(policy)  # most recently used last
+            return self.alive[policy].url
+        while len(self.alive) >= self.max_alive:
+            self.alive.pop(next(iter(self.alive))).stop()
+        self.alive[policy] = start(self.a, server_args(policy, self.a, self.slo_ms, self.model))
+        return self.alive[policy].url
+
+    def close(self) -> None:
+        while self.alive:
+            self.alive.popitem()[1].stop()
+
+
+def capacity_engine(a: argparse.Namespace) -> Any:
+    """bench.capacity --engine replay: live points (bench.replay.run_point) at the given TPOT SLO,
+    the grid's 1.0 at bench.capacity.fluid_bound of a probe of the first server (its T(S) has no
+    prefill term). --launch: one server per policy, taper ones planning with the probe's fit;
+    --url: one running server, so one policy."""
+    from bench.capacity import Engine, fluid_bound
+
+    for k, v in (("model", "models/tiny"), ("server_threads", 1), ("max_total_tokens", 65536),
+                 ("taper_rho", getattr(a, "rho", 0.8))):
+        if not hasattr(a, k):
+            setattr(a, k, v)
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
+    if a.url and len(policies) != 1:
+        raise ValueError("--engine replay --url: a running server has one policy; pass it alone in --policies "
+                         "(or use --launch)")
+    trace = load_trace(a.trace)
+    setup = PointSetup(trace, a.slo_tpot_ms, Scaling(1.0, 256), preset=a.preset, slo_ttft_s=a.slo_ttft_s)
+    pool = ServerPool(a, a.slo_tpot_ms, None) if a.launch else None
+    calib = next((k for k in policies if not k.startswith("taper")), "off")
+    try:
+        p = _probe(pool.url(calib) if pool else a.url)
+    except BaseException:
+        if pool:
+            pool.close()
+        raise
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if pool:
+        pool.model = str(out / "latency_model.json")
+        p.model.save(pool.model)
+        if calib not in policies:
+            pool.close()
+    ref = replace(setup, duration_s=2000.0).programs(1.0, 0)[1]  # the workload's means
+    base = fluid_bound(p.model, a.slo_tpot_ms / 1e3, ref)
+
+    def point(policy: str, rate: float, seed: int) -> dict:
+        url = pool.url(policy) if pool else a.url
+        m, run = run_point(url, policy, rate, seed, setup)
+        if run.interrupted:
+            raise KeyboardInterrupt
+        return m
+
+    class _Live(Engine):
+        def close(self) -> None:
+            Engine.close(self)
+            if pool:
+                pool.close()
+
+    conf = {"engine": "replay", "fluid_bound_rps": base, "probe": p.as_dict(), "duration_s": setup.duration_s,
+            "drain_s": setup.drain_s, "scaling": asdict(setup.scaling), "server": "launch" if pool else a.url}
+    return _Live("replay", point, base, 1, conf)
 
 
 def _loads(text: str) -> tuple[float, ...]:

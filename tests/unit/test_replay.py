@@ -370,3 +370,26 @@ def test_sweep_capacity_and_verdict():
                                                        "finished_frac", "p99_ttft_s"}
     text = sweep.table(rows, ["off", "eager", "taper"])
     assert text.count("\n") == len(rows) + 1 and "96%" in text
+
+
+def test_capacity_replay_engine_runs_live_points(monkeypatch, tmp_path):
+    """bench.capacity --engine replay --url: the engine probes the server once, builds the grid on
+    bench.capacity's fluid bound of that probe and runs each point with bench.replay.run_point."""
+    from bench import capacity, sweep
+    from branchwise.taper.predictor import LinearLatencyModel
+
+    probed, ran = [], []
+    monkeypatch.setattr(sweep, "_probe", lambda url: probed.append(url) or replay.Probe(
+        {}, LinearLatencyModel(0.003, 0.0002, 2e-7)))
+    monkeypatch.setattr(sweep, "run_point", lambda url, pol, rate, seed, setup: ran.append(
+        (url, pol, rate, seed, setup.slo_tpot_ms)) or ({"rate": rate, "attainment": 1.0}, Run(pol, [])))
+    a = argparse.Namespace(launch=False, url="http://srv", policies="taper", trace=replay.DEFAULT_TRACE,
+                           preset="multiverse", slo_tpot_ms=12.0, slo_ttft_s=None, out=str(tmp_path),
+                           server_args="", rho=0.8)
+    eng = capacity.replay_engine(a)
+    assert probed == ["http://srv"] and eng.workers == 1 and eng.base_rps > 0
+    assert eng.point("taper", 1.5, 2) == {"rate": 1.5, "attainment": 1.0}
+    assert ran == [("http://srv", "taper", 1.5, 2, 12.0)]
+    eng.close()
+    with pytest.raises(ValueError, match="one policy"):
+        capacity.replay_engine(argparse.Namespace(**(vars(a) | {"policies": "off,taper"})))
