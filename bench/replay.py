@@ -410,6 +410,18 @@ def flush_cache(url: str, wait_s: float = 120.0) -> bool:
         time.sleep(0.5)
 
 
+def abort_all(url: str) -> None:
+    """Ask the server to abort every request (best effort: SGLang also aborts a request whose client
+    went away, only later)."""
+    req = urllib.request.Request(url.rstrip("/") + "/abort_request", data=b'{"abort_all": true}',
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+    except (urllib.error.URLError, TimeoutError, ConnectionError):
+        pass
+
+
 def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
               progress: bool = False) -> tuple[dict[str, Any], Run]:
     """One policy at one stationary load on a running server: flush its cache, replay `rate` req/s for
@@ -420,8 +432,10 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
     run = Run(policy, [Outcome(s) for s in specs])
     tg = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab, generate=setup.generate)
     execute(run, tg, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
-    # wait until the server has dropped the abandoned requests: on a shared box its leftover work
-    # would slow whatever runs next
+    # the server drops the abandoned requests (on a shared box its leftover work would slow whatever
+    # runs next); the flush then waits until it is idle
+    if any(o.started and not o.finished for o in run.outcomes):
+        abort_all(url)
     idle = flush_cache(url) if not run.interrupted else False
     res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
     return point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed, "left_idle": idle}, run

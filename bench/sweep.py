@@ -32,7 +32,6 @@ import asyncio
 import json
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -396,14 +395,12 @@ def main(argv: list[str] | None = None) -> int:
         out.mkdir(parents=True, exist_ok=True)
         model = str(out / "latency_model.json")
         p.model.save(model)
-        if a.launch:  # the others start together (most of a start is imports and warm-up)
-            rest = [k for k in policies if k not in urls]
-            new = [LocalServer(a.model, server_args(k, a, sw.grid.slo_tpot_ms, model), env=_env(a),
-                               max_total_tokens=a.max_total_tokens) for k in rest]
-            servers += new
-            with ThreadPoolExecutor(len(new) or 1) as pool:
-                list(pool.map(LocalServer.start, new))
-            urls |= {k: s.url for k, s in zip(rest, new, strict=True)}
+        if a.launch:
+            for k in policies:
+                if k not in urls:
+                    servers.append(LocalServer(a.model, server_args(k, a, sw.grid.slo_tpot_ms, model), env=_env(a),
+                                               max_total_tokens=a.max_total_tokens))
+                    urls[k] = servers[-1].start().url
         g = sw.grid
         print(f"SLO {g.slo_tpot_ms:.2f} ms, load 1.0 = {g.reference_rate:.2f} req/s; loads "
               + ", ".join(f"{x:g} ({r:.2f} req/s)" for x, r in zip(g.loads, g.rates, strict=True)), flush=True)
