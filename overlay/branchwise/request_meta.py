@@ -10,13 +10,15 @@ creates the Req. Pure: no SGLang import. Keys:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 from typing import Any
 
 KEY = "branchwise"
 GRAMMARS = ("none", "multiverse", "sprint")
 _FIELDS = {"phase", "branch", "fanout", "slo_tpot_ms", "weight", "grammar"}
+INT_MAX = 2**31 - 1  # branch/fanout: far above any real fanout, and a plain int everywhere downstream
+FLOAT_MAX = 1e9  # slo_tpot_ms/weight: finite, and its products with token counts stay finite
+MAX_SHOWN = 40  # characters of an offending value quoted in an error
 
 
 class MetaError(ValueError):
@@ -40,46 +42,66 @@ class RequestMeta:
 SERIAL = RequestMeta()
 
 
-def _num(d: dict, key: str, kind: type, lo: float, default: Any) -> Any:
+def _show(v: Any) -> str:
+    """A short repr of a client value for an error message (never raises: ints past Python's
+    4300-digit str limit cannot be repr'd)."""
+    try:
+        s = repr(v)
+    except ValueError:
+        return f"<{type(v).__name__}>"
+    return s if len(s) <= MAX_SHOWN else s[: MAX_SHOWN - 3] + "..."
+
+
+def _num(d: dict, key: str, kind: type, lo: float, hi: float, default: Any) -> Any:
+    """A bounded number from d[key]. Compared before any conversion (an int compares exactly, so
+    a 400-digit int is out of range, not an OverflowError), NaN fails every comparison."""
     v = d.get(key, default)
     if v is default:
         return v
-    if isinstance(v, bool) or not isinstance(v, int | float) or (kind is int and not float(v).is_integer()):
-        raise MetaError(f"custom_params.branchwise.{key} must be a number, got {v!r}")
-    if not math.isfinite(v) or v < lo:
-        raise MetaError(f"custom_params.branchwise.{key} must be >= {lo}, got {v!r}")
+    what = "an integer" if kind is int else "a number"
+    if (isinstance(v, bool) or not isinstance(v, int | float)
+            or (kind is int and isinstance(v, float) and not v.is_integer()) or not lo <= v <= hi):
+        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:g}, {hi:g}], got {_show(v)}")
     return kind(v)
 
 
 def parse(custom_params: Any) -> RequestMeta:
-    """RequestMeta from a request's custom_params; MetaError with a clear message if malformed."""
-    if not custom_params or KEY not in custom_params:
+    """RequestMeta from a request's custom_params; MetaError with a message naming the field for
+    anything else. Total over JSON values: no other exception, whatever the client sent."""
+    if custom_params is None:
         return SERIAL
-    d = custom_params[KEY]
+    if not isinstance(custom_params, dict):
+        raise MetaError(f"custom_params must be an object, got {type(custom_params).__name__}")
+    d = custom_params.get(KEY)
+    if d is None:
+        return SERIAL
     if not isinstance(d, dict):
-        raise MetaError(f"custom_params.branchwise must be an object, got {type(d).__name__}")
-    unknown = set(d) - _FIELDS
+        raise MetaError(f"custom_params.{KEY} must be an object, got {type(d).__name__}")
+    unknown = [k for k in d if k not in _FIELDS]
     if unknown:
-        raise MetaError(f"unknown custom_params.branchwise keys {sorted(unknown)}; valid: {sorted(_FIELDS)}")
+        shown = ", ".join(_show(k) for k in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        raise MetaError(f"unknown custom_params.{KEY} keys [{shown}]; valid: {sorted(_FIELDS)}")
     phase = d.get("phase")
     if phase is not None and (not isinstance(phase, str) or not phase):
-        raise MetaError("custom_params.branchwise.phase must be a non-empty string")
-    fanout = _num(d, "fanout", int, 1, 1)
-    branch = _num(d, "branch", int, 0, 0)
+        raise MetaError(f"custom_params.{KEY}.phase must be a non-empty string, got {_show(phase)}")
+    fanout = _num(d, "fanout", int, 1, INT_MAX, 1)
+    branch = _num(d, "branch", int, 0, INT_MAX, 0)
     if branch >= fanout:
-        raise MetaError(f"custom_params.branchwise.branch {branch} must be < fanout {fanout}")
+        raise MetaError(f"custom_params.{KEY}.branch {branch} must be < fanout {fanout}")
     grammar = d.get("grammar")
-    if grammar is not None and grammar not in GRAMMARS:
-        raise MetaError(f"custom_params.branchwise.grammar {grammar!r}; valid: {', '.join(GRAMMARS)}")
-    slo = _num(d, "slo_tpot_ms", float, 1e-3, None)
-    return RequestMeta(phase, branch, fanout, slo, _num(d, "weight", float, 0.0, 1.0), grammar)
+    if grammar is not None and (not isinstance(grammar, str) or grammar not in GRAMMARS):
+        raise MetaError(f"custom_params.{KEY}.grammar {_show(grammar)}; valid: {', '.join(GRAMMARS)}")
+    slo = _num(d, "slo_tpot_ms", float, 1e-3, FLOAT_MAX, None)
+    weight = _num(d, "weight", float, 0.0, FLOAT_MAX, 1.0)
+    return RequestMeta(phase, branch, fanout, slo, weight, grammar)
 
 
 def stamp(sampling_params: dict | None, **fields: Any) -> dict:
     """Return sampling_params with custom_params.branchwise updated (clients use this)."""
     sp = dict(sampling_params or {})
+    parse(sp.get("custom_params"))  # a malformed existing stamp fails here with the field's name
     cp = dict(sp.get("custom_params") or {})
-    cp[KEY] = {**cp.get(KEY, {}), **{k: v for k, v in fields.items() if v is not None}}
+    cp[KEY] = {**(cp.get(KEY) or {}), **{k: v for k, v in fields.items() if v is not None}}
     parse(cp)  # fail on the client, not in the scheduler
     sp["custom_params"] = cp
     return sp

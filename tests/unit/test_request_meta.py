@@ -1,0 +1,87 @@
+"""request_meta.parse is total over JSON: any value is a RequestMeta or a MetaError naming the field."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from branchwise import request_meta
+from branchwise.request_meta import KEY, MetaError, RequestMeta, parse, stamp
+
+FIELDS = ("phase", "branch", "fanout", "slo_tpot_ms", "weight", "grammar")
+EDGE_NUMBERS = [0, 1, -1, 0.5, 2**31 - 1, 2**31, 2**63, 2**64, 10**300, 10**400, -(10**400), 1e308,
+                math.inf, -math.inf, math.nan, 1e-3, 1e-4, 5e-324]
+
+scalars = (st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=12)
+           | st.sampled_from(EDGE_NUMBERS) | st.sampled_from(list(request_meta.GRAMMARS) + [KEY, ""]))
+json_values = st.recursive(scalars, lambda kids: st.lists(kids, max_size=4)
+                           | st.dictionaries(st.text(max_size=8) | st.sampled_from(FIELDS + (KEY,)), kids,
+                                             max_size=4), max_leaves=12)
+# shaped like a real stamp, so most examples get past the type checks to the value checks
+stamps = st.dictionaries(st.sampled_from(FIELDS) | st.text(max_size=6), json_values, max_size=6)
+custom_params = (json_values | st.builds(lambda b, rest: {**rest, KEY: b}, stamps | json_values,
+                                         st.dictionaries(st.text(max_size=6), json_values, max_size=2)))
+
+
+@settings(max_examples=1500, deadline=None, derandomize=True)
+@given(custom_params)
+def test_parse_any_json_is_meta_or_meta_error(cp):
+    try:
+        meta = parse(cp)
+    except MetaError as e:
+        msg = str(e)
+        assert msg.startswith(("custom_params", "unknown custom_params")), msg
+        assert len(msg) < 300, msg  # a clear message, not a dump of the value
+        return
+    assert isinstance(meta, RequestMeta)
+    assert type(meta.branch) is int and type(meta.fanout) is int and 0 <= meta.branch < meta.fanout
+    for v in (meta.slo_tpot_ms, meta.weight):
+        assert v is None or (type(v) is float and math.isfinite(v))
+    assert meta.grammar in (None, *request_meta.GRAMMARS)
+    assert meta.phase is None or (isinstance(meta.phase, str) and meta.phase)
+
+
+@pytest.mark.parametrize("cp, field", [
+    ([1, 2], "custom_params must be an object"),
+    (["branchwise"], "custom_params must be an object"),
+    ("xbranchwisey", "custom_params must be an object"),
+    (5, "custom_params must be an object"),
+    (True, "custom_params must be an object"),
+    ({KEY: "x"}, "custom_params.branchwise must be an object"),
+    ({KEY: [1]}, "custom_params.branchwise must be an object"),
+    ({KEY: {"fanout": 10**400}}, "custom_params.branchwise.fanout"),
+    ({KEY: {"fanout": 10**5000}}, "custom_params.branchwise.fanout"),
+    ({KEY: {"fanout": 1e30}}, "custom_params.branchwise.fanout"),
+    ({KEY: {"fanout": 2.5}}, "custom_params.branchwise.fanout"),
+    ({KEY: {"branch": 10**400}}, "custom_params.branchwise.branch"),
+    ({KEY: {"weight": 10**400}}, "custom_params.branchwise.weight"),
+    ({KEY: {"weight": math.nan}}, "custom_params.branchwise.weight"),
+    ({KEY: {"slo_tpot_ms": 10**400}}, "custom_params.branchwise.slo_tpot_ms"),
+    ({KEY: {"slo_tpot_ms": math.inf}}, "custom_params.branchwise.slo_tpot_ms"),
+    ({KEY: {"slo_tpot_ms": "50"}}, "custom_params.branchwise.slo_tpot_ms"),
+    ({KEY: {"phase": ""}}, "custom_params.branchwise.phase"),
+    ({KEY: {"phase": 3}}, "custom_params.branchwise.phase"),
+    ({KEY: {"grammar": ["multiverse"]}}, "custom_params.branchwise.grammar"),
+    ({KEY: {"phase": "p", "branch": True, "fanout": 2}}, "custom_params.branchwise.branch"),
+])
+def test_malformed_values_name_the_field(cp, field):
+    with pytest.raises(MetaError, match="^" + field.replace(".", r"\.")):
+        parse(cp)
+
+
+def test_well_formed_stamps_and_absent_meta():
+    assert parse(None) is parse({}) is parse({"other": [1]}) is parse({KEY: None}) is request_meta.SERIAL
+    m = parse({KEY: {"phase": "g", "branch": 3.0, "fanout": 4, "slo_tpot_ms": 40, "weight": 0,
+                     "grammar": "sprint"}})
+    assert m == RequestMeta("g", 3, 4, 40.0, 0.0, "sprint")
+    assert type(m.branch) is int and type(m.slo_tpot_ms) is float
+
+
+def test_stamp_rejects_a_malformed_existing_custom_params():
+    for sp in ({"custom_params": [1]}, {"custom_params": {KEY: "x"}}, {"custom_params": "branchwise"}):
+        with pytest.raises(MetaError, match="^custom_params"):
+            stamp(sp, phase="g", branch=0, fanout=2)
+    assert stamp({"custom_params": {KEY: None}}, grammar="sprint")["custom_params"] == {KEY: {"grammar": "sprint"}}
