@@ -142,9 +142,17 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
     st.bump("requests_created")
     try:
         req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
-    except request_meta.MetaError as e:
+    except Exception as e:  # nothing a client sends may raise inside the scheduler loop
         req.bw_meta = request_meta.SERIAL
-        req.set_finish_with_abort(f"Branchwise: {e}")
+        if isinstance(e, request_meta.MetaError):
+            msg = str(e)
+        else:  # a parse bug: the request still ends with a 400, the server keeps serving
+            msg = f"custom_params not understood ({type(e).__name__})"
+            if not st.counters.get("meta_parse_bugs"):
+                logger.exception("Branchwise: custom_params parsing raised; such requests get HTTP 400")
+            st.bump("meta_parse_bugs")
+        if req.to_finish is None:  # keep SGLang's own error if it already rejected the request
+            req.set_finish_with_abort(f"Branchwise: {msg}")
         st.bump("bad_requests")
     if req.bw_meta.is_branch:
         st.bump("branch_requests")
