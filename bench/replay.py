@@ -20,6 +20,10 @@ prompts, fitted as T(S) = c0 + c_seq rows + c_ctx context tokens) sets the SLO t
 --slo-context tokens) (at least --slo-floor x T(1 row)) and the arrival rate so that the mean demand
 is --load x the decode rate at that composition; taper servers get the fit as their --latency-model.
 Every server is probed before its run, so a change in the shared box's speed shows in the table.
+
+`run_point` runs one policy at one stationary load on a running server and returns that point's
+metrics: the live points of `python -m bench.sweep` (make bench, load sweeps) and of
+`python -m bench.capacity --engine replay`.
 """
 
 from __future__ import annotations
@@ -682,25 +686,6 @@ def _auto_float(text: str) -> float | None:
     return v
 
 
-def _load_list(text: str) -> list[float]:
-    try:
-        loads = [float(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected numbers separated by commas, got {text!r}") from None
-    if not loads or any(not x > 0 for x in loads):
-        raise argparse.ArgumentTypeError(f"loads must be > 0, got {text!r}")
-    return loads
-
-
-def _rate_list(text: str) -> list[float | None]:
-    if text == "auto":
-        return [None]
-    try:
-        return _load_list(text)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError(f"expected 'auto' or numbers > 0 separated by commas, got {text!r}") from None
-
-
 def server_args(policy: str, a: argparse.Namespace, pt: Point | None) -> list[str]:
     args = ["--branch-policy", policy, "--taper-rho", f"{a.taper_rho:g}", "--enable-metrics"]
     if pt is not None:  # requests carry their SLO stamp anyway; the flag covers unstamped ones
@@ -739,17 +724,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
     g = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
     g.add_argument("--slo-tpot-ms", type=_auto_float, default=None, help="ms | auto: the probed step latency at --slo-rows")
-    g.add_argument("--rate-scale", dest="rate_scales", type=_rate_list, default=[None],
-                   help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows; "
-                        "a list (2,3) sweeps absolute rates in one run, each under DIR/rate_K")
+    g.add_argument("--rate-scale", type=_auto_float, default=None,
+                   help="arrival rates x this | auto: mean demand = --load x the probed tokens/s at --slo-rows")
     g.add_argument("--slo-rows", type=float, default=32.0)
     g.add_argument("--slo-context", type=float, default=256.0,
                    help="KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)")
     g.add_argument("--slo-floor", type=float, default=2.5, help="auto SLO >= this x the probed T(1)")
-    g.add_argument("--load", dest="loads", type=_load_list, default=[0.35],
+    g.add_argument("--load", type=_auto_float, default=0.35,
                    help="mean demanded tok/s as a fraction of the probed decode rate at the SLO composition "
-                        "(the 3-regime schedule peaks at ~2x its mean); a list (0.4,0.6) sweeps the loads in "
-                        "one run at one SLO, each under DIR/load_L; bench/README.md says how the default was chosen")
+                        "(the 3-regime schedule peaks at ~2x its mean); load sweeps: python -m bench.sweep")
     g.add_argument("--latency-model", default="auto",
                    help="T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online")
     ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
@@ -765,9 +748,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     a = ap.parse_args(argv)
-    if len(a.loads) > 1 and a.rate_scales != [None]:
-        ap.error("--rate-scale fixes the arrival rate: sweep --load or --rate-scale, not both")
-    a.load, a.rate_scale = a.loads[0], a.rate_scales[0]
+    if a.load is None:
+        ap.error("--load takes a number > 0")
     return a
 
 
@@ -858,8 +840,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     try:
         trace = load_trace(a.trace)
-        for rs in a.rate_scales:  # a bad schedule fails now
-            fit_schedule(trace, a.schedule, a.duration_s, rs or 1.0)
+        fit_schedule(trace, a.schedule, a.duration_s, a.rate_scale or 1.0)  # a bad schedule fails now
         scaling = Scaling(a.output_scale, a.max_stage_tokens, a.prompt_scale, a.max_prompt_tokens,
                           a.max_program_tokens)
         if a.latency_model not in ("auto", "none"):
@@ -873,40 +854,22 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: --url {a.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
               f"Use --launch to compare policies.")
         policies = [a.policy_label or pol]
-    # the sweep: probe-relative loads, or absolute rate scales (one of them has several values)
-    points = ([("load", x, {"load": x}) for x in a.loads] if len(a.loads) > 1 else
-              [("rate", x, {"rate_scale": x}) for x in a.rate_scales])
-    sweep = len(points) > 1
-    probe_first: Probe | None = None
-    try:  # a sweep probes once, so that every load runs at the same SLO and T(S)
-        if _needs_probe(a) and a.launch and (sweep or policies[0].startswith("taper")):
-            with _server(a, ["--branch-policy", "off"]) as srv:  # taper's server needs the model at start
-                probe_first = _probe_url(srv.url)
-        elif _needs_probe(a) and a.url:
-            probe_first = _probe_url(a.url)
+    b = Bench(a, trace, scaling, Path(a.out))
+    try:  # taper's server needs the T(S) fit at start: calibrate on an off server first
+        if not _needs_probe(a):
+            b.pt = Point(a.slo_tpot_ms, a.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
+        elif a.launch and policies[0].startswith("taper"):
+            with _server(a, ["--branch-policy", "off"]) as srv:
+                b.point(_probe_url(srv.url))
+        elif a.url:
+            b.point(_probe_url(a.url))
     except (ServerError, ConnectionError, RuntimeError) as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted during calibration; nothing measured", file=sys.stderr)
         return 130
-    out, benches, rcs = Path(a.out), [], []
-    for axis, x, change in points:
-        al = argparse.Namespace(**(vars(a) | change))
-        b = Bench(al, trace, scaling, out / f"{axis}_{x:g}" if sweep else out)
-        if not _needs_probe(al):
-            b.pt = Point(al.slo_tpot_ms, al.rate_scale, a.latency_model if a.launch and a.latency_model != "none" else None)
-        elif probe_first is not None:
-            b.point(probe_first)
-        if sweep:
-            print(f"\n== {axis} {x:g}", flush=True)
-        rcs.append(run_bench(b, policies))
-        benches.append(b)
-        if rcs[-1] == 130 or b.schedule is None:  # interrupted, or nothing could start
-            break
-    if sweep:
-        print("\n" + sweep_report(out, benches))
-    return 130 if 130 in rcs else max(rcs)
+    return run_bench(b, policies)
 
 
 def run_bench(b: Bench, policies: list[str]) -> int:
@@ -927,39 +890,6 @@ def run_bench(b: Bench, policies: list[str]) -> int:
     if stopped and any(r.get("run", {}).get("interrupted") for r in b.results.values()):
         return 130
     return 1 if failed else 0
-
-
-def sweep_report(out: Path, benches: list[Bench], hold: float = 0.95, collapse: float = 0.80) -> str:
-    """One line per load (attainment and goodput of each policy) into DIR/sweep.json, and the loads
-    where TAPER holds `hold` while eager falls below `collapse` (make bench's acceptance)."""
-    rows = []
-    for b in benches:
-        pol = {k: {m: r.get(m) for m in ("slo_attainment", "goodput_tok_s", "raw_throughput_tok_s")}
-               for k, r in b.results.items()}
-        rows.append({"load": b.a.load if b.a.rate_scale is None else None,
-                     "rate_scale": b.pt.rate_scale if b.pt else b.a.rate_scale,
-                     "slo_tpot_ms": b.pt.slo_tpot_ms if b.pt else None,
-                     "demand_tok_s": b.config.get("demand_tok_s"), "policies": pol})
-    names = list(dict.fromkeys(k for r in rows for k in r["policies"]))
-    head = f"{'load':>6}{'rate x':>8}{'SLO ms':>8}{'demand':>8}" + "".join(f"{k + ' att':>12}{'goodput':>9}" for k in names)
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        cells = "".join(f"{_fmt(r['policies'].get(k, {}).get('slo_attainment'), True):>12}"
-                        f"{_fmt(r['policies'].get(k, {}).get('goodput_tok_s')):>9}" for k in names)
-        lines.append(f"{_fmt(r['load'], nd=2):>6}{_fmt(r['rate_scale'], nd=2):>8}{_fmt(r['slo_tpot_ms']):>8}"
-                     f"{_fmt(r['demand_tok_s'], nd=0):>8}{cells}")
-
-    def att(r: dict, k: str) -> float | None:
-        return r["policies"].get(k, {}).get("slo_attainment")
-
-    sep = [r["load"] if r["load"] is not None else r["rate_scale"] for r in rows
-           if (t := att(r, "taper")) is not None and (e := att(r, "eager")) is not None and t >= hold and e < collapse]
-    axis = "load" if rows and rows[0]["load"] is not None else "rate scale"
-    verdict = (f"taper >= {hold:.0%} where eager < {collapse:.0%}: at {axis} " + ", ".join(f"{x:g}" for x in sep)
-               if sep else f"no load with taper >= {hold:.0%} and eager < {collapse:.0%}")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "sweep.json").write_text(json.dumps({"loads": rows, "separating_loads": sep}, indent=1))
-    return "\n".join([*lines, verdict, f"-> {out / 'sweep.json'}"])
 
 
 def _prepare(a: argparse.Namespace, trace: Any, scaling: Scaling,

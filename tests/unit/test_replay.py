@@ -275,38 +275,18 @@ def test_notes_flag_a_drifting_box_and_a_starved_client():
                                           "stalled_s": pytest.approx(0.45)}
 
 
-# ---- load sweep -----------------------------------------------------------------------------------
-def test_load_list_parses_and_rejects_bad_input(capsys):
-    a = replay.parse_args(["--launch", "--out", "x", "--load", "0.4,0.6"])
-    assert a.loads == [0.4, 0.6] and a.load == 0.4
-    assert replay.parse_args(["--launch", "--out", "x"]).loads == [0.35]
-    r = replay.parse_args(["--launch", "--out", "x", "--rate-scale", "2,3.5", "--slo-tpot-ms", "19"])
-    assert r.rate_scales == [2.0, 3.5] and r.rate_scale == 2.0
+# ---- operating point flags ------------------------------------------------------------------------
+def test_load_and_rate_scale_parse_and_reject_bad_input(capsys):
+    a = replay.parse_args(["--launch", "--out", "x", "--load", "0.4"])
+    assert a.load == 0.4 and a.rate_scale is None
+    assert replay.parse_args(["--launch", "--out", "x"]).load == 0.35
+    r = replay.parse_args(["--launch", "--out", "x", "--rate-scale", "2", "--slo-tpot-ms", "19"])
+    assert (r.rate_scale, r.slo_tpot_ms) == (2.0, 19.0)
     assert replay.parse_args(["--launch", "--out", "x", "--rate-scale", "auto"]).rate_scale is None
-    for bad in (["--load", "0.4,zero"], ["--load", "0.4,-1"], ["--load", "0.4,0.6", "--rate-scale", "2"],
-                ["--rate-scale", "2,x"]):
+    for bad in (["--load", "0.4,0.6"], ["--load", "-1"], ["--load", "auto"], ["--rate-scale", "2,3"]):
         with pytest.raises(SystemExit):
             replay.parse_args(["--launch", "--out", "x", *bad])
-    err = capsys.readouterr().err
-    assert "--rate-scale fixes the arrival rate" in err and "numbers > 0" in err
-
-
-def test_sweep_report_names_the_loads_where_taper_holds_and_eager_collapses(tmp_path):
-    def bench(load, eager, taper):
-        b = replay.Bench(argparse.Namespace(load=load, rate_scale=None), None, Scaling(), tmp_path)
-        b.pt = replay.Point(20.0, 1.0)
-        b.config = {"demand_tok_s": 1000 * load}
-        b.results = {k: {"slo_attainment": v, "goodput_tok_s": 100 * v, "raw_throughput_tok_s": 100.0}
-                     for k, v in (("off", 0.9), ("eager", eager), ("taper", taper))}
-        return b
-
-    text = replay.sweep_report(tmp_path, [bench(0.4, 1.0, 1.0), bench(0.6, 0.7, 0.96), bench(0.8, 0.5, 0.9)])
-    assert "at load 0.6" in text and "0.8," not in text
-    doc = json.loads((tmp_path / "sweep.json").read_text())
-    assert doc["separating_loads"] == [0.6] and [r["load"] for r in doc["loads"]] == [0.4, 0.6, 0.8]
-    assert doc["loads"][1]["policies"]["eager"]["slo_attainment"] == 0.7
-    none = replay.sweep_report(tmp_path, [bench(0.4, 1.0, 1.0)])
-    assert "no load with taper" in none and json.loads((tmp_path / "sweep.json").read_text())["separating_loads"] == []
+    assert "--load takes a number > 0" in capsys.readouterr().err
 
 
 # ---- one live point, the load rule, the sweep's verdict ------------------------------------------
