@@ -26,6 +26,7 @@ LOGITS_PROCESSOR = "sglang.srt.layers.logits_processor.LogitsProcessor"
 SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
+TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 
 
 def _flag_declared(name: str) -> bool:
@@ -159,7 +160,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from branchwise import deferral
+    from branchwise import deferral, input_ids_check
     from branchwise import scheduler_hook as sh
     from branchwise.albireo import step_timer
 
@@ -177,6 +178,8 @@ def register() -> None:
     ]
     if timer_mode not in ("stock", "albireo"):
         hooks += _fork_hooks(HookType)
+        hooks.append((f"{TOKENIZER_MANAGER}._validate_one_request", input_ids_check.after_validate_one_request,
+                      HookType.AFTER))
     if timer_mode != "stock":
         hooks += _albireo_hooks(HookType)
     if timer_mode:

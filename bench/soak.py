@@ -1,0 +1,727 @@
+"""Soak: a mixed load on one server under --branch-policy taper, then checks that nothing was lost.
+
+    python -m bench.soak --launch [--minutes 1] [--concurrency 12] [--seed 0]
+    python -m bench.soak --url http://127.0.0.1:30000   # a server with --enable-custom-logit-processor
+
+The load is deterministic from --seed (job i's kind and parameters depend only on the seed and i):
+serial requests, streaming and not; client fork/join (branchwise.client stamps and rids) and SGLang
+frontend programs (frontends/: fork/join, Multiverse, SPRINT); server-side Multiverse and SPRINT
+forks (bench.structure_driver forces the skeleton: the tiny model never writes tags itself) and
+forks wider than --branch-max-fanout (not taken: serial, with a branchwise_error); client
+disconnects mid-stream; aborts by rid (/abort_request) of server-fork parents, of serial streams and
+of one client-side branch while its siblings run; malformed requests (bad custom_params, bad
+sampling params, bad JSON). `--concurrency` workers keep that many jobs in flight until the time is
+up (the launched server caps running requests, so its waiting queue fills); no job outlives
+--job-timeout-s and the run stops by itself.
+
+At the end it checks and prints:
+  lost        every job ended with its expected class of answer within the timeout: 2xx, a 4xx
+              naming the bad field, an abort result, or the disconnect the job made itself;
+  duplicated  no rid got two final answers, no stream sent anything after its final chunk, and no
+              answer carried a rid this run did not send (e.g. a server-side branch's);
+  healthy     /health answered 200 at every poll, the scheduler pid (/server_info's Branchwise
+              report) never changed and is alive; with --launch the server process is alive;
+  idle        /v1/loads reaches no used KV tokens and no running or waiting request, nothing parked;
+  rss         scheduler VmRSS (/proc/PID/status) at the end minus after warm-up < --rss-bound-mb;
+  dicts       Branchwise's per-request state is empty: controller trackers and pins, the fork
+              manager's parked/forking/closed queues, live branches and phase registry maps.
+Exit status 0 only if every check passes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from bench.structure_driver import request as driven_request
+from bench.structure_driver import spec
+from branchwise import client
+from branchwise.launch import LocalServer, get_json
+from branchwise.tiny_model import WORDS
+
+SERVER_ARGS = ["--branch-policy", "taper", "--enable-custom-logit-processor", "--max-running-requests", "12"]
+JSON_HEADERS = {"Content-Type": "application/json"}
+IDLE_DEADLINE_S = 90.0
+POLL_S = 0.5
+
+# Job kinds and their weights in the mix (fixed before any run; see bench/README.md "Soak").
+MIX: dict[str, int] = {
+    "serial": 16, "client_fork": 8, "frontend": 5, "server_fork": 12, "disconnect": 6,
+    "abort_parent": 7, "abort_branch": 5, "bad_meta": 5, "bad_sampling": 5, "bad_json": 4, "wide_fork": 3,
+}
+MAX_FANOUT = 16  # the server's --branch-max-fanout default
+
+# Malformed custom_params: (payload value, a word the 4xx must name).
+BAD_META: list[tuple[Any, str]] = [
+    ({"branchwise": {"fanout": 0}}, "fanout"),
+    ({"branchwise": {"grammar": "klingon"}}, "grammar"),
+    ({"branchwise": {"bogus": 1}}, "bogus"),
+    ({"branchwise": {"phase": "", "branch": 0, "fanout": 2}}, "phase"),
+    ({"branchwise": {"phase": "g", "branch": 3, "fanout": 2}}, "branch"),
+    ({"branchwise": {"weight": -1}}, "weight"),
+    ({"branchwise": {"slo_tpot_ms": "fast"}}, "slo_tpot_ms"),
+    ({"branchwise": 5}, "branchwise"),
+]
+# Malformed custom_params whose parsing raised other than MetaError (TypeError, OverflowError) inside
+# the scheduler. TODO: move into BAD_META once request_meta rejects them (issue "bad input must never
+# reach the scheduler loop"); until then only --hostile-meta sends them.
+BAD_META_HOSTILE: list[tuple[Any, str]] = [
+    (["branchwise"], "custom_params"),
+    ("xbranchwisex", "custom_params"),
+    ({"branchwise": {"fanout": 10**300}}, "fanout"),
+    ({"branchwise": {"weight": 10**400}}, "weight"),
+]
+BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
+    ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"min_p": 2}, "min_p"),
+    ({"top_k": 0}, "top_k"), ({"frequency_penalty": 3}, "frequency_penalty"),
+    ({"presence_penalty": -5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"max_new_tokens": -3}, "max_new_tokens"), ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+    ({"logit_bias": {"999999": 1.0}}, "logit_bias"), ({"sampling_seed": 2**70}, ""),  # SGLang's message does not name it
+]
+BAD_JSON: list[tuple[bytes | dict[str, Any], str]] = [
+    (b'{"text": "a", "sampling_params": {', ""),
+    (b"", ""),
+    (b"[1, 2]", ""),
+    ({"sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"text": "hi", "sampling_params": "fast"}, "sampling_params"),
+    ({"input_ids": [1, 10**9], "sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+    ({"input_ids": [-5, 1], "sampling_params": {"max_new_tokens": 4}}, "input_ids"),
+]
+
+
+class Unexpected(AssertionError):
+    """A job got an answer outside its expected class."""
+
+
+@dataclass(slots=True)
+class Reply:
+    status: int
+    body: dict[str, Any] | None = None  # JSON body, or a stream's last chunk
+    raw: str = ""  # body text of a non-streamed answer
+    chunks: int = 0
+    finals: int = 0  # answers carrying a finish_reason (a stream must have exactly one)
+    ids: set[str] = field(default_factory=set)
+    disconnected: bool = False
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return (self.body or {}).get("meta_info") or {}
+
+    @property
+    def finish(self) -> dict[str, Any]:
+        return self.meta.get("finish_reason") or {}
+
+
+@dataclass
+class Outcome:
+    idx: int
+    kind: str
+    result: str  # ok | aborted | finished_before_abort | rejected | disconnected | LOST | FAIL
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Soak:
+    url: str
+    seed: int
+    http: aiohttp.ClientSession
+    run_id: str
+    job_timeout_s: float
+    mix: dict[str, int]
+    hostile_meta: bool = False
+    pool: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(8, "soak-frontend"))
+    sent: set[str] = field(default_factory=set)
+    answered: Counter[str] = field(default_factory=Counter)
+    foreign: list[str] = field(default_factory=list)
+    stream_extra: list[str] = field(default_factory=list)  # rids whose stream went on after its final
+    endpoint: Any = None
+
+    def rid(self, idx: int, suffix: str = "") -> str:
+        """Fixed-width job numbers: no job's rid prefixes another's (abort is by rid prefix)."""
+        return f"{self.run_id}-{idx:06d}{suffix}"
+
+    def answer(self, rep: Reply, sent_rid: str | None) -> None:
+        """Count a final answer against its rid (None: a frontend program's own rid)."""
+        rid = rep.meta.get("id")
+        if rid is None:
+            return
+        self.answered[rid] += 1
+        if sent_rid is not None and rid != sent_rid:
+            self.foreign.append(f"sent {sent_rid}, answered as {rid}")
+
+    async def post(self, payload: dict[str, Any] | bytes, stream: bool = False,
+                   stop_after: int | None = None) -> Reply:
+        """POST /generate; with stop_after, close the connection after that many stream chunks."""
+        rid = payload.get("rid") if isinstance(payload, dict) else None
+        if rid is not None:
+            self.sent.add(rid)
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        async with self.http.post(self.url + "/generate", data=data, headers=JSON_HEADERS) as resp:
+            if resp.status != 200 or not stream:
+                raw = await resp.text()
+                try:
+                    body = json.loads(raw)
+                except ValueError:
+                    body = None
+                rep = Reply(resp.status, body if isinstance(body, dict) else None, raw)
+                if resp.status == 200 and rep.meta:
+                    rep.finals = 1
+                    self.answer(rep, rid)
+                return rep
+            return await self._read_stream(resp, rid, stop_after)
+
+    async def _read_stream(self, resp: aiohttp.ClientResponse, rid: str | None,
+                           stop_after: int | None) -> Reply:
+        rep, buf = Reply(200), b""
+        async for piece in resp.content.iter_any():
+            *events, buf = (buf + piece).split(b"\n\n")
+            for ev in events:
+                data = ev.decode().strip().removeprefix("data:").strip()
+                if not data or data == "[DONE]":
+                    continue
+                chunk = json.loads(data)
+                rep.chunks += 1
+                if rep.finals:
+                    self.stream_extra.append(str(rid))
+                rep.body = chunk
+                if "error" in chunk:  # SGLang streams late errors as a chunk inside HTTP 200
+                    rep.finals += 1
+                    continue
+                rep.ids.add(str(rep.meta.get("id")))
+                if rep.finish:
+                    rep.finals += 1
+                    self.answer(rep, rid)
+            if stop_after is not None and rep.chunks >= stop_after and not rep.finals:
+                resp.close()  # drop the TCP connection: the server sees a client disconnect
+                rep.disconnected = True
+                return rep
+        if len(rep.ids) > 1:
+            raise Unexpected(f"one stream carried several rids: {sorted(rep.ids)}")
+        return rep
+
+    async def abort(self, rid: str) -> None:
+        async with self.http.post(self.url + "/abort_request", json={"rid": rid}) as resp:
+            if resp.status != 200:
+                raise Unexpected(f"/abort_request {rid} -> HTTP {resp.status}: {await resp.text()}")
+
+    async def in_thread(self, fn: Callable[[], Any]) -> Any:
+        return await asyncio.get_running_loop().run_in_executor(self.pool, fn)
+
+
+# ---- expectations --------------------------------------------------------------------------------
+def expect_ok(rep: Reply, rid: str | None = None, abort_ok: bool = False, limit_error: str | None = None) -> str:
+    """A complete answer (stop/length), once; abort_ok: an abort result also counts ("aborted");
+    limit_error: the answer must carry a branchwise_error naming that limit."""
+    if rep.status != 200:
+        raise Unexpected(f"HTTP {rep.status}: {rep.raw[:300]}")
+    if rep.finals != 1:
+        raise Unexpected(f"{rep.finals} final answers for {rid} ({rep.chunks} chunks)")
+    if "error" in (rep.body or {}):
+        raise Unexpected(f"error chunk: {rep.body}")
+    fr = rep.finish
+    if rid is not None and rep.meta.get("id") != rid:
+        raise Unexpected(f"answer for {rep.meta.get('id')}, sent {rid}")
+    if fr.get("type") == "abort" and abort_ok and not fr.get("status_code"):
+        return "aborted"
+    if fr.get("type") not in ("stop", "length"):
+        raise Unexpected(f"finish_reason {fr}")
+    if limit_error is not None:
+        if limit_error not in str(fr.get("branchwise_error")):
+            raise Unexpected(f"expected a branchwise_error naming {limit_error}, finish_reason {fr}")
+    elif "branchwise_error" in fr:
+        raise Unexpected(f"branchwise_error on a well-formed request: {fr['branchwise_error']}")
+    return "ok"
+
+
+def expect_rejected(rep: Reply, needle: str) -> str:
+    """A 4xx (or, streamed, an abort chunk with a 4xx status) whose message names `needle`."""
+    if 400 <= rep.status < 500:
+        msg = rep.raw
+    elif rep.status == 200 and rep.finals == 1 and "error" in (rep.body or {}):
+        msg = json.dumps(rep.body["error"])
+    elif rep.status == 200 and rep.finish.get("type") == "abort" and 400 <= (rep.finish.get("status_code") or 0) < 500:
+        msg = str(rep.finish.get("message"))
+    else:
+        raise Unexpected(f"expected a 4xx naming {needle!r}, got HTTP {rep.status}: {rep.raw[:200] or rep.body}")
+    if needle.lower() not in msg.lower():
+        raise Unexpected(f"the error does not name {needle!r}: {msg[:300]}")
+    return "rejected"
+
+
+# ---- jobs ----------------------------------------------------------------------------------------
+def text(rng: random.Random, words: tuple[int, int] = (6, 30)) -> str:
+    return " ".join(rng.choices(WORDS, k=rng.randint(*words))) + "."
+
+
+def sampling(rng: random.Random, lo: int = 4, hi: int = 48) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": rng.randint(lo, hi), "ignore_eos": rng.random() < 0.5}
+    if rng.random() < 0.3:
+        sp |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
+    else:
+        sp["temperature"] = 0.0
+    if rng.random() < 0.15:
+        sp["frequency_penalty"] = 0.5
+    return sp
+
+
+def server_fork_payload(s: Soak, rng: random.Random, rid: str, stream: bool, branch_len: tuple[int, int],
+                        max_new: int) -> dict[str, Any]:
+    g = rng.choice(["multiverse", "sprint"])
+    n = rng.randint(2, 4)
+    lens = [rng.randint(*branch_len) for _ in range(n)]
+    if g == "sprint":
+        sj = spec("sprint", n, lens, rounds=rng.randint(1, 2))
+    elif rng.random() < 0.2:  # nested phases: every path opens its own <Parallel>
+        sj = spec("multiverse", 2, lens[:2], nest=2, nest_n=2)
+    else:
+        sj = spec("multiverse", n, lens)
+    return driven_request(text(rng), sj, grammar=g, rid=rid, stream=stream, max_new_tokens=max_new)
+
+
+async def job_serial(s: Soak, idx: int, rng: random.Random) -> str:
+    rid, stream = s.rid(idx), rng.random() < 0.5
+    sp = client.stamp_serial(sampling(rng), slo_tpot_ms=rng.choice([None, 30.0, 200.0]))
+    return expect_ok(await s.post({"text": text(rng), "sampling_params": sp, "rid": rid, "stream": stream},
+                                  stream), rid)
+
+
+async def job_client_fork(s: Soak, idx: int, rng: random.Random) -> str:
+    """head -> n stamped branches on head's text (branchwise.client rids) -> tail on the joined text."""
+    group = s.rid(idx)
+    head_rid, prompt = f"{group}.h", text(rng)
+    head = await s.post({"text": prompt, "sampling_params": sampling(rng, 4, 16), "rid": head_rid})
+    expect_ok(head, head_rid)
+    fork_text = prompt + head.body["text"]
+    n, bsp = rng.randint(2, 4), sampling(rng, 4, 32)
+    streams = [rng.random() < 0.4 for _ in range(n)]
+    reps = await asyncio.gather(*[
+        s.post({"text": fork_text + f" branch {i}:", "sampling_params": client.stamp_branch(bsp, group, i, n),
+                "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i]) for i in range(n)])
+    for i, rep in enumerate(reps):
+        expect_ok(rep, client.branch_rid(group, i))
+    joined = fork_text + "".join(f"\n{i}:{r.body['text']}" for i, r in enumerate(reps))
+    tail_rid = f"{group}.t"
+    return expect_ok(await s.post({"text": joined, "sampling_params": sampling(rng, 2, 8), "rid": tail_rid}),
+                     tail_rid)
+
+
+async def job_frontend(s: Soak, idx: int, rng: random.Random) -> str:
+    """An SGLang frontend program (threads, RuntimeEndpoint) with fork/join: frontends/."""
+    from frontends import fork_join, multiverse, sprint
+    from frontends.common import backend
+
+    if s.endpoint is None:
+        s.endpoint = await s.in_thread(lambda: backend(s.url))
+    which = rng.choice(["fork_join", "fork_join", "multiverse", "sprint"])
+    if which == "fork_join":
+        kw = dict(fanout=rng.randint(2, 4), head_tokens=rng.randint(4, 16), branch_tokens=rng.randint(4, 24),
+                  tail_tokens=rng.randint(0, 8), seed=idx, endpoint=s.endpoint)
+        res = await s.in_thread(lambda: fork_join.run_batch(s.url, 1, **kw)[0])
+    elif which == "multiverse":
+        kw = dict(paths=rng.randint(2, 3), path_tokens=rng.randint(6, 24), seed=idx, endpoint=s.endpoint)
+        res = await s.in_thread(lambda: multiverse.run(s.url, **kw))
+    else:
+        kw = dict(rounds=rng.randint(1, 2), tasks=rng.randint(2, 3), exec_tokens=rng.randint(6, 24), seed=idx,
+                  endpoint=s.endpoint)
+        res = await s.in_thread(lambda: sprint.run(s.url, **kw))
+    for r in res.requests:
+        if r.finish not in ("stop", "length") or not r.rid:
+            raise Unexpected(f"frontend {which} request {r.name} ({r.rid}): finish {r.finish!r}")
+        s.sent.add(r.rid)
+        s.answered[r.rid] += 1
+    return "ok"
+
+
+async def job_server_fork(s: Soak, idx: int, rng: random.Random) -> str:
+    rid, stream = s.rid(idx), rng.random() < 0.5
+    rep = await s.post(server_fork_payload(s, rng, rid, stream, (2, 16), 900), stream)
+    return expect_ok(rep, rid)
+
+
+async def job_wide_fork(s: Soak, idx: int, rng: random.Random) -> str:
+    """A server-side fork wider than --branch-max-fanout: not taken, the request runs serially to
+    its end and says why in finish_reason.branchwise_error."""
+    rid, stream = s.rid(idx), rng.random() < 0.5
+    sj = spec("multiverse", rng.randint(MAX_FANOUT + 1, MAX_FANOUT + 8), [rng.randint(1, 4)])
+    rep = await s.post(driven_request(text(rng), sj, grammar="multiverse", rid=rid, stream=stream,
+                                      max_new_tokens=1200), stream)
+    expect_ok(rep, rid, limit_error="--branch-max-fanout")
+    return "ok_serial"
+
+
+async def job_disconnect(s: Soak, idx: int, rng: random.Random) -> str:
+    """Read 1-3 chunks of a long stream (serial or server fork), then drop the connection."""
+    rid = s.rid(idx)
+    if rng.random() < 0.5:
+        payload = {"text": text(rng), "rid": rid, "stream": True,
+                   "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+    else:
+        payload = server_fork_payload(s, rng, rid, True, (100, 300), 1500)
+    rep = await s.post(payload, stream=True, stop_after=rng.randint(1, 3))
+    return "disconnected" if rep.disconnected else expect_ok(rep, rid)
+
+
+async def _abort_after(s: Soak, payload: dict[str, Any], stream: bool, delay_s: float, abort_rid: str,
+                       expect_abort: bool) -> str:
+    task = asyncio.ensure_future(s.post(payload, stream))
+    await asyncio.sleep(delay_s)
+    await s.abort(abort_rid)
+    res = expect_ok(await task, payload["rid"], abort_ok=expect_abort)
+    if not expect_abort:
+        return res
+    return "aborted" if res == "aborted" else "finished_before_abort"
+
+
+async def job_abort_parent(s: Soak, idx: int, rng: random.Random) -> str:
+    """Abort a server-fork parent (its branches go with it) or a serial stream, by its rid; or send an
+    abort for a server-side branch rid, which SGLang ignores (the client never owned that rid)."""
+    rid, stream, delay = s.rid(idx), rng.random() < 0.5, rng.uniform(0.1, 2.5)
+    which = rng.choice(["fork", "fork", "serial", "branch_rid"])
+    if which == "serial":
+        payload = {"text": text(rng), "rid": rid, "stream": stream,
+                   "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
+        return await _abort_after(s, payload, stream, delay, rid, True)
+    if which == "fork":
+        return await _abort_after(s, server_fork_payload(s, rng, rid, stream, (100, 300), 1500), stream, delay,
+                                  rid, True)
+    payload = server_fork_payload(s, rng, rid, stream, (2, 16), 900)
+    return await _abort_after(s, payload, stream, delay, f"{rid}/p0/b0", False)
+
+
+async def job_abort_branch(s: Soak, idx: int, rng: random.Random) -> str:
+    """Client fork of long branches; abort one branch by its rid: it ends aborted, its siblings do not."""
+    group, n = s.rid(idx), rng.randint(2, 4)
+    victim = rng.randrange(n)
+    prompt = text(rng)
+    sp = {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True, "temperature": 0}
+    streams = [rng.random() < 0.4 for _ in range(n)]
+    tasks = [asyncio.ensure_future(s.post(
+        {"text": prompt + f" branch {i}:", "sampling_params": client.stamp_branch(sp, group, i, n),
+         "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i])) for i in range(n)]
+    await asyncio.sleep(rng.uniform(0.1, 2.0))
+    await s.abort(client.branch_rid(group, victim))
+    reps = await asyncio.gather(*tasks)
+    res = "finished_before_abort"
+    for i, rep in enumerate(reps):
+        got = expect_ok(rep, client.branch_rid(group, i), abort_ok=i == victim)
+        if i == victim and got == "aborted":
+            res = "aborted"
+    return res
+
+
+async def job_bad_meta(s: Soak, idx: int, rng: random.Random) -> str:
+    cases = BAD_META + (BAD_META_HOSTILE if s.hostile_meta else [])
+    cp, needle = rng.choice(cases)
+    stream = rng.random() < 0.3
+    payload = {"text": text(rng), "rid": s.rid(idx), "stream": stream,
+               "sampling_params": {"max_new_tokens": 8, "custom_params": cp}}
+    return expect_rejected(await s.post(payload, stream), needle)
+
+
+async def job_bad_sampling(s: Soak, idx: int, rng: random.Random) -> str:
+    bad, needle = rng.choice(BAD_SAMPLING)
+    stream = rng.random() < 0.3
+    payload = {"text": text(rng), "rid": s.rid(idx), "stream": stream,
+               "sampling_params": {"max_new_tokens": 8} | bad}
+    return expect_rejected(await s.post(payload, stream), needle)
+
+
+async def job_bad_json(s: Soak, idx: int, rng: random.Random) -> str:
+    body, needle = rng.choice(BAD_JSON)
+    if isinstance(body, dict):
+        body = dict(body, rid=s.rid(idx))
+    return expect_rejected(await s.post(body), needle)
+
+
+JOBS: dict[str, Callable[[Soak, int, random.Random], Awaitable[str]]] = {
+    "serial": job_serial, "client_fork": job_client_fork, "frontend": job_frontend,
+    "server_fork": job_server_fork, "disconnect": job_disconnect, "abort_parent": job_abort_parent,
+    "abort_branch": job_abort_branch, "bad_meta": job_bad_meta, "bad_sampling": job_bad_sampling,
+    "bad_json": job_bad_json, "wide_fork": job_wide_fork,
+}
+
+
+def job_kind(seed: int, idx: int, mix: dict[str, int]) -> str:
+    kinds = sorted(mix)
+    return random.Random(f"{seed}/{idx}/kind").choices(kinds, [mix[k] for k in kinds])[0]
+
+
+async def run_job(s: Soak, idx: int, kind: str) -> Outcome:
+    rng = random.Random(f"{s.seed}/{idx}/params")
+    t0 = time.monotonic()
+    try:
+        res = await asyncio.wait_for(JOBS[kind](s, idx, rng), s.job_timeout_s)
+        return Outcome(idx, kind, res, seconds=time.monotonic() - t0)
+    except TimeoutError:
+        return Outcome(idx, kind, "LOST", f"no final answer within {s.job_timeout_s:.0f} s", time.monotonic() - t0)
+    except Exception as e:  # noqa: BLE001 - every failure is reported with its job
+        return Outcome(idx, kind, "FAIL", f"{type(e).__name__}: {e}"[:500], time.monotonic() - t0)
+
+
+# ---- server observation --------------------------------------------------------------------------
+@dataclass
+class Watch:
+    """/health and /v1/loads polled for the whole run."""
+
+    polls: int = 0
+    unhealthy: list[str] = field(default_factory=list)
+    busy: int = 0  # polls with a request running or waiting
+    waiting: int = 0  # polls with a non-empty waiting queue
+    max_running: int = 0
+    max_waiting: int = 0
+
+
+async def watch(s: Soak, w: Watch, stop: asyncio.Event) -> None:
+    while not stop.is_set():
+        try:
+            async with s.http.get(s.url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                if r.status != 200:
+                    w.unhealthy.append(f"/health -> {r.status}")
+            async with s.http.get(s.url + "/v1/loads", timeout=aiohttp.ClientTimeout(total=30)) as r:
+                load = (await r.json())["loads"][0]
+            w.polls += 1
+            run, wait = load["num_running_reqs"], load["num_waiting_reqs"]
+            w.busy += bool(run or wait)
+            w.waiting += bool(wait)
+            w.max_running, w.max_waiting = max(w.max_running, run), max(w.max_waiting, wait)
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as e:
+            w.unhealthy.append(f"poll failed: {e!r}")
+        try:
+            await asyncio.wait_for(stop.wait(), POLL_S)
+        except TimeoutError:
+            pass
+
+
+def reports(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    st = get_json(url + "/server_info")["internal_states"][0]
+    return st["branchwise"], st.get("branchwise_fork") or {}
+
+
+def rss_mb(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise RuntimeError(f"no VmRSS for pid {pid}")
+
+
+def residue(bw: dict[str, Any], fork: dict[str, Any]) -> dict[str, int]:
+    """Non-empty per-request Branchwise state (name -> size). The encode cache is bounded, not
+    per-request, and `recent`/counters are bounded histories: not listed."""
+    sizes = {f"controller.{k}": v for k, v in (bw.get("sizes") or {}).items()}
+    if fork:
+        sizes |= {"fork.parked": fork["parked"], "fork.open_phases": fork["open_phases"],
+                  "fork.live_branches": fork["live_branches"]}
+        sizes |= {f"fork.{k}": v for k, v in (fork.get("sizes") or {}).items() if k != "enc_cache"}
+    return {k: v for k, v in sizes.items() if v}
+
+
+async def wait_idle(s: Soak) -> tuple[dict[str, Any], float]:
+    """Poll until no KV is used and nothing runs, waits or is parked; returns the last load."""
+    t0 = time.monotonic()
+    while True:
+        async with s.http.get(s.url + "/v1/loads") as r:
+            load = (await r.json())["loads"][0]
+        _, fork = await asyncio.to_thread(reports, s.url)
+        busy = (load["num_used_tokens"], load["num_running_reqs"], load["num_waiting_reqs"],
+                fork.get("parked", 0), fork.get("live_branches", 0), fork.get("open_phases", 0))
+        if not any(busy) or time.monotonic() - t0 > IDLE_DEADLINE_S:
+            return load, time.monotonic() - t0
+        await asyncio.sleep(0.2)
+
+
+# ---- the run -------------------------------------------------------------------------------------
+@dataclass
+class End:
+    """What the server looked like: scheduler pid and RSS after warm-up, state after the load."""
+
+    pid: int
+    rss0: float
+    rss1: float = float("nan")
+    alive: bool = False
+    load: dict[str, Any] = field(default_factory=dict)
+    idle_s: float = 0.0
+    bw: dict[str, Any] = field(default_factory=dict)
+    fork: dict[str, Any] = field(default_factory=dict)
+    load_s: float = 0.0
+
+
+@dataclass
+class Result:
+    outcomes: list[Outcome]
+    checks: dict[str, tuple[bool, str]]
+    info: list[str]
+    end: End
+    seconds: float
+
+    @property
+    def ok(self) -> bool:
+        return all(ok for ok, _ in self.checks.values())
+
+
+def run(url: str, a: argparse.Namespace, server: LocalServer | None = None) -> Result:
+    """The soak against `url` (`server`: the launched server, for its process and log checks)."""
+    return asyncio.run(_run(url, a, server))
+
+
+async def _run(url: str, a: argparse.Namespace, server: LocalServer | None) -> Result:
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
+    async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
+        s = Soak(url, a.seed, http, f"soak{os.getpid():x}{int(time.time()) % 100000:05d}", a.job_timeout_s,
+                 dict(MIX), hostile_meta=a.hostile_meta)
+        try:
+            t0 = time.monotonic()
+            outcomes, w, end = await _load(s, a)
+            return Result(outcomes, checks(s, a, outcomes, w, end, server), info(w, end), end,
+                          time.monotonic() - t0)
+        finally:
+            s.pool.shutdown(wait=False, cancel_futures=True)
+
+
+async def _load(s: Soak, a: argparse.Namespace) -> tuple[list[Outcome], Watch, End]:
+    bw0, _ = await asyncio.to_thread(reports, s.url)
+    pid = int(bw0["pid"])
+    # warm-up: one job of every kind (first frontend import, the driver's dill blob, first forks)
+    outcomes = list(await asyncio.gather(*[run_job(s, i, k) for i, k in enumerate(sorted(s.mix))]))
+    await wait_idle(s)
+    end = End(pid, rss_mb(pid))
+    print(f"warm-up: {len(outcomes)} jobs, scheduler pid {pid}, VmRSS {end.rss0:.0f} MiB", flush=True)
+
+    w, stop = Watch(), asyncio.Event()
+    watcher = asyncio.ensure_future(watch(s, w, stop))
+    deadline = time.monotonic() + 60 * a.minutes
+    counter = iter(range(len(outcomes), len(outcomes) + a.max_jobs))
+
+    async def worker() -> None:
+        for i in counter:
+            if time.monotonic() >= deadline:
+                return
+            outcomes.append(await run_job(s, i, job_kind(s.seed, i, s.mix)))
+
+    t_load = time.monotonic()
+    await asyncio.gather(*[worker() for _ in range(a.concurrency)])
+    end.load_s = time.monotonic() - t_load
+    stop.set()
+    await watcher
+    end.load, end.idle_s = await wait_idle(s)
+    end.bw, end.fork = await asyncio.to_thread(reports, s.url)
+    end.alive = Path(f"/proc/{pid}").exists()
+    end.rss1 = rss_mb(pid) if end.alive else float("nan")
+    return outcomes, w, end
+
+
+def checks(s: Soak, a: argparse.Namespace, outcomes: list[Outcome], w: Watch, end: End,
+           server: LocalServer | None) -> dict[str, tuple[bool, str]]:
+    bad = [o for o in outcomes if o.result in ("LOST", "FAIL")]
+    dup = {r: n for r, n in s.answered.items() if n > 1}
+    foreign = s.foreign + [r for r in s.answered if r not in s.sent]
+    proc_ok = server is None or (server.proc is not None and server.proc.poll() is None)
+    leaked = server is not None and server.log_path is not None and "Received output for" in \
+        server.log_path.read_text(errors="replace")  # SGLang's line when an unknown rid reaches it
+    res = residue(end.bw, end.fork)
+    load, growth = end.load, end.rss1 - end.rss0
+    return {
+        "lost": (not bad, f"{len(outcomes) - len(bad)}/{len(outcomes)} jobs ended as expected"
+                 + "".join(f"\n    job {o.idx} {o.kind}: {o.result} {o.detail}" for o in bad[:20])),
+        "duplicated": (not dup and not foreign and not s.stream_extra and not leaked,
+                       f"{sum(s.answered.values())} final answers for {len(s.answered)} rids; duplicated "
+                       f"{len(dup)}, foreign {len(foreign)}, streams going on after their final "
+                       f"{len(s.stream_extra)}, branch output reaching the tokenizer {leaked}"
+                       + (f"\n    {list(dup.items())[:5]} {foreign[:5]} {s.stream_extra[:5]}"
+                          if dup or foreign or s.stream_extra else "")),
+        "healthy": (not w.unhealthy and int(end.bw["pid"]) == end.pid and end.alive and proc_ok,
+                    f"{w.polls} polls of /health and /v1/loads, {len(w.unhealthy)} failed; scheduler pid "
+                    f"{end.pid} -> {end.bw['pid']} (alive {end.alive}); server process alive {proc_ok}"
+                    + "".join(f"\n    {u}" for u in w.unhealthy[:5])),
+        "idle": (not (load["num_used_tokens"] or load["num_running_reqs"] or load["num_waiting_reqs"]),
+                 f"KV used {load['num_used_tokens']} tokens, running {load['num_running_reqs']}, waiting "
+                 f"{load['num_waiting_reqs']} ({end.idle_s:.1f} s after the last job)"),
+        "rss": (growth < a.rss_bound_mb, f"scheduler VmRSS {end.rss0:.0f} -> {end.rss1:.0f} MiB "
+                f"({growth:+.0f}, bound +{a.rss_bound_mb:.0f})"),
+        "dicts": (not res, "Branchwise per-request state all empty" if not res else f"left: {res}"),
+    }
+
+
+def info(w: Watch, end: End) -> list[str]:
+    c, t = end.fork.get("counters", {}), end.bw.get("taper", {})
+    return [
+        f"load: {end.load_s:.0f} s; requests in flight at {w.busy}/{w.polls} polls, waiting queue non-empty at "
+        f"{w.waiting} (max running {w.max_running}, max waiting {w.max_waiting})",
+        f"server: {c.get('forks', 0)} server-side forks, {c.get('branches', 0)} branches, "
+        f"{c.get('joins', 0)} joins, {c.get('parked_aborted', 0)} parked parents aborted; taper "
+        f"{t.get('planned_steps', 0)} planned steps, {t.get('rows_deferred', 0)} rows deferred",
+    ]
+
+
+def summary(r: Result) -> str:
+    by_kind: dict[str, Counter[str]] = {}
+    for o in r.outcomes:
+        by_kind.setdefault(o.kind, Counter())[o.result] += 1
+    lines = [f"soak: {len(r.outcomes)} jobs in {r.seconds:.0f} s", *r.info]
+    for kind in sorted(by_kind):
+        c = by_kind[kind]
+        lines.append(f"  {kind:<13} {sum(c.values()):>5}  " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
+    for name, (ok, msg) in r.checks.items():
+        lines.append(f"{'PASS' if ok else 'FAIL'} {name:<10} {msg}")
+    lines.append("soak passed" if r.ok else "soak FAILED")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    where = ap.add_mutually_exclusive_group(required=True)
+    where.add_argument("--url", help="a running server on this machine (loopback only)")
+    where.add_argument("--launch", action="store_true", help="start a server: " + " ".join(SERVER_ARGS))
+    ap.add_argument("--model", default="models/tiny", help="with --launch (built if missing)")
+    ap.add_argument("--minutes", type=float, default=1.0)
+    ap.add_argument("--concurrency", type=int, default=12, help="jobs in flight")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--max-jobs", type=int, default=100_000, help="stop after this many jobs in any case")
+    ap.add_argument("--job-timeout-s", type=float, default=180.0, help="a job without a final answer by then is lost")
+    ap.add_argument("--rss-bound-mb", type=float, default=256.0, help="allowed scheduler VmRSS growth")
+    ap.add_argument("--hostile-meta", action="store_true",
+                    help="also send custom_params that are lists, strings or 300-digit numbers")
+    a = ap.parse_args(argv)
+    if a.url and not a.url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:")):
+        ap.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
+    if a.minutes <= 0 or a.concurrency < 1 or a.max_jobs < 1:
+        ap.error("--minutes, --concurrency and --max-jobs must be positive")
+    return a
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(argv)
+    server = None
+    if a.launch:
+        from branchwise.tiny_model import build
+
+        if not (Path(a.model) / "config.json").exists():
+            build(a.model)
+        server = LocalServer(str(a.model), list(SERVER_ARGS)).start()
+        print(f"server {server.url} (log {server.log_path})", flush=True)
+    try:
+        result = run(server.url if server else a.url.rstrip("/"), a, server)
+        if server is not None and not result.ok:
+            print(f"server log tail ({server.log_path}):\n{server.log_tail()}", flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    print(summary(result), flush=True)
+    return 0 if result.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
