@@ -35,6 +35,7 @@ import asyncio
 import json
 import os
 import random
+import shlex
 import sys
 import time
 from collections import Counter
@@ -679,6 +680,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--url", help="a running server on this machine (loopback only)")
     where.add_argument("--launch", action="store_true", help="start a server: " + " ".join(SERVER_ARGS))
     ap.add_argument("--model", default="models/tiny", help="with --launch (built if missing)")
+    ap.add_argument("--server-args", default="", help="extra flags for the --launch server, e.g. --async-output")
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--concurrency", type=int, default=12, help="jobs in flight")
     ap.add_argument("--seed", type=int, default=0)
@@ -701,7 +703,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not (Path(a.model) / "config.json").exists():
             build(a.model)
-        server = LocalServer(str(a.model), list(SERVER_ARGS)).start()
+        server = LocalServer(str(a.model), SERVER_ARGS + shlex.split(a.server_args)).start()
         print(f"server {server.url} (log {server.log_path})", flush=True)
     try:
         result = run(server.url if server else a.url.rstrip("/"), a, server)
