@@ -42,7 +42,7 @@ class RequestMeta:
 SERIAL = RequestMeta()
 
 
-def _show(v: Any) -> str:
+def show(v: Any) -> str:
     """A short repr of a client value for an error message (never raises: ints past Python's
     4300-digit str limit cannot be repr'd)."""
     try:
@@ -58,10 +58,10 @@ def _num(d: dict, key: str, kind: type, lo: float, hi: float, default: Any) -> A
     v = d.get(key, default)
     if v is default:
         return v
-    what = "an integer" if kind is int else "a number"
+    what, fmt = ("an integer", "d") if kind is int else ("a number", "g")
     if (isinstance(v, bool) or not isinstance(v, int | float)
             or (kind is int and isinstance(v, float) and not v.is_integer()) or not lo <= v <= hi):
-        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:g}, {hi:g}], got {_show(v)}")
+        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:{fmt}}, {hi:{fmt}}], got {show(v)}")
     return kind(v)
 
 
@@ -79,18 +79,18 @@ def parse(custom_params: Any) -> RequestMeta:
         raise MetaError(f"custom_params.{KEY} must be an object, got {type(d).__name__}")
     unknown = [k for k in d if k not in _FIELDS]
     if unknown:
-        shown = ", ".join(_show(k) for k in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        shown = ", ".join(show(k) for k in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
         raise MetaError(f"unknown custom_params.{KEY} keys [{shown}]; valid: {sorted(_FIELDS)}")
     phase = d.get("phase")
     if phase is not None and (not isinstance(phase, str) or not phase):
-        raise MetaError(f"custom_params.{KEY}.phase must be a non-empty string, got {_show(phase)}")
+        raise MetaError(f"custom_params.{KEY}.phase must be a non-empty string, got {show(phase)}")
     fanout = _num(d, "fanout", int, 1, INT_MAX, 1)
     branch = _num(d, "branch", int, 0, INT_MAX, 0)
     if branch >= fanout:
         raise MetaError(f"custom_params.{KEY}.branch {branch} must be < fanout {fanout}")
     grammar = d.get("grammar")
     if grammar is not None and (not isinstance(grammar, str) or grammar not in GRAMMARS):
-        raise MetaError(f"custom_params.{KEY}.grammar {_show(grammar)}; valid: {', '.join(GRAMMARS)}")
+        raise MetaError(f"custom_params.{KEY}.grammar {show(grammar)}; valid: {', '.join(GRAMMARS)}")
     slo = _num(d, "slo_tpot_ms", float, 1e-3, FLOAT_MAX, None)
     weight = _num(d, "weight", float, 0.0, FLOAT_MAX, 1.0)
     return RequestMeta(phase, branch, fanout, slo, weight, grammar)
