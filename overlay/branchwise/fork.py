@@ -583,7 +583,8 @@ class ForkManager:
                  "by_parent": len(reg.by_parent), "phase_counts": len(reg._count),
                  "enc_cache": self._enc.cache_info().currsize}
         return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
-                "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent)}
+                "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent),
+                "limits": {"max_fanout": self.cfg.branch_max_fanout, "max_branch_tokens": self.max_branch_tokens}}
 
 
 # ------------------------------------------------------------------------------------------------

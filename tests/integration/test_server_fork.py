@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+import urllib.error
 import urllib.request
 
 import pytest
@@ -189,3 +190,82 @@ def test_invariance_cli_concurrent_vs_one_at_a_time(srv):
     from bench import invariance
 
     assert invariance.main(["--url", srv.url, "--programs", "4"]) == 0
+
+
+# ---- one client must not hurt the others: fork limits and --branch-grammar-clients deny
+
+LIMITS_ARGS = (*ARGS, "--branch-grammar", "sprint", "--branch-grammar-clients", "deny",
+               "--branch-max-branch-tokens", "7000")
+
+
+def serial_with_error(url: str, payload: dict, needle: str, tag: str, count: int) -> dict:
+    """The request ran serially (no new fork, the whole skeleton in its text) and says why."""
+    before = fork_report(url)["counters"]
+    out = gen(url, payload)
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "stop" and needle in fr.get("branchwise_error", ""), fr
+    assert out["text"].count(tag) == count
+    after = fork_report(url)["counters"]
+    assert after.get("forks", 0) == before.get("forks", 0)
+    assert after["over_limit_forks"] == before.get("over_limit_forks", 0) + 1
+    wait_idle(url)
+    return out
+
+
+def test_fork_over_max_fanout_runs_serially(srv):
+    payload = request(PROMPT, spec("multiverse", 17, [2]), grammar="multiverse", rid="wide", max_new_tokens=600)
+    serial_with_error(srv.url, payload, "fork of 17 branches exceeds --branch-max-fanout 16", "<Path>", 17)
+    assert phases_of(srv.url, "wide") == []
+    ok = gen(srv.url, request(PROMPT, spec("multiverse", 16, [2]), grammar="multiverse", rid="wide16",
+                              max_new_tokens=600))
+    assert "branchwise_error" not in ok["meta_info"]["finish_reason"]
+    assert [p["fanout"] for p in phases_of(srv.url, "wide16")] == [16]  # at the limit: forked
+    wait_idle(srv.url)
+
+
+def test_fork_over_branch_tokens_auto_kv_pool_runs_serially(srv):
+    """auto: the KV pool (--max-total-tokens 16384 here); 9 branches of ~1990 tokens would claim more."""
+    payload = request(PROMPT, spec("multiverse", 9, [2]), grammar="multiverse", max_new_tokens=2000)
+    out = serial_with_error(srv.url, payload, "over --branch-max-branch-tokens ", "<Path>", 9)
+    err = out["meta_info"]["finish_reason"]["branchwise_error"]
+    assert "fork of 9 branches would grant" in err
+    pool = fork_report(srv.url)["limits"]["max_branch_tokens"]  # resolved from the scheduler's pool
+    assert err.endswith(f"--branch-max-branch-tokens {pool}; continued serially") and 16000 <= pool <= 16384
+
+
+@pytest.fixture(scope="module")
+def limits(servers):
+    return servers.get(*LIMITS_ARGS)
+
+
+def test_branch_tokens_limit_and_release_between_rounds(limits):
+    # 4 x ~1990 tokens > 7000: serial
+    serial_with_error(limits.url, request(PROMPT, spec("sprint", 4, [2]), max_new_tokens=2000),
+                      "over --branch-max-branch-tokens 7000", "<Execution", 4)
+    # 3 x ~1990 fit; round 2 forks after round 1's branches ended and gave their grants back
+    # (without the release round 2 would need ~11900 tokens)
+    out = gen(limits.url, request(PROMPT, spec("sprint", 3, [2], rounds=2), rid="rounds", max_new_tokens=2000))
+    fr = out["meta_info"]["finish_reason"]
+    assert fr["type"] == "stop" and "branchwise_error" not in fr, fr
+    assert [p["fanout"] for p in phases_of(limits.url, "rounds")] == [3, 3]
+    wait_idle(limits.url)
+
+
+def test_grammar_clients_deny(limits):
+    sj = spec("sprint", 2, [3])
+    # a grammar the operator did not configure: HTTP 400, nothing runs
+    with pytest.raises(urllib.error.HTTPError) as e:
+        gen(limits.url, request(PROMPT, spec("multiverse", 2, [3]), grammar="multiverse", max_new_tokens=300))
+    assert e.value.code == 400
+    assert "--branch-grammar-clients deny" in e.value.read().decode()
+    # the server's own grammar applies to every request; naming it, or opting out, is allowed
+    before = fork_report(limits.url)["counters"].get("forks", 0)
+    for grammar, forks in ((None, 1), ("sprint", 1), ("none", 0)):
+        out = gen(limits.url, request(PROMPT, sj, grammar=grammar, max_new_tokens=300))
+        assert "branchwise_error" not in out["meta_info"]["finish_reason"]
+        assert out["text"].count("<Execution") == 2
+        after = fork_report(limits.url)["counters"].get("forks", 0)
+        assert after == before + forks, grammar
+        before = after
+    assert get_json(limits.url + "/health") == {}
+    wait_idle(limits.url)
