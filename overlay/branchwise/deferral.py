@@ -151,7 +151,9 @@ def _pinned_cumulate(batch: Any) -> None:
     batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
 
 
-# Set per scheduler process by scheduler_hook.after_init: overlap on and a policy that can defer.
+# Set per scheduler process by scheduler_hook.after_init: overlap on and a step controller (every
+# policy defers branch rows; off runs one per phase per step). The hook sees only the ScheduleBatch,
+# and a process runs one scheduler, so the switch is per process.
 _pin_penalty_tokens = False
 
 

@@ -115,12 +115,13 @@ def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
     st.disabled_reason = deferral.why_unsupported(self)
     if st.disabled_reason:
         logger.warning("Branchwise: per-step branch admission is not supported with %s; "
-                       "falling back to policy off (all rows run every step)", st.disabled_reason)
+                       "every row runs every step (SGLang's schedule)", st.disabled_reason)
     else:
         st.controller = _build_controller(cfg)
-    # Rows that can sit out a step need their penalty tokens pinned (deferral.py); off == stock.
-    deferral.set_penalty_pinning(st.controller is not None and st.controller.policy.name != "off"
-                                 and bool(self.enable_overlap))
+    # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
+    # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
+    # previous step feeds the penalizers what SGLang's own rule feeds them.
+    deferral.set_penalty_pinning(st.controller is not None and bool(self.enable_overlap))
     if getattr(self.server_args, "enable_metrics", False) and st.tp_rank == 0:
         st.metrics = BranchwiseMetrics()
     self._branchwise = st
