@@ -24,22 +24,31 @@ protected row in more steps, each of which pays c0 again, queued requests waitin
 worth it only when the steps it moves to are less tight. Three terms, each an ablation:
 
 * SLO-matched budget (off: taper-no-mean). A serial stage is judged on its mean TPOT, so its slack
-  is (tokens + 1) * slo - elapsed since the stage began (slack.py, mean=True), like a phase's. A
-  phase's effective TPOT counts the tokens of all its branches: running w of its rows relaxes its
-  own bound to T <= rho * (slack + (w - 1) * slo), so deferring a late phase's rows never helps that
-  phase. The budget is rho * min over requests of that bound at full width, and every phase gets as
-  many rows (a floor, run whatever the budget) as its own bound needs at that budget.
+  is (tokens + 1) * slo - elapsed since the stage began (slack.py, mean=True), like a phase's: a
+  request that ran ahead of its pace lends what it banked to the step (the paper's per-gap slack
+  forgets it, and defers rows the SLO would allow). A phase's effective TPOT counts the tokens of
+  all its branches: running w of its rows relaxes its own bound to T <= rho * (slack + (w - 1) * slo),
+  so deferring a late phase's rows never helps that phase. The budget is rho * min over requests of
+  that bound at full width, and every phase gets as many rows (a floor, run whatever the budget) as
+  its own bound needs at that budget. The price: under sustained load the banked time goes to width
+  until steps run near the SLO, and a step the planner does not see (an arrival's prefill) then
+  tips marginal stages over it, where per-gap slack would have kept the bank as a margin; in deep
+  overload taper-paper can hold a few more stages.
 * Overload rule (off: taper-no-overload). When the rows that must run already exceed the budget,
   deferral cannot save the tightest requests this step: their budget was lost before any
   opportunistic row was counted. Those requests stop setting the budget; each of them bounds the
-  step at its SLO pace, rho * slo (a step within it lets a late request catch up by (1 - rho) * slo).
-  The requests that can still be kept within their budget set it as before. Without this rule the
-  budget goes to protected rows, nothing is admitted, phases live on, their protected rows pile up
-  in every step and the steps grow: the trap where eager beats taper-paper.
+  step at its SLO pace, rho * slo (a step within it lets a late request catch up by (1 - rho) * slo;
+  a phase's pace counts its ready rows). The requests that can still be kept within their budget
+  set it as before. Without this rule (and the phases' floors) the budget goes to protected rows,
+  nothing is admitted, phases live on, their protected rows pile up in every step and the steps
+  grow: the trap where eager beats taper-paper. With it, once the steps outgrow the SLO the phases
+  fall behind their own targets and their floors widen them until they are back on pace: they
+  finish and give back their slots and protected rows, which is how eager gets out of the trap.
 * Backlog term (off: taper-no-backlog). While requests wait for admission (ArrayBatch.waiting > 0)
   the engine has no idle time ahead in which deferred work could be caught up: time saved now is
   spent on the same demand later, and every deferred row keeps a slot from the queue. So the budget
-  never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less.
+  never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less
+  (the term binds only while some request is behind its pace).
   Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
 
 With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
