@@ -5,11 +5,15 @@ it) every branch request carries custom_params.branchwise {phase, branch, fanout
 rid, and the fork-point prefix is always committed to the radix cache before the branches start.
 
     python -m frontends.fork_join --url http://127.0.0.1:30000 --fanout 4 --programs 16 [--stock]
+
+--out FILE writes every program's final text and branch texts as JSON (compare two servers' runs
+with `cmp`). Under data parallelism it prints how many phases ran on one DP rank (meta_info.dp_rank).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +34,7 @@ from frontends.common import (
 @dataclass(slots=True)
 class ForkJoinResult(ProgramResult):
     branch_texts: list[str] = field(default_factory=list)
+    branch_dp_ranks: list[int | None] = field(default_factory=list)  # meta_info.dp_rank (DP servers)
 
     @property
     def fork_text(self) -> str:  # the parent's text at the fork: every branch prompt starts with it
@@ -63,7 +68,15 @@ def _result(state: Any) -> ForkJoinResult:
     if state.get_meta_info("tail") is not None:
         recs.append(RequestRecord.of("tail", state.get_meta_info("tail")))
     fork_text = exes[0].text_[: exes[0].fork_start_text_pos]
-    return ForkJoinResult(state.text(), recs, [fork_text], [e.variables["branch"] for e in exes])
+    ranks = [(e.meta_info.get("branch") or {}).get("dp_rank") for e in exes]
+    return ForkJoinResult(state.text(), recs, [fork_text], [e.variables["branch"] for e in exes], ranks)
+
+
+def one_rank_phases(results: list[ForkJoinResult]) -> tuple[int, int] | None:
+    """(phases whose branches all ran on one DP rank, phases), or None if the server reports no rank."""
+    if not any(r is not None for res in results for r in res.branch_dp_ranks):
+        return None
+    return sum(len(set(res.branch_dp_ranks)) == 1 for res in results), len(results)
 
 
 def run_batch(url: str, programs: int = 16, *, fanout: int = 4, head_tokens: int = 64,
@@ -93,6 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--branch-tokens", type=int, default=64)
     p.add_argument("--tail-tokens", type=int, default=16, help="0: end at the join")
     p.add_argument("--quiet", action="store_true", help="print only the cache summary")
+    p.add_argument("--out", help="write the programs' final and branch texts to this JSON file")
     a = p.parse_args(argv)
     results = run_batch(a.url, a.programs, fanout=a.fanout, head_tokens=a.head_tokens,
                         branch_tokens=a.branch_tokens, tail_tokens=a.tail_tokens,
@@ -100,6 +114,11 @@ def main(argv: list[str] | None = None) -> None:
     for k, res in enumerate(results if not a.quiet else []):
         print_result(res, f"program {k}")
         print(f"branch cached_tokens: {[r.cached_tokens for r in res.branches]}")
+    if a.out:
+        with open(a.out, "w") as f:
+            json.dump([{"text": r.text, "branches": r.branch_texts} for r in results], f, indent=1)
+    if (one := one_rank_phases(results)) is not None:
+        print(f"phases with all branches on one DP rank: {one[0]}/{one[1]}")
     hits, total = prefix_hits(a.url, results)
     print(f"branch prompts with the whole fork prefix cached: {hits}/{total} = {hits / total:.1%} "
           f"({'stock SGLang' if a.stock else 'Branchwise frontend hook'})")

@@ -10,6 +10,8 @@ patches SGLang's frontend in this process:
 - Each child of a fork(n > 1) is tagged (phase, branch, fanout); `RuntimeEndpoint.generate` and
   `generate_stream` of a tagged executor stamp `custom_params.branchwise` and a structured rid
   (branchwise.client.branch_rid). A fork inside a branch is a nested phase under the branch's rid.
+- The fork-point prefix request carries SGLang's `routing_key` = the fork's phase id, so under data
+  parallelism it lands on the DP rank its branches go to (branchwise.dp_dispatch).
 
 SGLang's plugin entry point runs only in server processes and the frontend never calls
 `load_plugins()`, so client programs opt in by importing this module. The patch is lazy: when
@@ -63,21 +65,28 @@ def _patch_interpreter(mod: Any) -> None:
     @functools.wraps(orig)
     def fork(self: Any, size: int = 1, position_ids_offset: Any = None) -> list[Any]:
         self.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
-        exes = orig(self, size, position_ids_offset)
+        self._bw_prefix_group = _next_group(self) if int(size) > 1 else None  # the hint's routing_key
+        try:
+            exes = orig(self, size, position_ids_offset)
+        finally:
+            group, self._bw_prefix_group = self._bw_prefix_group, None
         if len(exes) > 1:
-            _tag_children(self, exes)
+            _tag_children(group, exes)
         return exes
 
     _set(mod.StreamExecutor, "fork", fork)
 
 
-def _tag_children(parent: Any, exes: list[Any]) -> None:
+def _next_group(parent: Any) -> str:
     from branchwise.client import new_group
 
     ptag: BranchTag | None = getattr(parent, "_bw_tag", None)
     k = getattr(parent, "_bw_forks", 0)
     parent._bw_forks = k + 1
-    group = f"{ptag.base}/f{k}" if ptag else new_group()
+    return f"{ptag.base}/f{k}" if ptag else new_group()
+
+
+def _tag_children(group: str, exes: list[Any]) -> None:
     for i, exe in enumerate(exes):
         exe._bw_tag, exe._bw_turn = BranchTag(group, i, len(exes)), 0
 
@@ -97,7 +106,7 @@ def _arm(s: Any) -> bool:
 
 def _patch_endpoint(mod: Any) -> None:
     cls, http = mod.RuntimeEndpoint, mod.http_request
-    gen, gen_stream = cls.generate, cls.generate_stream
+    gen, gen_stream, commit = cls.generate, cls.generate_stream, cls.commit_lazy_operations
 
     @functools.wraps(gen)
     def generate(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
@@ -115,8 +124,20 @@ def _patch_endpoint(mod: Any) -> None:
         finally:
             _local.pending = None
 
+    @functools.wraps(commit)
+    def commit_lazy_operations(self: Any, s: Any) -> Any:
+        _local.route = getattr(s, "_bw_prefix_group", None)  # set while fork() sends its prefix hint
+        try:
+            return commit(self, s)
+        finally:
+            _local.route = None
+
     @functools.wraps(http)
     def http_request(url: str, json: Any = None, *args: Any, **kw: Any) -> Any:
+        route = getattr(_local, "route", None)
+        if route and isinstance(json, dict) and url.endswith("/generate"):
+            _local.route = None
+            json = {**json, "routing_key": route}
         pending = getattr(_local, "pending", None)
         if pending and isinstance(json, dict) and url.endswith("/generate") and isinstance(json.get("text"), str):
             _local.pending = None  # one stamp per gen call
@@ -126,6 +147,7 @@ def _patch_endpoint(mod: Any) -> None:
 
     _set(cls, "generate", generate)
     _set(cls, "generate_stream", generate_stream)
+    _set(cls, "commit_lazy_operations", commit_lazy_operations)
     _set(mod, "http_request", http_request)
 
 

@@ -27,6 +27,7 @@ SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
 
 
 def _flag_declared(name: str) -> bool:
@@ -109,6 +110,20 @@ def _fork_hooks(HookType):
     ]
 
 
+def _dp_hooks(HookType):
+    """Phase-affine DP dispatch (dp_dispatch.py); scheduler hooks registered after scheduler_hook's,
+    so they wrap them and see its bw_meta and report."""
+    from branchwise import dp_dispatch as dp
+
+    return [
+        (f"{DP_CONTROLLER}.__init__", dp.after_controller_init, HookType.AFTER),
+        (f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace, HookType.AROUND),
+        (f"{SCHEDULER}.__init__", dp.after_scheduler_init, HookType.AFTER),
+        (f"{SCHEDULER}._create_generation_req", dp.after_create_generation_req, HookType.AFTER),
+        (f"{SCHEDULER}.get_internal_state", dp.after_get_internal_state, HookType.AFTER),
+    ]
+
+
 def hook_tracked_request(req: Any) -> None:
     """Per-request hook on `Req.update_finish_state`, set on the instance of each request
     server-side fork tracks (fork.ForkManager.track). Not a HookRegistry target on purpose: a
@@ -178,6 +193,7 @@ def register() -> None:
     ]
     if timer_mode not in ("stock", "albireo"):
         hooks += _fork_hooks(HookType)
+        hooks += _dp_hooks(HookType)
         hooks.append((f"{TOKENIZER_MANAGER}._validate_one_request", input_ids_check.after_validate_one_request,
                       HookType.AFTER))
     if timer_mode != "stock":

@@ -214,6 +214,9 @@ def test_hook_stamps_branches_and_commits_the_prefix_first(fake, stream):
     nested = f"{group}/b1/f0"
     expect |= {f"{nested}/b{j}/0": {"phase": nested, "branch": j, "fanout": 2} for j in range(2)}
     assert by_rid == expect
+    hints = [b["routing_key"] for b in bodies if b["sampling_params"] == {"max_new_tokens": 0}]
+    assert hints == [group, nested]  # each fork's prefix hint routes with its phase (dp_dispatch)
+    assert not any("routing_key" in b for b in bodies if b["sampling_params"] != {"max_new_tokens": 0})
     tail = bodies[-1]
     assert tail["text"].startswith("questionxxx") and "custom_params" not in tail["sampling_params"]
 
