@@ -214,10 +214,16 @@ def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
     active: list[int] = []
     if st.tp_rank == 0:
-        if st.quiet_ts is not None:
-            _resume_serial_clocks(st, rows)
-        active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
-                                      waiting=len(getattr(self, "waiting_queue", ())))
+        try:
+            if st.quiet_ts is not None:
+                _resume_serial_clocks(st, rows)
+            active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
+                                          waiting=len(getattr(self, "waiting_queue", ())))
+        except Exception:  # noqa: BLE001 - the other ranks wait in the broadcast below
+            st.bump("decide_errors")
+            if st.counters["decide_errors"] == 1:
+                logger.exception("Branchwise: branch admission failed; running every row (logged once)")
+            active = list(range(len(rows)))
     if st.tp_size == 1:
         return active
     import torch
