@@ -16,8 +16,9 @@ batches ran on the worker thread rather than inline.
 Seeded sampling means per-request `sampling_seed`: SGLang honours it only under
 --enable-deterministic-inference (unavailable on CPU), --parallel-sampling always does, so seeded
 outputs are compared between the two parallel-sampling servers: async output on vs off, tp=1 vs
-tp=2 at once. Unseeded sampling draws from SGLang's global RNG, whose consumption depends on step
-timing, so it is not compared across servers.
+tp=2 at once. Without --parallel-sampling unseeded sampling draws from SGLang's global RNG, whose
+consumption depends on step timing, so it is not compared across servers; with it an unseeded row's
+seed follows --random-seed and its rid, so unseeded rows with client rids are compared too.
 """
 
 from __future__ import annotations
@@ -207,7 +208,8 @@ def sp_outputs(url: str) -> dict[str, Any]:
     seeded = [{"max_new_tokens": 24, "temperature": 0.9, "top_p": 0.95, "top_k": 50, "ignore_eos": True,
                "sampling_seed": 1000 + i} for i in range(len(PROMPTS))]
     other = [sp | {"sampling_seed": 2000 + i} for i, sp in enumerate(seeded)]
-    plain = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}  # no seed given: SGLang's 42
+    # no seed given: the row's seed follows --random-seed (0 on every server here) and its rid
+    plain = {"max_new_tokens": 24, "temperature": 1.0, "ignore_eos": True}
     return {
         "greedy": [r["output_ids"] for r in gen(url, PROMPTS, GREEDY)],
         "seeded": [r["output_ids"] for r in gen(url, PROMPTS, seeded)],
@@ -215,7 +217,7 @@ def sp_outputs(url: str) -> dict[str, Any]:
         "seeded_arrivals": arrivals(url, seeded[0] | {"max_new_tokens": 48}, [(PROMPTS[k], seeded[k]) for k in (1, 2, 3)]),
         "seeded_alone": gen(url, PROMPTS[2], seeded[2])["output_ids"],
         "other_seeds": [r["output_ids"] for r in gen(url, PROMPTS, other)],
-        "default_seed": [r["output_ids"] for r in gen(url, PROMPTS[:3], plain)],
+        "unseeded": [r["output_ids"] for r in gen(url, PROMPTS[:3], plain, rid=[f"albireo-u{i}" for i in range(3)])],
         "logprobs": gen(url, PROMPTS[:2], GREEDY | {"max_new_tokens": 8}, return_logprob=True),
         "grammar": [r["output_ids"] for r in gen(url, PROMPTS[:2], GRAMMAR)],
     }
@@ -379,10 +381,10 @@ def test_parallel_sampling_tp2_equals_single_rank_and_async_output_on_off(runs):
     assert two["seeded"] == one["seeded"]
     assert two["seeded_arrivals"] == one["seeded_arrivals"]
     assert two["seeded_arrivals"]["late"][0] == two["seeded"][1]  # a row's draw does not depend on when it came
-    assert two["default_seed"] == one["default_seed"]
+    assert two["unseeded"] == one["unseeded"]
     assert two["seeded_alone"] == two["seeded"][2]  # a row's draw does not depend on its batch
     assert two["other_seeds"] != two["seeded"]
-    assert len({tuple(x) for x in two["default_seed"]}) == 3  # same seed, different prompts
+    assert len({tuple(x) for x in two["unseeded"]}) == 3
     assert [r["output_ids"] for r in two["logprobs"]] == [g[:8] for g in two["greedy"][:2]]
     for name in ("async", "sp2"):
         rep = runs[name]["internal"]["branchwise_parallel_sampling"]
@@ -395,7 +397,7 @@ def test_parallel_sampling_tp2_equals_single_rank_and_async_output_on_off(runs):
 def test_forward_thread_under_tp2_equals_single_rank(runs):
     """Every rank runs its forwards (and the sampler's all-to-all) on its own worker thread."""
     one, two = runs["async"]["sp"], runs["sp2-async"]["sp"]
-    for key in ("greedy", "seeded", "seeded_arrivals", "seeded_alone", "other_seeds", "default_seed", "grammar"):
+    for key in ("greedy", "seeded", "seeded_arrivals", "seeded_alone", "other_seeds", "unseeded", "grammar"):
         assert two[key] == one[key], key
     assert [r["output_ids"] for r in two["logprobs"]] == [r["output_ids"] for r in one["logprobs"]]
     internal = runs["sp2-async"]["internal"]
