@@ -206,7 +206,8 @@ def measure_ab(url: str, path: str, overlap: bool, batch_sizes: list[int], steps
         secs = {"stock": 0.0, "albireo": 0.0}
         for r in range(rounds):
             for arm in (("stock", "albireo") if r % 2 == 0 else ("albireo", "stock")):
-                post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})
+                if not all(post_json(url + "/set_internal_state", {"server_args": {SWITCH_KEY: int(arm == "albireo")}})):
+                    raise RuntimeError(f"the server refused to switch to {arm} (see its log)")
                 t0 = time.perf_counter()
                 if min(waves, bs) > 1:
                     _post_waves(url, bs, _sampling(steps, extra), stream, min(waves, bs), gap_s)
