@@ -667,17 +667,23 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
     jobs = [Job(p, p, rho, calibrated) for p in policies]
     if ablations:
         names = {j.key for j in jobs}
-        jobs += [Job(p, p, rho, calibrated) for p in ("taper-no-slack", "taper-no-replan", "taper-const-predictor")
-                 if p not in names]
+        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-no-slack", "taper-no-replan",
+               "taper-const-predictor")
+        jobs += [Job(p, p, rho, calibrated) for p in abl if p in POLICY_NAMES and p not in names]
         jobs += [Job(f"taper(rho={r:g})", "taper", r, calibrated) for r in (0.5, 0.8, 1.0) if r != rho]
     return jobs
+
+
+def _n(x: float | None) -> str:
+    """A number in a table cell: one decimal below 100, none above."""
+    return fmt(x, nd=1 if x is None or abs(x) < 100 else 0)
 
 
 def table(results: dict[str, dict], baseline: str = "off") -> str:
     """One row per policy: attainment over all arrivals, finished fraction and P99 TTFT first."""
     base = results.get(baseline, {}).get("goodput_tok_s")
     head = (f"{'policy':<24}{'goodput':>9}{'x off':>7}{headline_head()}{'att-high':>9}{'att-gap':>8}"
-            f"{'raw tok/s':>10}{'P99 ser':>8}{'P99 par':>8}{'P99 gap':>8}{'step ms':>8}{'admit':>7}")
+            f"{'raw tok/s':>10}{'P99 ser':>9}{'P99 par':>9}{'P99 gap':>9}{'step ms':>8}{'admit':>7}")
     lines = [head, "-" * len(head)]
     for k, r in results.items():
         hi = r.get("per_regime", {}).get("high", {})
@@ -685,8 +691,8 @@ def table(results: dict[str, dict], baseline: str = "off") -> str:
         lines.append(
             f"{k:<24}{fmt(r['goodput_tok_s']):>9}{fmt(ratio, nd=2):>7}{headline_cells(r)}"
             f"{fmt(hi.get('slo_attainment'), True):>9}{fmt(r.get('slo_attainment_gap'), True):>8}"
-            f"{fmt(r['raw_throughput_tok_s']):>10}{fmt(r['p99_tpot_serial_ms']):>8}"
-            f"{fmt(r['p99_tpot_parallel_ms']):>8}{fmt(r.get('max_gap_p99_ms'), nd=0):>8}"
+            f"{fmt(r['raw_throughput_tok_s']):>10}{_n(r['p99_tpot_serial_ms']):>9}"
+            f"{_n(r['p99_tpot_parallel_ms']):>9}{_n(r.get('max_gap_p99_ms')):>9}"
             f"{fmt(r.get('step_latency_mean_ms')):>8}{fmt(r.get('admission_rate'), True, 0):>7}")
     return "\n".join(lines)
 
@@ -703,7 +709,7 @@ def regime_table(results: dict[str, dict]) -> str:
         for g in regimes:
             x = r["per_regime"].get(g, {})
             cells += f"{fmt(x.get('step_latency_mean_ms')):>12}{fmt(x.get('slo_attainment'), True):>12}"
-            cells += f"{fmt(x.get('finished_frac'), True):>12}{fmt(x.get('ttft_p99_s'), nd=0):>12}"
+            cells += f"{fmt(x.get('finished_frac'), True):>12}{_n(x.get('ttft_p99_s')):>12}"
             cells += f"{fmt(x.get('admission_rate'), True, 0):>12}"
         lines.append(f"{k:<24}{cells}")
     return "\n".join(lines)
@@ -721,7 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--latency-model", help="JSON latency model (predictor.py format); default: calibrated")
-    ap.add_argument("--ablations", action="store_true", help="add Table 1: no-slack, no-replan, const, rho")
+    ap.add_argument("--ablations", action="store_true",
+                    help="add taper's terms off one at a time (no-mean, no-overload, no-backlog), the paper's "
+                         "ablations (no-slack, no-replan, const-predictor) and taper at rho 0.5 / 1.0")
     ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
     ap.add_argument("--compress", type=float, default=1.0, help="run F times shorter at the same load")
     ap.add_argument("--trace-outputs", action="store_true", help="output lengths from the trace")
