@@ -39,30 +39,42 @@ def widths(rows: list[Row], active: list[int]) -> dict[str, int]:
     return out
 
 
-@pytest.mark.parametrize("step_s", [0.015, 0.018])
-def test_rate_2_1_trap_taper_paper_admits_nothing_taper_admits(step_s):
-    """Protected rows alone (24 serial + 8 phases: 15.7 ms) exceed taper-paper's budget (0.8 x the
-    per-gap slack left one step after the last token), with requests queued: the paper's rule runs
-    one row per request and the phases live on. taper judges slack the way the SLO is judged:
-    at 15 ms steps every request ran a little ahead of its pace, and the budget has room; at 18 ms
-    steps (the trap's growing steps) every request is behind, no deferral saves any of them, the
-    step is bounded by the SLO pace and the late phases take the rows their own targets need."""
+@pytest.mark.parametrize("step_s, serial", [(0.015, 14), (0.018, 24)])
+def test_rate_2_1_trap_taper_paper_admits_nothing_taper_admits(step_s, serial):
+    """Protected rows alone exceed taper-paper's budget (0.8 x the per-gap slack left one step after
+    the last token), with requests queued: the paper's rule runs one row per request and the phases
+    live on. 14 serial requests at 15 ms steps: the protected rows (12.2 ms) fit the SLO pace
+    (12.8 ms), every request ran a little ahead of its pace, and taper lends that bank to branch
+    rows. 24 serial requests at 18 ms steps (the trap's growing steps; protected rows 15.7 ms): every
+    request is behind, no deferral saves any of them, and the late phases take the rows their own
+    targets need."""
     paper = StepController(parse_policy("taper-paper", model=CPU))
-    rows, now = trapped(paper, step_s=step_s)
+    rows, now = trapped(paper, serial=serial, step_s=step_s)
     active = paper.select(rows, now, waiting=5)
     assert widths(rows, active) == {r.key: 1 for r in rows}
     assert paper.stats.candidates == 24 and paper.stats.admitted == 0
 
     taper = StepController(parse_policy("taper", model=CPU))
-    rows, now = trapped(taper, step_s=step_s)
+    rows, now = trapped(taper, serial=serial, step_s=step_s)
     active = taper.select(rows, now, waiting=5)
     w = widths(rows, active)
-    assert all(w[f"s{i}"] == 1 for i in range(24))
+    assert all(w[f"s{i}"] == 1 for i in range(serial))
     assert 0 < taper.stats.admitted <= taper.stats.candidates == 24
     if step_s == 0.015:  # within the budget it computed
         assert CPU.predict(len(active), 300 * len(active)) <= taper.stats.last_budget_s
     else:  # every phase at full width: they finish in a quarter of the steps
         assert all(w[f"p{p}"] == 4 for p in range(8))
+
+
+def test_bank_is_not_lent_once_protected_rows_exceed_the_pace():
+    """24 serial requests at 15 ms steps: protected rows (15.7 ms) beyond the pace (12.8 ms). The
+    requests are ahead of their pace, but that bank stays their margin: taper reads serial slack per
+    gap (1 ms left) and, with the phases on pace, defers like the paper."""
+    taper = StepController(parse_policy("taper", model=CPU))
+    rows, now = trapped(taper, serial=24, step_s=0.015)
+    assert taper.trackers["s0"].slack(now) == pytest.approx(21 * SLO - 0.315)  # the bank
+    active = taper.select(rows, now, waiting=5)
+    assert taper.stats.admitted == 0 and len(active) == 32
 
 
 def test_overload_rule_bounds_late_requests_at_their_pace():

@@ -113,11 +113,15 @@ class StepController:
         """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
         n = len(groups)
         heads = [rows[idx[0]] for idx in groups.values()]
-        slack = [self._tracker(h, now).slack(now) for h in heads]
+        trackers = [self._tracker(h, now) for h in heads]
+        slack = [t.slack(now) for t in trackers]
+        gap = [t.gap_slack(now) for t in trackers] if self._mean else None
         model = self.policy.model
         if bubble and model is not None:
             reserve = model.predict(n, sum(h.ctx for h in heads))
             slack = [s - reserve for s in slack]
+            if gap is not None:
+                gap = [s - reserve for s in gap]
             self.stats.bubble_steps += 1
         fixed = None
         if self.fixed:
@@ -128,7 +132,8 @@ class StepController:
             np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
             np.array(slack, dtype=np.float64), np.array([h.weight for h in heads], dtype=np.float64),
             np.array([h.phase for h in heads], dtype=bool), fixed, 0,
-            np.array([h.slo_s for h in heads], dtype=np.float64), max(int(waiting), 0))
+            np.array([h.slo_s for h in heads], dtype=np.float64), max(int(waiting), 0),
+            np.array(gap, dtype=np.float64) if gap is not None else None)
 
     @property
     def _mean(self) -> bool:

@@ -30,10 +30,11 @@ worth it only when the steps it moves to are less tight. Three terms, each an ab
   all its branches: running w of its rows relaxes its own bound to T <= rho * (slack + (w - 1) * slo),
   so deferring a late phase's rows never helps that phase. The budget is rho * min over requests of
   that bound at full width, and every phase gets as many rows (a floor, run whatever the budget) as
-  its own bound needs at that budget. The price: under sustained load the banked time goes to width
-  until steps run near the SLO, and a step the planner does not see (an arrival's prefill) then
-  tips marginal stages over it, where per-gap slack would have kept the bank as a margin; in deep
-  overload taper-paper can hold a few more stages.
+  its own bound needs at that budget. The bank is lent only while the protected rows alone fit the
+  SLO pace (rho * slo): beyond it the engine is overloaded, the banked time is the stages' only
+  margin against the steps the planner does not see (an arrival's prefill), and serial slack is
+  read per gap as in the paper (ArrayBatch.gap_slack_s). Lent then too, it goes to width until the
+  steps run at the SLO and marginal stages tip over it.
 * Overload rule (off: taper-no-overload). When the rows that must run already exceed the budget,
   deferral cannot save the tightest requests this step: their budget was lost before any
   opportunistic row was counted. Those requests stop setting the budget; each of them bounds the
@@ -179,6 +180,8 @@ class TaperPolicy:
         term makes the plan non-monotone in row cost: longer contexts can switch it on and widen."""
         rho, slack, slo = self.rho, a.slack_s, a.slo_s
         assert slo is not None
+        if a.gap_slack_s is not None and floor_cost(a, self.model, None) > rho * float(slo.min()):
+            slack = a.gap_slack_s  # the protected rows alone exceed the pace: the bank stays a margin
         extra = a.ready - 1
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
         credit = np.where(phase, slo * extra, 0.0) if self.mean else 0.0

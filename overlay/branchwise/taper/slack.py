@@ -93,6 +93,12 @@ class SlackTracker:
             return serial_slack(self.slo_s, now_s, self.last_token_s)
         return phase_slack(self.slo_s, now_s, self.phase_start_s, self.phase_tokens)
 
+    def gap_slack(self, now_s: float) -> float:
+        """The paper's reading: per gap in a serial stage (the phase slack in a phase)."""
+        if self.phase_start_s is None:
+            return serial_slack(self.slo_s, now_s, self.last_token_s)
+        return phase_slack(self.slo_s, now_s, self.phase_start_s, self.phase_tokens)
+
     def effective_tpot(self, now_s: float) -> float | None:
         """The phase's running effective TPOT (None outside a phase or before its first token)."""
         if self.phase_start_s is None or self.phase_tokens == 0:

@@ -60,6 +60,7 @@ class ArrayBatch:
     extra_tokens: int = 0
     slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
     waiting: int = 0  # requests queued for admission (SGLang's waiting queue): the backlog
+    gap_slack_s: np.ndarray | None = None  # float64[n], slack_s read per gap (the paper's serial slack)
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -69,7 +70,7 @@ class ArrayBatch:
             raise ValueError("ArrayBatch: every request needs at least one ready row")
         if self.ctx.shape != (int(self.ready.sum()),):
             raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
-        for name in ("weight", "phase", "fixed_width", "slo_s"):
+        for name in ("weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
             a = getattr(self, name)
             if a is not None and a.shape != (n,):
                 raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
