@@ -75,6 +75,7 @@ def test_bank_is_not_lent_once_protected_rows_exceed_the_pace():
     assert taper.trackers["s0"].slack(now) == pytest.approx(21 * SLO - 0.315)  # the bank
     active = taper.select(rows, now, waiting=5)
     assert taper.stats.admitted == 0 and len(active) == 32
+    assert taper.stats.terms == {"per_gap": 1, "overload": 1}  # overload: serial requests at pace
 
 
 def test_overload_rule_bounds_late_requests_at_their_pace():

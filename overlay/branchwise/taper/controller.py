@@ -56,6 +56,7 @@ class StepStats:
     last_predicted_s: float = 0.0
     bubble_steps: int = 0  # planned with the next step's protected composition reserved
     planner_errors: int = 0  # steps whose planning raised (every row ran)
+    terms: dict[str, int] = field(default_factory=dict)  # planned steps per taper term that applied
 
     @property
     def admission_rate(self) -> float:
@@ -155,6 +156,9 @@ class StepController:
         st.candidates += len(batch.ctx) - n
         st.admitted += plan.rows - n
         st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
+        for term in ("per_gap", "overload", "backlog"):
+            if term in plan.notes:
+                st.terms[term] = st.terms.get(term, 0) + 1
 
     def on_step_done(self, delivered: dict[str, tuple[int, float, bool]], now: float, n_rows: int) -> None:
         """Record token deliveries of the rows that ran: key -> (tokens, slo_s, in a phase)."""

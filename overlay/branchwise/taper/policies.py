@@ -176,12 +176,14 @@ class TaperPolicy:
 
     def weighed_budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
         """taper's budget and per-request row floor (module docstring), from a.slack_s and a.slo_s,
-        and notes saying which term raised the budget ("overload", "backlog": 1.0). The overload
+        and notes saying which terms applied ("per_gap", "overload", "backlog": 1.0). The overload
         term makes the plan non-monotone in row cost: longer contexts can switch it on and widen."""
         rho, slack, slo = self.rho, a.slack_s, a.slo_s
         assert slo is not None
+        notes: dict[str, float] = {}
         if a.gap_slack_s is not None and floor_cost(a, self.model, None) > rho * float(slo.min()):
             slack = a.gap_slack_s  # the protected rows alone exceed the pace: the bank stays a margin
+            notes["per_gap"] = 1.0
         extra = a.ready - 1
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
         credit = np.where(phase, slo * extra, 0.0) if self.mean else 0.0
@@ -190,7 +192,6 @@ class TaperPolicy:
         # `ready` tokens from it)
         pace = rho * slo * (a.ready if self.mean else 1)
         budget = float(bound.min())
-        notes: dict[str, float] = {}
         floor = self._floor(budget, slack, slo, phase, extra)
         if self.overload:
             forced_s = floor_cost(a, self.model, floor)
