@@ -82,7 +82,7 @@ class BranchwiseState:
                 "planner_ms_mean": 1e3 * s.planner_s / max(s.planned_steps, 1),
                 "last_budget_s": s.last_budget_s if math.isfinite(s.last_budget_s) else None,
                 "last_predicted_s": s.last_predicted_s, "bubble_steps": s.bubble_steps,
-                "planner_errors": s.planner_errors,
+                "planner_errors": s.planner_errors, "terms": dict(s.terms),
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
             rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed)}  # leak checks (soak)
