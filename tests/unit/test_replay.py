@@ -373,3 +373,32 @@ def test_capacity_replay_engine_runs_live_points(monkeypatch, tmp_path):
     eng.close()
     with pytest.raises(ValueError, match="one policy"):
         capacity.replay_engine(argparse.Namespace(**(vars(a) | {"policies": "off,taper"})))
+
+
+def test_flush_cache_waits_while_the_server_is_busy():
+    import http.server
+    import threading
+
+    answers = [400, 400, 200]
+    seen = []
+
+    class H(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            seen.append(self.path)
+            self.send_response(answers.pop(0) if answers else 404)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    srv = http.server.HTTPServer(("127.0.0.1", 0), H)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{srv.server_port}"
+    try:
+        assert replay.flush_cache(url, wait_s=10) is True and seen == ["/flush_cache"] * 3
+        assert replay.flush_cache(url, wait_s=10) is False  # no such endpoint (404): no waiting
+        replay.abort_all(url)  # best effort: a 404 is not an error
+        assert seen[-1] == "/abort_request"
+    finally:
+        srv.shutdown()
+    assert replay.flush_cache(DEAD, wait_s=1) is False
