@@ -45,6 +45,12 @@ class Probe:
         """Predicted step with `rows` rows whose KV holds `ctx` tokens each."""
         return self.model.predict(rows, rows * ctx)
 
+    def auto_slo_s(self, rows: float = 32.0, ctx: float = 256.0, floor: float = 2.5) -> float:
+        """The SLO a run calibrates to: T(rows rows of ctx KV tokens), but at least floor x T(1 row), so
+        per-forward costs that do not grow with rows (prefills of arrivals, scheduling) cannot take
+        the whole SLO on a machine with a flat T(S)."""
+        return max(self.at(rows, ctx), floor * self.at(1, ctx))
+
     def rows_within(self, t_s: float, ctx: float) -> float:
         """How many rows of `ctx` KV tokens fit in a step of `t_s` (the fluid bound's batch)."""
         per_row = self.model.c_seq + self.model.c_ctx * ctx

@@ -662,8 +662,8 @@ def calibrate(a: argparse.Namespace, trace: Any, scaling: Scaling, p: Probe, out
     TPOT also carries per-forward costs that do not grow with rows: prefills of arriving requests,
     scheduling); rate scale such that the mean demanded token rate is `load` x the tokens/s the
     server delivers at slo_rows rows; T(S) = the probe's line."""
-    t_slo, t_one = p.at(a.slo_rows, a.slo_context), p.at(1, a.slo_context)
-    slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * max(t_slo, a.slo_floor * t_one)
+    t_slo = p.at(a.slo_rows, a.slo_context)
+    slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * p.auto_slo_s(a.slo_rows, a.slo_context, a.slo_floor)
     rs = a.rate_scale
     if rs is None:
         rs = solve_rate_scale(a.load * a.slo_rows / t_slo, lambda k: mean_demand_tok_s(

@@ -80,8 +80,7 @@ def mean_program_tokens(trace: Any, setup: PointSetup, seed: int, n: int = 2000)
 
 def load_grid(p: Probe, mean_tokens: float, loads: tuple[float, ...] = LOADS, slo_tpot_ms: float | None = None,
               slo_rows: float = 32.0, slo_context: float = 256.0, slo_floor: float = 2.5) -> Grid:
-    t_one = p.at(1, slo_context)
-    slo_s = slo_tpot_ms / 1e3 if slo_tpot_ms else max(p.at(slo_rows, slo_context), slo_floor * t_one)
+    slo_s = slo_tpot_ms / 1e3 if slo_tpot_ms else p.auto_slo_s(slo_rows, slo_context, slo_floor)
     rows = p.rows_within(slo_s, slo_context)
     bound = rows / slo_s
     return Grid(1e3 * slo_s, bound, rows, mean_tokens, bound / mean_tokens, tuple(loads))
