@@ -219,23 +219,28 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
     return out
 
 
+@pytest.mark.parametrize("max_running", [0, 5])
 @pytest.mark.parametrize("policy", ["taper", "taper-paper", "taper-no-replan", "cap:2"])
-def test_simulator_drives_the_controller_as_the_scheduler_hook_does(policy: str) -> None:
+def test_simulator_drives_the_controller_as_the_scheduler_hook_does(policy: str, max_running: int) -> None:
     """One step sequence through both paths: the simulator's HookDriver, and the hook's own code on
-    the same rows and clocks. Every step's active rows agree, so the widths do."""
+    the same rows, clocks and queue length (max_running 5: requests wait). Every step's active rows
+    agree, so the widths do."""
     from branchwise.taper import POLICY_NAMES
 
     if policy == "taper-paper" and policy not in POLICY_NAMES:
         pytest.skip("taper-paper not defined yet")  # the paper's rule gets this name with the taper rework
     specs = [RequestSpec("a", 0.0, 50, (3, (30, 22, 41, 9), 5)), RequestSpec("b", 0.05, 400, (60,)),
-             RequestSpec("c", 0.1, 80, (2, (25, 25, 25), 4, (12, 30), 3)), RequestSpec("d", 0.4, 3000, (70,))]
-    cfg = EngineConfig(slo_s=0.02, noise=0.0, macro_steps=False)  # a tight SLO: widths vary
+             RequestSpec("c", 0.1, 80, (2, (25, 25, 25), 4, (12, 30), 3)), RequestSpec("d", 0.4, 3000, (70,)),
+             RequestSpec("e", 0.45, 30, (4, (15, 20), 6))]
+    cfg = EngineConfig(slo_s=0.02, noise=0.0, macro_steps=False, max_running=max_running)  # tight SLO
     ctl = build_controller(policy, default_model())
     ctl.refit = None
     sim = Simulator(specs, ctl, default_model(), cfg, 1e9)
     sim.trace = []
     sim.run()
-    want = [a for *_, a, _ in [(x[0], x[1], x[2], x[3], x[4]) for x in sim.trace]]
+    want = [x[3] for x in sim.trace]
+    if max_running:
+        assert max(x[4] for x in sim.trace if x[3] is not None) > 0  # a queue at some planned step
     planned = [a for a in want if a is not None]
     assert planned and any(len(a) < len(x[2]) for x, a in zip(sim.trace, want, strict=True) if a is not None) \
         or policy == "cap:2"
