@@ -27,6 +27,7 @@ SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
+IO_STRUCT = "sglang.srt.managers.io_struct"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
 
 
@@ -124,6 +125,17 @@ def _dp_hooks(HookType):
     ]
 
 
+def _validate_hooks(HookType):
+    """Malformed requests end as HTTP 400 in the HTTP server process (validate.py)."""
+    from branchwise import validate as v
+
+    return [
+        (f"{IO_STRUCT}.GenerateReqInput.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments,
+         HookType.AROUND),
+        (f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object, HookType.AROUND),
+    ]
+
+
 def hook_tracked_request(req: Any) -> None:
     """Per-request hook on `Req.update_finish_state`, set on the instance of each request
     server-side fork tracks (fork.ForkManager.track). Not a HookRegistry target on purpose: a
@@ -192,7 +204,7 @@ def register() -> None:
          HookType.AROUND),
     ]
     if timer_mode not in ("stock", "albireo"):
-        hooks += _fork_hooks(HookType)
+        hooks += _fork_hooks(HookType) + _validate_hooks(HookType)
         hooks += _dp_hooks(HookType)
         hooks.append((f"{TOKENIZER_MANAGER}._validate_one_request", input_ids_check.after_validate_one_request,
                       HookType.AFTER))

@@ -85,3 +85,59 @@ def test_stamp_rejects_a_malformed_existing_custom_params():
         with pytest.raises(MetaError, match="^custom_params"):
             stamp(sp, phase="g", branch=0, fanout=2)
     assert stamp({"custom_params": {KEY: None}}, grammar="sprint")["custom_params"] == {KEY: {"grammar": "sprint"}}
+
+
+def test_http_side_hooks_answer_400_for_any_client_error():
+    from branchwise import validate
+
+    class Obj:
+        sampling_params = [{"custom_params": {KEY: {"fanout": 0}}}]
+
+    def orig(self, *a, **kw):
+        raise TypeError("SamplingParams.__init__() got an unexpected keyword argument 'choice'")
+
+    with pytest.raises(MetaError, match=r"custom_params\.branchwise\.fanout"):
+        validate.around_normalize_batch_and_arguments(lambda s: None, Obj())
+    Obj.sampling_params = {"custom_params": {}}
+    with pytest.raises(ValueError, match="invalid request \\(TypeError: .*'choice'\\)"):
+        validate.around_normalize_batch_and_arguments(orig, Obj())
+    with pytest.raises(ValueError, match="OverflowError"):
+        validate.around_create_tokenized_object(lambda s, o: 2**64 < float(10**400), object(), Obj())
+    with pytest.raises(ValueError, match="^top_p") as e:  # SGLang's own 400s pass through unchanged
+        validate.around_create_tokenized_object(lambda s, o: (_ for _ in ()).throw(ValueError("top_p")), object(), Obj())
+    assert type(e.value) is ValueError
+    assert validate.around_create_tokenized_object(lambda s, o, x: x + 1, object(), Obj(), 1) == 2
+
+
+def test_n_is_bounded_before_sglang_copies_the_request():
+    from branchwise import validate
+
+    validate.check_sampling_params({"n": validate.MAX_N})
+    validate.check_sampling_params({"n": "many"})  # a wrong type is SGLang's own 400
+    for sp in ({"n": validate.MAX_N + 1}, [{}, {"n": 2**40}]):
+        with pytest.raises(ValueError, match="^sampling_params.n must be at most"):
+            validate.check_sampling_params(sp)
+
+
+def test_values_that_would_make_the_sampler_logits_infinite_are_refused():
+    from branchwise import validate
+
+    validate.check_sampling_params({"logit_bias": {"5": -1e30, "6": 100}, "repetition_penalty": 1e-6})
+    validate.check_sampling_params({"logit_bias": {"5": "x"}, "repetition_penalty": 0})  # SGLang's own 400s
+    for sp, field in (({"logit_bias": {"5": 1e308}}, "logit_bias"), ({"logit_bias": {"1": 1, "5": -(10**40)}}, "logit_bias"),
+                      ({"repetition_penalty": 1e-300}, "repetition_penalty")):
+        with pytest.raises(ValueError, match=f"^sampling_params.{field}"):
+            validate.check_sampling_params(sp)
+
+
+def test_values_that_overflow_scheduler_tensors_are_refused():
+    from branchwise import validate
+
+    validate.check_sampling_params({"top_k": 2**30, "min_new_tokens": 2**31 - 1})
+    validate.check_stop_token_ids({"stop_token_ids": [0, 99]}, 100)
+    for sp, field in (({"top_k": 2**31}, "top_k"), ({"min_new_tokens": 2**31}, "min_new_tokens")):
+        with pytest.raises(ValueError, match=f"^sampling_params.{field}"):
+            validate.check_sampling_params(sp)
+    for ids in ([100], [-1], [10**30]):
+        with pytest.raises(ValueError, match="^sampling_params.stop_token_ids"):
+            validate.check_stop_token_ids({"stop_token_ids": ids}, 100)

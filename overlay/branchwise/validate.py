@@ -1,0 +1,120 @@
+"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
+
+SGLang's tokenizer manager answers HTTP 400 for a ValueError raised while it prepares a request;
+any other exception there (a TypeError from a sampling_params key its SamplingParams does not take,
+an invalid session_params, ...) is an HTTP 500. Two hooks (registered in plugin.py) close that:
+
+- GenerateReqInput.normalize_batch_and_arguments, the first step of every generate request
+  (/generate, the OpenAI routes, the Engine API): Branchwise's custom_params are parsed here, so
+  a malformed stamp is a 400 naming the field and never crosses into the scheduler, and `n` is
+  bounded before SGLang makes n copies of the request;
+- TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
+  stop token ids are checked against the vocabulary, and an exception other than ValueError there
+  is about the request, so it becomes a ValueError.
+
+Bounds checked here are the values SGLang's own checks let through to the scheduler, where they
+raise inside its loop (a tensor of the wrong width, an out-of-range index, an infinite logit).
+
+The scheduler parses custom_params again (scheduler_hook.after_create_generation_req), so a
+request that reaches it by another path still cannot raise in the scheduler loop.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from branchwise import request_meta
+
+logger = logging.getLogger("branchwise.validate")
+MAX_MESSAGE = 300
+MAX_N = 128  # parallel samples per request (OpenAI's limit for n)
+# The sampler divides float32 logits by the repetition penalty (seen tokens) and by the temperature
+# (>= 1e-6; below it SGLang samples greedily), after adding logit_bias. Past these bounds a logit
+# becomes inf, softmax NaN, and torch.multinomial raises inside the scheduler loop.
+MAX_LOGIT_BIAS = 1e30  # SGLang's own bound when it sanitizes NaN logits
+MIN_REPETITION_PENALTY = 1e-6
+# top_k and min_new_tokens become int32 tensors in the scheduler (SGLang's "all" top_k is 2**30)
+MAX_TOP_K = 2**30
+INT32_MAX = 2**31 - 1
+_logged: set[str] = set()  # exception types already logged with a traceback (once each)
+
+
+def check_sampling_params(sampling_params: Any) -> None:
+    """ValueError (HTTP 400) for what SGLang would pass on unchecked, in a request's sampling_params
+    (a dict or, for a batch, a list of dicts; wrong types are SGLang's to judge): a malformed
+    custom_params (request_meta.MetaError, naming the field), an n above MAX_N (SGLang copies the
+    request n times before anything else looks at it), top_k / min_new_tokens past int32, and
+    logit_bias / repetition_penalty values that would make the sampler's float32 logits infinite."""
+    for sp in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        if not isinstance(sp, dict):
+            continue
+        request_meta.parse(sp.get("custom_params"))
+        n = sp.get("n")
+        if _is_num(n) and n > MAX_N:
+            raise ValueError(f"sampling_params.n must be at most {MAX_N}, got {request_meta.show(n)}")
+        for key, hi in (("top_k", MAX_TOP_K), ("min_new_tokens", INT32_MAX)):
+            v = sp.get(key)
+            if _is_num(v) and v > hi:
+                raise ValueError(f"sampling_params.{key} must be at most {hi}, got {request_meta.show(v)}")
+        rp = sp.get("repetition_penalty")
+        if _is_num(rp) and 0 < rp < MIN_REPETITION_PENALTY:
+            raise ValueError(f"sampling_params.repetition_penalty must be at least {MIN_REPETITION_PENALTY:g}, "
+                             f"got {request_meta.show(rp)}")
+        bias = sp.get("logit_bias")
+        if isinstance(bias, dict):
+            for v in bias.values():
+                if _is_num(v) and not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+                    raise ValueError(f"sampling_params.logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
+                                     f"{MAX_LOGIT_BIAS:g}], got {request_meta.show(v)}")
+
+
+def check_stop_token_ids(sampling_params: Any, vocab_size: int | None) -> None:
+    """Stop token ids index a vocab-sized tensor in the scheduler (the min_new_tokens penalizer)."""
+    ids = sampling_params.get("stop_token_ids") if isinstance(sampling_params, dict) else None
+    if not isinstance(ids, list | tuple | set) or not isinstance(vocab_size, int):
+        return
+    for t in ids:
+        if _is_num(t) and not 0 <= t < vocab_size:
+            raise ValueError(f"sampling_params.stop_token_ids must be token ids in [0, {vocab_size}), "
+                             f"got {request_meta.show(t)}")
+
+
+def _is_num(v: Any) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def as_bad_request(e: Exception, where: str) -> ValueError:
+    """The ValueError SGLang turns into HTTP 400, for an exception raised by a client's input."""
+    name = type(e).__name__
+    if name not in _logged:  # an unforeseen input shape: worth one traceback, not one per request
+        _logged.add(name)
+        logger.warning("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name,
+                       exc_info=e)
+    try:
+        msg = str(e)
+    except Exception:  # noqa: BLE001 - str() of an exception can itself fail (int digit limit)
+        msg = ""
+    msg = f"invalid request ({name}: {msg})"
+    return ValueError(msg if len(msg) <= MAX_MESSAGE else msg[: MAX_MESSAGE - 3] + "...")
+
+
+def around_normalize_batch_and_arguments(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    check_sampling_params(getattr(self, "sampling_params", None))
+    try:
+        return orig(self, *args, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the client's request is being read here
+        raise as_bad_request(e, "GenerateReqInput.normalize_batch_and_arguments") from e
+
+
+def around_create_tokenized_object(orig: Any, self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    vocab_size = getattr(getattr(self, "model_config", None), "vocab_size", None)
+    check_stop_token_ids(getattr(obj, "sampling_params", None), vocab_size)
+    try:
+        return orig(self, obj, *args, **kwargs)
+    except ValueError:
+        raise
+    except Exception as e:  # noqa: BLE001 - only the client's request is being read here
+        raise as_bad_request(e, "TokenizerManager._create_tokenized_object") from e
