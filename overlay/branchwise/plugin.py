@@ -187,8 +187,9 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from branchwise import deferral, input_ids_check
+    from branchwise import deferral
     from branchwise import scheduler_hook as sh
+    from branchwise import tokenizer_guards as tg
     from branchwise.albireo import step_timer
 
     # bench modes: "stock" = SGLang + the timer only; "albireo" = + Albireo's hooks, no other Branchwise hook
@@ -206,8 +207,8 @@ def register() -> None:
     if timer_mode not in ("stock", "albireo"):
         hooks += _fork_hooks(HookType) + _validate_hooks(HookType)
         hooks += _dp_hooks(HookType)
-        hooks.append((f"{TOKENIZER_MANAGER}._validate_one_request", input_ids_check.after_validate_one_request,
-                      HookType.AFTER))
+        hooks += [(f"{TOKENIZER_MANAGER}._validate_one_request", tg.after_validate_one_request, HookType.AFTER),
+                  (f"{TOKENIZER_MANAGER}.create_abort_task", tg.around_create_abort_task, HookType.AROUND)]
     if timer_mode != "stock":
         hooks += _albireo_hooks(HookType)
     if timer_mode:
