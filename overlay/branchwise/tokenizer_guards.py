@@ -7,10 +7,12 @@ validation rejects it instead, as SGLang's own checks do there: ValueError, HTTP
 
 stream abort task: a streamed /generate response carries a background task that aborts the rid
 2 s after the stream ends, reading `obj.is_single`, which only the request's normalization sets.
-When the stream's generator never ran (the client went away before it started), the task raises
-AttributeError after the response; uvicorn then closes the keep-alive connection, which by then
-may carry the same client's next request, and that request is lost. An unnormalized request never
-reached the tokenizer manager, so there is nothing to abort: the task is skipped.
+When normalization refused the request before setting it (a streamed body with neither text nor
+input_ids, or a check hooked in front of it) or never ran (the client left before the stream's
+generator started), the task raises AttributeError after the response; uvicorn then closes the
+keep-alive connection, which by then may carry the same client's next request, and that request is
+lost. An unnormalized request never reached the scheduler, so there is nothing to abort: the task
+is skipped.
 """
 
 from __future__ import annotations
