@@ -10,8 +10,12 @@ from concurrent.futures import ThreadPoolExecutor
 
 from branchwise.launch import branchwise_report, get_json, post_json
 from branchwise.request_meta import stamp
+from branchwise.taper.predictor import LinearLatencyModel
 
-TIGHT = ("--branch-policy", "taper", "--branch-slo-tpot-ms", "2", "--enable-metrics")
+# An SLO no step can meet: taper-paper's budget is below every step, so it runs one row per phase
+# (deferral in every step with a choice). taper would widen the late phases instead (policies.py);
+# test_partial_admission_on_a_measured_budget_matches_eager covers it.
+TIGHT = ("--branch-policy", "taper-paper", "--branch-slo-tpot-ms", "2", "--enable-metrics")
 EAGER = ("--branch-policy", "eager")
 
 
@@ -234,3 +238,43 @@ def test_memory_pressure_retraction_and_mixed_chunks_with_deferral(servers):
     assert rep["counters"].get("fallback_retract", 0) > 0 and retractions(tight) > 0
     assert rep["counters"].get("mixed_steps", 0) > 0
     assert wait_idle(tight.url) == 0
+
+
+def decode_step_s(url: str, rows: int) -> float:
+    """Seconds per decode step of a batch of `rows` serial requests on this server (greedy): the
+    difference of two lengths cancels prefill and HTTP; the faster of two tries drops a hiccup."""
+    def wall(n: int) -> float:
+        sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
+        t0 = time.perf_counter()
+        post_json(url + "/generate", {"text": [f"probe {i}: the plan" for i in range(rows)],
+                                      "sampling_params": [sp] * rows})
+        return time.perf_counter() - t0
+
+    return min((wall(72) - wall(8)) / 64 for _ in range(2))
+
+
+def test_partial_admission_on_a_measured_budget_matches_eager(servers, tmp_path):
+    """A budget between the protected composition and the whole batch, from a probe of this box:
+    T(10 rows) and T(40 rows) measured on the eager server give the latency model, and the SLO puts
+    rho x SLO halfway between them. 6 phases x 6 branches + 4 serial requests in one message: the
+    first plans (every clock fresh, slack = SLO) admit some branch rows and defer others; as the
+    requests bank slack, taper widens. Greedy outputs equal eager's."""
+    phases, fanout, serial, rho = 6, 6, 4, 0.8
+    protected, everything = phases + serial, phases * fanout + serial
+    eager = servers.get(*EAGER)
+    t_lo, t_hi = decode_step_s(eager.url, protected), decode_step_s(eager.url, everything)
+    assert t_hi > t_lo > 0, (t_lo, t_hi)  # the probe must see rows cost time
+    c_seq = (t_hi - t_lo) / (everything - protected)
+    model = LinearLatencyModel(c0=max(t_lo - protected * c_seq, 0.0), c_seq=c_seq, c_ctx=0.0)
+    (tmp_path / "model.json").write_text(model.to_json())
+    slo_ms = round(1e3 * (t_lo + t_hi) / 2 / rho, 3)
+
+    jobs = [(p, b) for p in range(phases) for b in range(fanout)] + [(i, None) for i in range(serial)]
+    ref = batch_gen(eager.url, jobs, 24, fanout=fanout, tag="part")
+    srv = servers.get("--branch-policy", "taper", "--branch-slo-tpot-ms", str(slo_ms), "--taper-rho", str(rho),
+                      "--latency-model", str(tmp_path / "model.json"))
+    got = batch_gen(srv.url, jobs, 24, fanout=fanout, tag="part")
+    assert {k: v["output_ids"] for k, v in got.items()} == {k: v["output_ids"] for k, v in ref.items()}
+    t = branchwise_report(srv.url)["taper"]
+    assert t["policy"] == "taper" and t["planner_errors"] == 0
+    assert 0 < t["admitted"] < t["candidates"], t
