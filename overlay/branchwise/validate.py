@@ -9,7 +9,8 @@ an invalid session_params, ...) is an HTTP 500. Two hooks (registered in plugin.
   a malformed stamp is a 400 naming the field and never crosses into the scheduler, and `n` is
   bounded before SGLang makes n copies of the request;
 - TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
-  stop token ids are checked against the vocabulary, and an exception other than ValueError there
+  stop token ids and top_logprobs_num are checked against the vocabulary, an empty prompt is
+  refused, and an exception other than ValueError there
   is about the request, so it becomes a ValueError.
 
 Bounds checked here are the values SGLang's own checks let through to the scheduler, where they
@@ -69,15 +70,20 @@ def check_sampling_params(sampling_params: Any) -> None:
                                      f"{MAX_LOGIT_BIAS:g}], got {request_meta.show(v)}")
 
 
-def check_stop_token_ids(sampling_params: Any, vocab_size: int | None) -> None:
-    """Stop token ids index a vocab-sized tensor in the scheduler (the min_new_tokens penalizer)."""
-    ids = sampling_params.get("stop_token_ids") if isinstance(sampling_params, dict) else None
-    if not isinstance(ids, list | tuple | set) or not isinstance(vocab_size, int):
+def check_vocab_bounds(obj: Any, vocab_size: Any) -> None:
+    """Values that index or size a vocab-wide tensor in the scheduler: stop token ids (the
+    min_new_tokens penalizer's scatter) and top_logprobs_num (topk over the vocabulary)."""
+    if not isinstance(vocab_size, int):
         return
-    for t in ids:
+    sp = getattr(obj, "sampling_params", None)
+    ids = sp.get("stop_token_ids") if isinstance(sp, dict) else None
+    for t in ids if isinstance(ids, list | tuple | set) else ():
         if _is_num(t) and not 0 <= t < vocab_size:
             raise ValueError(f"sampling_params.stop_token_ids must be token ids in [0, {vocab_size}), "
                              f"got {request_meta.show(t)}")
+    k = getattr(obj, "top_logprobs_num", None)
+    if _is_num(k) and not 0 <= k <= vocab_size:
+        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {request_meta.show(k)}")
 
 
 def _is_num(v: Any) -> bool:
@@ -100,18 +106,50 @@ def as_bad_request(e: Exception, where: str) -> ValueError:
 
 
 def around_normalize_batch_and_arguments(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    check_sampling_params(getattr(self, "sampling_params", None))
     try:
-        return orig(self, *args, **kwargs)
+        check_sampling_params(getattr(self, "sampling_params", None))
+        out = orig(self, *args, **kwargs)
+        check_rids(self)
+        return out
     except ValueError:
+        _nothing_dispatched(self)
         raise
     except Exception as e:  # noqa: BLE001 - only the client's request is being read here
+        _nothing_dispatched(self)
         raise as_bad_request(e, "GenerateReqInput.normalize_batch_and_arguments") from e
 
 
+def check_rids(obj: Any) -> None:
+    """After normalization: one string rid per request (SGLang hashes them; a list given as the rid
+    of a single request was a TypeError, HTTP 500)."""
+    rid = getattr(obj, "rid", None)
+    if getattr(obj, "is_single", True):
+        ok = isinstance(rid, str)
+    else:
+        ok = isinstance(rid, list) and all(isinstance(r, str) for r in rid)
+    if not ok:
+        raise ValueError("rid must be a string (a list of strings for a batch), got " + request_meta.show(rid))
+
+
+def _nothing_dispatched(obj: Any) -> None:
+    """A request refused here reached nothing (normalization is generate_request's first step), but
+    SGLang's streaming route still runs its disconnect-abort task over obj's rids: it reads
+    `is_single`, unset before normalization (an AttributeError in the ASGI app), and hashes each rid."""
+    obj.is_single, obj.rid = False, []
+
+
+def check_prompt_not_empty(input_ids: Any, input_embeds: Any, mm_inputs: Any) -> None:
+    """A text prompt can tokenize to no tokens (no BOS token): a zero-length prefill in the
+    scheduler. SGLang refuses empty input_ids only when the client sent input_ids."""
+    if isinstance(input_ids, list | tuple) and not input_ids and input_embeds is None and mm_inputs is None:
+        raise ValueError("the prompt is empty: text tokenizes to no tokens")
+
+
 def around_create_tokenized_object(orig: Any, self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-    vocab_size = getattr(getattr(self, "model_config", None), "vocab_size", None)
-    check_stop_token_ids(getattr(obj, "sampling_params", None), vocab_size)
+    check_vocab_bounds(obj, getattr(getattr(self, "model_config", None), "vocab_size", None))
+    # SGLang's signature: (obj, input_text, input_ids, input_embeds=None, mm_inputs=None, ...)
+    given = dict(zip(("input_text", "input_ids", "input_embeds", "mm_inputs"), args, strict=False)) | kwargs
+    check_prompt_not_empty(given.get("input_ids"), given.get("input_embeds"), given.get("mm_inputs"))
     try:
         return orig(self, obj, *args, **kwargs)
     except ValueError:

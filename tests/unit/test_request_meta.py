@@ -134,10 +134,61 @@ def test_values_that_overflow_scheduler_tensors_are_refused():
     from branchwise import validate
 
     validate.check_sampling_params({"top_k": 2**30, "min_new_tokens": 2**31 - 1})
-    validate.check_stop_token_ids({"stop_token_ids": [0, 99]}, 100)
+    class Sub:
+        def __init__(self, ids=(), k=None):
+            self.sampling_params, self.top_logprobs_num = {"stop_token_ids": list(ids)}, k
+
+    validate.check_vocab_bounds(Sub([0, 99], 100), 100)
     for sp, field in (({"top_k": 2**31}, "top_k"), ({"min_new_tokens": 2**31}, "min_new_tokens")):
         with pytest.raises(ValueError, match=f"^sampling_params.{field}"):
             validate.check_sampling_params(sp)
     for ids in ([100], [-1], [10**30]):
         with pytest.raises(ValueError, match="^sampling_params.stop_token_ids"):
-            validate.check_stop_token_ids({"stop_token_ids": ids}, 100)
+            validate.check_vocab_bounds(Sub(ids), 100)
+    for k in (101, -1, 2**40):
+        with pytest.raises(ValueError, match="^top_logprobs_num"):
+            validate.check_vocab_bounds(Sub(k=k), 100)
+
+
+def test_a_request_refused_before_normalization_leaves_nothing_to_abort():
+    from branchwise import validate
+
+    class Obj:
+        rid = ["unhashable"]
+        sampling_params = {"custom_params": ["branchwise"]}
+
+    obj = Obj()
+    with pytest.raises(MetaError):
+        validate.around_normalize_batch_and_arguments(lambda s: None, obj)
+    assert obj.is_single is False and obj.rid == []
+
+
+def test_an_empty_prompt_is_refused():
+    from branchwise import validate
+
+    class TM:
+        class model_config:
+            vocab_size = 100
+
+    obj = type("Obj", (), {"sampling_params": {}, "top_logprobs_num": 0})()
+    with pytest.raises(ValueError, match="prompt is empty"):
+        validate.around_create_tokenized_object(lambda *a: None, TM(), obj, "", [], None, None)
+    assert validate.around_create_tokenized_object(lambda *a: "ok", TM(), obj, "hi", [5], None, None) == "ok"
+    assert validate.around_create_tokenized_object(lambda *a: "mm", TM(), obj, "", [], None, object()) == "mm"
+
+
+def test_rids_are_strings_after_normalization():
+    from branchwise import validate
+
+    def normalize(obj):
+        obj.is_single = isinstance(obj.text, str)
+
+    for text, rid, ok in (("hi", "a", True), ("hi", ["a", "b"], False), (["a", "b"], ["x", "y"], True),
+                          (["a", "b"], [1, 2], False), (["a"], "x", False)):
+        obj = type("Obj", (), {"sampling_params": {}, "text": text, "rid": rid})()
+        if ok:
+            validate.around_normalize_batch_and_arguments(normalize, obj)
+        else:
+            with pytest.raises(ValueError, match="^rid must be a string"):
+                validate.around_normalize_batch_and_arguments(normalize, obj)
+            assert obj.is_single is False and obj.rid == []
