@@ -24,8 +24,8 @@ Simulator windows: WARMUP_S of load before the measured window, WINDOW_S measure
 counted), arrivals go on for DRAIN_S after it, and whatever has not finished then is a miss.
 
 Engines: `sim` (bench.simulate's engine and the server's own controller, default) and `replay`
-(live servers; bench.replay supplies `capacity_engine(args) -> Engine`). An Engine runs points;
-`point(policy, rate, seed) -> dict` with the keys of POINT_KEYS.
+(live servers: `bench.replay.capacity_engine(args) -> Engine`, built by bench.sweep). An Engine runs
+points; `point(policy, rate, seed) -> dict` with the keys of POINT_KEYS.
 """
 
 from __future__ import annotations
