@@ -1,0 +1,91 @@
+"""Data parallelism (`--dp-size 2`) on a real SGLang server: client-side phases under taper keep to
+one DP rank (dp_dispatch), give the outputs of `--dp-size 1`, and their branch prompts hit the
+prefix cache as on one rank; /server_info and /metrics report Branchwise per DP rank."""
+
+from __future__ import annotations
+
+import asyncio
+import urllib.request
+
+import pytest
+
+from branchwise import client, frontend_hook
+from branchwise.launch import cpu_env, get_json
+from frontends import fork_join
+from frontends.common import prefix_hits
+
+POLICY = ("--branch-policy", "taper", "--enable-metrics")
+PROGRAMS, FANOUT = 8, 4
+DP_ENV = cpu_env(2)  # two single-threaded scheduler processes, one core each (README, "Scale-out")
+
+
+def run_programs(url: str) -> list[fork_join.ForkJoinResult]:
+    return fork_join.run_batch(url, PROGRAMS, fanout=FANOUT, head_tokens=24, branch_tokens=24,
+                               tail_tokens=8, seed=300)
+
+
+def client_phases(url: str) -> list[list[str]]:
+    """Client-side phases (branchwise.client.fork: stamped siblings sent together), one per prompt."""
+    async def go() -> list[list[client.Generation]]:
+        prompts = [f"phase {k}: the list of steps is" for k in range(4)]
+        return await asyncio.gather(*[
+            client.fork(url, [f"{p} branch {i}:" for i in range(FANOUT)],
+                        {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}) for p in prompts])
+    return [[g.text for g in phase] for phase in asyncio.run(go())]
+
+
+def rank_reports(url: str) -> dict[int, dict]:
+    states = get_json(url + "/server_info")["internal_states"]
+    return {st["branchwise"]["dp_rank"]: st["branchwise"] for st in states}
+
+
+@pytest.fixture(scope="module")
+def runs(servers) -> dict[str, dict]:
+    frontend_hook.install()
+    out: dict[str, dict] = {}
+    for name, args, env in (("dp1", POLICY, {}), ("dp2", (*POLICY, "--dp-size", "2"), DP_ENV)):
+        server = servers.get(*args, env=env)
+        results = run_programs(server.url)
+        out[name] = {"url": server.url, "results": results, "hits": prefix_hits(server.url, results),
+                     "phases": client_phases(server.url), "reports": rank_reports(server.url),
+                     "metrics": urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()}
+        if name == "dp1":
+            servers.stop(server)  # two servers at once would each get half the machine
+    return out
+
+
+def test_outputs_equal_dp_size_1(runs):
+    one, two = runs["dp1"], runs["dp2"]
+    assert [r.text for r in two["results"]] == [r.text for r in one["results"]]
+    assert [r.branch_texts for r in two["results"]] == [r.branch_texts for r in one["results"]]
+    assert two["phases"] == one["phases"]
+
+
+def test_every_phase_runs_on_one_rank(runs):
+    reports = runs["dp2"]["reports"]
+    assert sorted(reports) == [0, 1]
+    seen: dict[str, list[int]] = {}
+    for rank, rep in reports.items():
+        for phase, rows in rep["phase_rows"].items():
+            seen.setdefault(phase, []).append(rank)
+            assert rows == FANOUT, (phase, rank, rows)  # all of the phase's rows on this rank
+    assert len(seen) == PROGRAMS + 4
+    assert all(len(ranks) == 1 for ranks in seen.values()), seen
+    # the same placement as the responses say (meta_info.dp_rank of every branch)
+    assert fork_join.one_rank_phases(runs["dp2"]["results"]) == (PROGRAMS, PROGRAMS)
+    total = sum(rep["counters"].get("branch_requests", 0) for rep in reports.values())
+    assert total == (PROGRAMS + 4) * FANOUT
+
+
+def test_branch_prompts_hit_the_prefix_cache_as_on_one_rank(runs):
+    hits1, total1 = runs["dp1"]["hits"]
+    hits2, total2 = runs["dp2"]["hits"]
+    assert total1 == total2 == PROGRAMS * FANOUT
+    assert hits2 == hits1 == total1
+
+
+def test_metrics_carry_the_dp_rank(runs):
+    text = runs["dp2"]["metrics"]
+    for rank in (0, 1):
+        assert f'branchwise:candidate_branches_total{{dp_rank="{rank}"}}' in text
+    assert 'branchwise:candidate_branches_total{dp_rank="0"}' in runs["dp1"]["metrics"]
