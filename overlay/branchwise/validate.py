@@ -10,11 +10,12 @@ an invalid session_params, ...) is an HTTP 500. Two hooks (registered in plugin.
   bounded before SGLang makes n copies of the request;
 - TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
   stop token ids and top_logprobs_num are checked against the vocabulary, an empty prompt is
-  refused, and an exception other than ValueError there
-  is about the request, so it becomes a ValueError.
+  refused, and an exception other than ValueError there is about the request, so it becomes a
+  ValueError.
 
-Bounds checked here are the values SGLang's own checks let through to the scheduler, where they
-raise inside its loop (a tensor of the wrong width, an out-of-range index, an infinite logit).
+The bounds are values SGLang's own checks let through to the scheduler: there they raise inside
+its loop (an int32 tensor overflow, an index past the vocabulary, a zero-length prefill) or make
+the sampler's logits infinite.
 
 The scheduler parses custom_params again (scheduler_hook.after_create_generation_req), so a
 request that reaches it by another path still cannot raise in the scheduler loop.
@@ -32,7 +33,8 @@ MAX_MESSAGE = 300
 MAX_N = 128  # parallel samples per request (OpenAI's limit for n)
 # The sampler divides float32 logits by the repetition penalty (seen tokens) and by the temperature
 # (>= 1e-6; below it SGLang samples greedily), after adding logit_bias. Past these bounds a logit
-# becomes inf, softmax NaN, and torch.multinomial raises inside the scheduler loop.
+# becomes inf and softmax NaN: on CPU every later token is id 0 (HTTP 200, meaningless text);
+# SGLang calls NaN logits undefined behaviour in its GPU sampling kernels (out-of-vocab ids).
 MAX_LOGIT_BIAS = 1e30  # SGLang's own bound when it sanitizes NaN logits
 MIN_REPETITION_PENALTY = 1e-6
 # top_k and min_new_tokens become int32 tensors in the scheduler (SGLang's "all" top_k is 2**30)
