@@ -24,7 +24,8 @@ def test_help_lists_branchwise_flags():
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0
     for flag in ("--branch-policy", "--branch-slo-tpot-ms", "--taper-rho", "--taper-utility",
-                 "--latency-model", "--async-output", "--parallel-sampling"):
+                 "--latency-model", "--async-output", "--parallel-sampling", "--branch-max-fanout",
+                 "--branch-max-branch-tokens", "--branch-grammar-clients", "--branch-min-slo-tpot-ms"):
         assert flag in out.stdout
 
 
