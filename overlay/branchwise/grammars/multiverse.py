@@ -1,4 +1,4 @@
-"""Multiverse Map/Process/Reduce detector (format: shared/design/branch-grammars.md).
+"""Multiverse Map/Process/Reduce detector for the tag format below.
 
     <Parallel>
     <Goal>
