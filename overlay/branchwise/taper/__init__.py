@@ -20,7 +20,7 @@ from branchwise.taper.predictor import (
     mape,
     model_from_json,
 )
-from branchwise.taper.slack import SlackTracker, phase_slack, serial_slack, slack_budget, stage_slack
+from branchwise.taper.slack import SlackTracker, phase_slack, serial_slack, slack_budget
 from branchwise.taper.state import BatchView, RequestView, StepPlan
 from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, UTILITY_NAMES, Utility, parse_utility
 
@@ -29,5 +29,5 @@ __all__ = [
     "LinearLatencyModel", "OnlineRefit", "POLICY_NAMES", "PRIORITY", "Policy", "RequestView",
     "SlackTracker", "StepPlan", "TaperPolicy", "UTILITY_NAMES", "Utility", "VALID_POLICIES",
     "default_model", "load_model", "mape", "model_from_json", "parse_policy", "parse_policy_name",
-    "parse_utility", "phase_slack", "plan_step", "serial_slack", "slack_budget", "stage_slack",
+    "parse_utility", "phase_slack", "plan_step", "serial_slack", "slack_budget",
 ]

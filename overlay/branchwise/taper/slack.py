@@ -35,11 +35,6 @@ def phase_slack(slo_s: float, now_s: float, phase_start_s: float, tokens_in_phas
     return (tokens_in_phase + 1) * slo_s - (now_s - phase_start_s)
 
 
-def stage_slack(slo_s: float, now_s: float, stage_start_s: float, tokens_in_stage: int) -> float:
-    """Serial stage judged by its mean TPOT (the same form as phase_slack)."""
-    return (tokens_in_stage + 1) * slo_s - (now_s - stage_start_s)
-
-
 def slack_budget(slacks: Iterable[float], rho: float = 0.8) -> float:
     """rho * min(slacks); +inf for an empty batch. Negative when some request is already late."""
     if not 0.0 < rho <= 1.0:
@@ -53,7 +48,7 @@ class SlackTracker:
 
     In a phase, `on_tokens(now, n)` is called with the tokens delivered by all of its branches in
     that step; after the reduce, `end_phase(now)` resumes serial timing from the reduce time.
-    `mean`: a serial stage's slack is judged on its mean pace since the stage began (stage_slack).
+    `mean`: a serial stage's slack is judged on its mean pace since the stage began (phase_slack's form).
     """
 
     slo_s: float
@@ -89,7 +84,7 @@ class SlackTracker:
     def slack(self, now_s: float) -> float:
         if self.phase_start_s is None:
             if self.mean:
-                return stage_slack(self.slo_s, now_s, self.stage_start_s, self.stage_tokens)
+                return phase_slack(self.slo_s, now_s, self.stage_start_s, self.stage_tokens)  # same form
             return serial_slack(self.slo_s, now_s, self.last_token_s)
         return phase_slack(self.slo_s, now_s, self.phase_start_s, self.phase_tokens)
 
