@@ -239,6 +239,11 @@ class AsyncOutput:
     enabled: bool = True  # runtime switch (bench A/B in one process): False = SGLang's own paths
     stats: dict[str, int] = field(default_factory=lambda: {"fast": 0, "stock": 0})
 
+    def report(self) -> dict[str, Any]:
+        """`/server_info` internal_states[i]["branchwise_async_output"]."""
+        return {**self.stats, "enabled": self.enabled, "sent": self.sender.sent if self.sender else 0,
+                "table": self.table_tok is not None}
+
 
 _STATE: dict[int, AsyncOutput] = {}  # id(SchedulerBatchResultProcessor) -> state (frozen dataclass)
 
@@ -278,6 +283,16 @@ def install(scheduler: Any) -> AsyncOutput | None:
     )
     _STATE[id(proc)] = state
     return state
+
+
+def build(scheduler: Any, config: Any) -> AsyncOutput | None:
+    """The scheduler's --async-output component (None when the flag is off)."""
+    if not config.async_output:
+        return None
+    st = install(scheduler)
+    logger.info("Branchwise async output on: sends on %s, stop-string lookup table %s",
+                "a worker thread" if st.sender else "the scheduler thread", "on" if st.table_tok else "off")
+    return st
 
 
 def _send_on_thread(scheduler: Any) -> bool:
@@ -430,12 +445,7 @@ def around_process_batch_result_decode(orig: Any, self: Any, batch: Any, result:
 def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
     from branchwise.config import BranchwiseConfig
 
-    if not BranchwiseConfig.from_server_args(self.server_args).async_output:
-        return
-    st = install(self)
-    logger.info("Branchwise async output on: sends on %s, stop-string lookup table %s",
-                "a worker thread" if st.sender else "the scheduler thread",
-                "on" if isinstance(self.tokenizer, TableTokenizer) else "off")
+    build(self, BranchwiseConfig.from_server_args(self.server_args))
 
 
 def around_check_match_stop_str_prefix(orig: Any, req: Any) -> bool:
@@ -470,7 +480,5 @@ def around_set_internal_state(orig: Any, self: Any, recv_req: Any, *args: Any, *
 def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     st = state_of(self.batch_result_processor)
     if st is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_async_output"] = {
-            **st.stats, "enabled": st.enabled, "sent": st.sender.sent if st.sender else 0,
-            "table": isinstance(self.tokenizer, TableTokenizer)}
+        result.internal_state["branchwise_async_output"] = st.report()
     return result

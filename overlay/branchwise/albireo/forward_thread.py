@@ -283,6 +283,10 @@ class ForwardExecutor:
     def busy(self) -> bool:
         return self.last is not None and not self.last.query()
 
+    def report(self) -> dict[str, Any]:
+        """`/server_info` internal_states[i]["branchwise_forward_thread"]."""
+        return {**dataclasses.asdict(self.stats), "enabled": self.enabled}
+
     def close(self) -> None:
         self.q.put(_STOP)
         self.thread.join(timeout=10)
@@ -511,6 +515,11 @@ def req_view(req: Any) -> Any:
     return view
 
 
+def build(scheduler: Any, config: Any) -> ForwardExecutor | None:
+    """The scheduler's CPU forward thread (None unless --async-output is on and it qualifies)."""
+    return install(scheduler) if config.async_output else None
+
+
 def install(scheduler: Any) -> ForwardExecutor | None:
     global _EX
     why = static_reason(scheduler)
@@ -550,8 +559,7 @@ def _torch_threads() -> int:
 def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
     from branchwise.config import BranchwiseConfig
 
-    if BranchwiseConfig.from_server_args(self.server_args).async_output:
-        install(self)
+    build(self, BranchwiseConfig.from_server_args(self.server_args))
 
 
 def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -666,8 +674,7 @@ def around_copy_result_to_cpu(orig: Any, self: Any, result: Any, batch: Any, *ar
 def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     ex = _EX
     if ex is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_forward_thread"] = {
-            **dataclasses.asdict(ex.stats), "enabled": ex.enabled}
+        result.internal_state["branchwise_forward_thread"] = ex.report()
     return result
 
 

@@ -87,6 +87,12 @@ class SPState:
         broadcasts requests on cpu_group."""
         return self.tp_group.device_group
 
+    def report(self) -> dict[str, Any]:
+        """`/server_info` internal_states[i]["branchwise_parallel_sampling"]."""
+        return {"tp_size": self.tp_size, "sp_steps": self.sp_steps, "a2a_steps": self.a2a_steps,
+                "a2a_transform_steps": self.a2a_transform_steps,
+                "fallbacks": dict(self.fallbacks), "gathered": dict(self.gathered)}
+
     def fallback(self, reason: str) -> None:
         if reason not in self.fallbacks:
             logger.info("Branchwise parallel sampling: %s -> SGLang's sampler for such batches", reason)
@@ -248,30 +254,36 @@ def shared_nonce(random_seed: int | None, tp_size: int, tp_group: Any) -> int:
 
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    global _STATE
+def build(scheduler: Any, config: Any) -> SPState | None:
+    """The scheduler's --parallel-sampling component (None when off or unsupported here)."""
     from sglang.srt.runtime_context import get_parallel
 
-    from branchwise.config import BranchwiseConfig
-
-    if not BranchwiseConfig.from_server_args(self.server_args).parallel_sampling:
-        return
-    if (why := _unsupported_mode(self)) is not None:
+    if not config.parallel_sampling:
+        return None
+    if (why := _unsupported_mode(scheduler)) is not None:
         logger.warning("Branchwise parallel sampling off: not supported with %s", why)
-        return
+        return None
     par = get_parallel()
-    det = bool(getattr(self.server_args, "enable_deterministic_inference", False))
-    _STATE = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det,
-                     tp_rank=par.tp_group.rank_in_group,
-                     nonce=shared_nonce(getattr(self.server_args, "random_seed", None), par.tp_size, par.tp_group))
+    args = scheduler.server_args
+    det = bool(getattr(args, "enable_deterministic_inference", False))
+    st = SPState(tp_size=par.tp_size, tp_group=par.tp_group, inject_seeds=not det,
+                 tp_rank=par.tp_group.rank_in_group,
+                 nonce=shared_nonce(getattr(args, "random_seed", None), par.tp_size, par.tp_group))
     logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds%s%s",
-                par.tp_size, " (unseeded: from the rid)" if _STATE.inject_seeds else " from SGLang",
+                par.tp_size, " (unseeded: from the rid)" if st.inject_seeds else " from SGLang",
                 ", decode logits exchanged with an all-to-all" if par.tp_size > 1 else "")
-    args = self.server_args
     if par.tp_size > 1 and args.device == "cuda" and not getattr(args, "disable_cuda_graph", False):
         logger.warning("Branchwise parallel sampling: decode batches replayed from CUDA graphs keep "
                        "SGLang's captured logits all-gather (rows still sampled in parallel); the "
                        "all-to-all runs only for eager decode batches (--disable-cuda-graph for all)")
+    return st
+
+
+def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    global _STATE
+    from branchwise.config import BranchwiseConfig
+
+    _STATE = build(self, BranchwiseConfig.from_server_args(self.server_args))
 
 
 def after_from_schedule_batch(info: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
@@ -391,8 +403,5 @@ def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: An
 def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     st = _STATE
     if st is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_parallel_sampling"] = {
-            "tp_size": st.tp_size, "sp_steps": st.sp_steps, "a2a_steps": st.a2a_steps,
-            "a2a_transform_steps": st.a2a_transform_steps,
-            "fallbacks": dict(st.fallbacks), "gathered": dict(st.gathered)}
+        result.internal_state["branchwise_parallel_sampling"] = st.report()
     return result

@@ -143,6 +143,10 @@ class StepTimer:
             self.fwd["fidle"] = self.fwd.get("fidle", 0.0) + dt
             self.fwd["fjobs"] = self.fwd.get("fjobs", 0) + 1
 
+    def report(self) -> dict[str, Any]:
+        """Nothing for `/server_info`: the records go to `path` (bench.overhead reads them)."""
+        return {}
+
     def flush(self) -> None:
         if self.buf:
             with open(self.path, "a") as f:
@@ -176,13 +180,20 @@ def _timed(name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
 
 # ---- hook bodies (targets named in plugin.py) ----
 
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    global _TIMER
+def build(scheduler: Any, config: Any) -> StepTimer | None:
+    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file."""
     from sglang.srt.runtime_context import get_parallel
 
-    path = records_path(self.server_args.port, get_parallel().tp_rank)
-    open(path, "w").close()  # a fresh file per server start
-    _TIMER = StepTimer(path)
+    if enabled() is None:
+        return None
+    path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
+    open(path, "w").close()
+    return StepTimer(path)
+
+
+def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    global _TIMER
+    _TIMER = build(self, None)
 
 
 def around_ingest(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
