@@ -23,39 +23,46 @@ import timeit
 from pathlib import Path
 from time import perf_counter_ns, thread_time_ns
 
+import numpy as np
+
 try:
     import branchwise  # noqa: F401
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
+from branchwise.taper.planner import ArrayBatch  # noqa: E402
 from branchwise.taper.policies import parse_policy  # noqa: E402
 from branchwise.taper.predictor import default_model  # noqa: E402
-from branchwise.taper.state import ArrayBatch, BatchView, RequestView  # noqa: E402
 
 GOAL_MEDIAN_MS, GOAL_P99_MS = 0.1, 0.3
 PAPER_MEDIAN_MS, PAPER_P99_MS = 0.31, 0.81  # TAPER Table 7 (their hardware, their batches)
 
 
-def random_batch(rng: random.Random, n_requests: int, fanout: int, rho: float) -> BatchView:
+def random_batch(rng: random.Random, n_requests: int, fanout: int, rho: float) -> ArrayBatch:
+    """The planner's input as the step controller builds it (no SLOs: the paper's budget rule)."""
     m = default_model()
-    reqs, rows, ctx, first_rows, first_ctx = [], 0, 0, 0, 0
-    for i in range(n_requests):
+    lens_of, slack_of, phase_of = [], [], []
+    rows, ctx, first_rows, first_ctx = 0, 0, 0, 0
+    for _ in range(n_requests):
         prefix = rng.randint(256, 6000)
         if fanout >= 2 and rng.random() < 0.5:
             k = rng.randint(2, fanout)
-            lens = tuple(prefix + rng.randint(0, 1000) for _ in range(k))
-            reqs.append((f"r{i}", lens, f"p{i}", fanout, rng.uniform(0.01, 0.6)))
+            lens = [prefix + rng.randint(0, 1000) for _ in range(k)]
+            phase_of.append(True)
+            slack_of.append(rng.uniform(0.01, 0.6))
         else:
-            lens = (prefix,)
-            reqs.append((f"r{i}", lens, None, 1, rng.uniform(0.5, 1.0)))
+            lens = [prefix]
+            phase_of.append(False)
+            slack_of.append(rng.uniform(0.5, 1.0))
+        lens_of.append(lens)
         rows, ctx, first_rows, first_ctx = rows + len(lens), ctx + sum(lens), first_rows + 1, first_ctx + lens[0]
     t0, t_all = m.predict(first_rows, first_ctx), m.predict(rows, ctx)
     budget = t0 + rng.uniform(-0.25, 1.25) * (t_all - t0)
     tight = rng.randrange(n_requests)
-    views = tuple(RequestView(rid, lens, (budget / rho) * (1.0 if j == tight else 1.0 + fr), weight=1.0,
-                              phase_id=ph, phase_fanout=fo)
-                  for j, (rid, lens, ph, fo, fr) in enumerate(reqs))
-    return BatchView(views)
+    slack = [(budget / rho) * (1.0 if j == tight else 1.0 + fr) for j, fr in enumerate(slack_of)]
+    return ArrayBatch([f"r{i}" for i in range(n_requests)], np.array([len(x) for x in lens_of], dtype=np.int64),
+                      np.array([c for x in lens_of for c in x], dtype=np.int64), np.array(slack, dtype=np.float64),
+                      np.ones(n_requests), np.array(phase_of, dtype=bool))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -67,9 +74,6 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--policy", default="taper")
     ap.add_argument("--utility", default="linear")
     ap.add_argument("--rho", type=float, default=0.8)
-    ap.add_argument("--views", action="store_true",
-                    help="pass tuple-based BatchViews (converted to arrays inside every call) instead of "
-                         "the ArrayBatch the scheduler hook builds")
     ap.add_argument("--repeat", type=int, default=1,
                     help="plan each batch R times and keep the fastest (filters out other processes' load)")
     args = ap.parse_args(argv)
@@ -77,8 +81,6 @@ def main(argv: list[str] | None = None) -> None:
     rng = random.Random(args.seed)
     policy = parse_policy(args.policy, rho=args.rho, utility=args.utility)
     batches = [random_batch(rng, args.requests, args.fanout, args.rho) for _ in range(args.steps)]
-    if not args.views:
-        batches = [ArrayBatch.from_view(b) for b in batches]
     for b in batches[:50]:  # warm up caches and numpy dispatch
         policy.plan(b)
     gc.collect()
@@ -94,13 +96,11 @@ def main(argv: list[str] | None = None) -> None:
         times.append(best_wall)
         cpu.append(best_cpu)
         w = plan.rows
-        a = ArrayBatch.from_view(b) if args.views else b
-        paths["protected" if w == len(a.rids) else "eager" if w == len(a.ctx) else "greedy"] += 1
+        paths["protected" if w == len(b.rids) else "eager" if w == len(b.ctx) else "greedy"] += 1
     med, p99 = _pct(times, 0.5), _pct(times, 0.99)
-    rows = sum(len(ArrayBatch.from_view(b).ctx if args.views else b.ctx) for b in batches) / len(batches)
+    rows = sum(len(b.ctx) for b in batches) / len(batches)
     print(f"policy={policy.name} utility={args.utility} requests={args.requests} fanout={args.fanout} "
-          f"steps={args.steps} seed={args.seed} repeat={args.repeat} mean rows/step={rows:.0f} "
-          f"input={'BatchView' if args.views else 'ArrayBatch'}")
+          f"steps={args.steps} seed={args.seed} repeat={args.repeat} mean rows/step={rows:.0f}")
     print("steps by outcome: " + ", ".join(f"{k} {v / len(batches):.0%}" for k, v in paths.items()))
     print(f"planner per step: median {med:.3f} ms, P99 {p99:.3f} ms, max {max(times) / 1e6:.3f} ms (wall)")
     print(f"                  median {_pct(cpu, 0.5):.3f} ms, P99 {_pct(cpu, 0.99):.3f} ms (thread CPU time); "

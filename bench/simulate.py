@@ -52,7 +52,6 @@ from bench.metrics import RequestRecord, StageRecord, StepLog, fmt, headline_cel
 from bench.workload import PRESETS, RequestSpec, build_schedule, compose, load_trace, workload_stats
 from branchwise.taper import (
     POLICY_NAMES,
-    CapPolicy,
     LinearLatencyModel,
     OnlineRefit,
     Policy,
@@ -240,7 +239,7 @@ class Simulator:
         self.t_end = t_end
         # off, cap:K, eager: the plan is a function of ready-row counts (and the model only fills
         # predicted_s), so deliveries and latencies need not reach the controller
-        self.static = isinstance(self.policy, CapPolicy)
+        self.static = self.policy.static
         self.provable = self.policy.name in _PROVABLE
         rng = np.random.default_rng(seed + 7919)
         sig = cfg.noise

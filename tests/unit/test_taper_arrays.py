@@ -1,57 +1,118 @@
-"""ArrayBatch (the planner's flat-array input) plans exactly like the tuple-based BatchView."""
+"""The planner's flat-array input: the step controller builds it from the hook's Rows exactly as
+it would be written by hand, and every policy plans the same on either."""
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.policies import parse_policy
+from branchwise.taper.controller import Row, StepController
+from branchwise.taper.planner import ArrayBatch, StepPlan
+from branchwise.taper.policies import Policy, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
-from branchwise.taper.state import ArrayBatch, BatchView, RequestView, StepPlan
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
-POLICIES = ["off", "cap:2", "eager", "taper", "taper-no-slack", "taper-no-replan", "taper-const-predictor"]
+POLICIES = ["off", "cap:2", "eager", "taper", "taper-paper", "taper-no-slack", "taper-no-replan",
+            "taper-const-predictor"]
+SLO = 0.02
 
+# (context lens, seconds since the key's clock started, tokens delivered since, weight)
 request = st.tuples(st.lists(st.integers(1, 8000), min_size=1, max_size=6).map(tuple),
-                    st.floats(-0.01, 0.05), st.sampled_from([0.5, 1.0, 3.0]), st.integers(0, 4))
+                    st.floats(0.0, 0.05), st.integers(0, 3), st.sampled_from([0.5, 1.0, 3.0]))
 
 
-def arrays_by_hand(reqs: list[tuple]) -> ArrayBatch:
-    """Built the way the scheduler hook does: straight from per-row numbers, no RequestView."""
-    ctx = [c for lens, *_ in reqs for c in lens]
-    fixed = np.array([f if len(lens) > 1 else 0 for lens, _, _, f in reqs], dtype=np.int64)
-    return ArrayBatch([f"r{i}" for i in range(len(reqs))], np.array([len(r[0]) for r in reqs], dtype=np.int64),
-                      np.array(ctx, dtype=np.int64), np.array([r[1] for r in reqs], dtype=np.float64),
-                      np.array([r[2] for r in reqs], dtype=np.float64),
-                      np.array([len(r[0]) > 1 for r in reqs]), fixed if fixed.any() else None, 7)
+@dataclass
+class Spy:
+    """A policy that records the batches the controller hands it."""
+
+    inner: Policy
+    seen: list[ArrayBatch] = field(default_factory=list)
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def plan(self, a: ArrayBatch) -> StepPlan:
+        self.seen.append(a)
+        return self.inner.plan(a)
 
 
-def view_of(reqs: list[tuple]) -> BatchView:
-    return BatchView(tuple(RequestView(f"r{i}", lens, slack, w, f"p{i}" if len(lens) > 1 else None, len(lens),
-                                       (f or None) if len(lens) > 1 else None)
-                           for i, (lens, slack, w, f) in enumerate(reqs)), 7)
+def rows_of(reqs: list[tuple]) -> list[Row]:
+    """Request i has key "k{i}"; several rows make a phase. Listed in reverse, as a batch may be."""
+    rows = [Row(f"k{i}", b, c, SLO, w, len(lens) > 1, len(lens)) for i, (lens, _, _, w) in enumerate(reqs)
+            for b, c in enumerate(lens)]
+    return rows[::-1]
+
+
+def start_clocks(ctl: StepController, reqs: list[tuple], now: float) -> None:
+    for i, (lens, age, tokens, _) in enumerate(reqs):
+        ctl.on_step_done({f"k{i}": (0, SLO, len(lens) > 1)}, now - age, 0)
+        if tokens:
+            ctl.on_step_done({f"k{i}": (tokens, SLO, len(lens) > 1)}, now - age / 2, 0)
+
+
+def by_hand(ctl: StepController, reqs: list[tuple], now: float, waiting: int) -> ArrayBatch:
+    """The batch written out from the requests and the controller's clocks and pins before it plans."""
+    order = sorted(range(len(reqs)), key=lambda i: f"k{i}")
+    trackers = [ctl.trackers[f"k{i}"] for i in order]
+    fixed = [ctl.fixed.get(f"k{i}", 0) for i in order]
+    mean = ctl.policy.terms.mean
+    return ArrayBatch(
+        [f"k{i}" for i in order], np.array([len(reqs[i][0]) for i in order], dtype=np.int64),
+        np.array([c for i in order for c in reqs[i][0]], dtype=np.int64),
+        np.array([t.slack(now) for t in trackers]), np.array([reqs[i][3] for i in order]),
+        np.array([len(reqs[i][0]) > 1 for i in order]), np.array(fixed, dtype=np.int64) if any(fixed) else None,
+        0, np.full(len(reqs), SLO), waiting, np.array([t.gap_slack(now) for t in trackers]) if mean else None)
+
+
+def assert_same_batch(a: ArrayBatch, b: ArrayBatch) -> None:
+    assert list(a.rids) == list(b.rids) and (a.extra_tokens, a.waiting) == (b.extra_tokens, b.waiting)
+    for f in ("ready", "ctx", "slack_s", "weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
+        x, y = getattr(a, f), getattr(b, f)
+        assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and np.array_equal(x, y))), f
 
 
 @settings(max_examples=150, deadline=None)
 @given(st.lists(request, min_size=1, max_size=10), st.sampled_from(POLICIES),
-       st.sampled_from(["linear", "concave", "priority"]))
-def test_array_batch_plans_like_batch_view(reqs, name, utility):
-    pol = parse_policy(name, model=MODEL, utility=utility, rho=0.8)
-    view, arr = view_of(reqs), arrays_by_hand(reqs)
-    a, b = pol.plan(view), pol.plan(arr)
-    assert a.width == b.width
-    assert a.predicted_s == pytest.approx(b.predicted_s, rel=1e-12, abs=1e-15)
-    assert pol.pins(view, a) == pol.pins(arr, b)
+       st.sampled_from(["linear", "concave", "priority"]), st.sampled_from([0, 3]))
+def test_controller_builds_the_batch_by_hand_and_runs_its_plan(reqs, name, utility, waiting):
+    spy = Spy(parse_policy(name, model=MODEL, utility=utility, rho=0.8))
+    ctl = StepController(spy)  # type: ignore[arg-type]
+    now = 1.0
+    start_clocks(ctl, reqs, now)
+    rows = rows_of(reqs)
+    for step in range(2):  # the second plan sees taper-no-replan's pins
+        want = by_hand(ctl, reqs, now + step * 0.001, waiting)
+        active = ctl.select(rows, now + step * 0.001, waiting=waiting)
+        if all(len(r[0]) == 1 for r in reqs):
+            assert active == list(range(len(rows))) and not spy.seen  # nothing to defer: no plan
+            return
+        assert_same_batch(spy.seen[-1], want)
+        plan = spy.inner.plan(want)
+        width = dict(zip(plan.rids, plan.widths.tolist(), strict=True))
+        assert sorted(active) == active
+        assert {i for i in active} == {i for i, r in enumerate(rows) if r.order < width[r.key]}
+        assert (ctl.stats.last_budget_s, ctl.stats.last_predicted_s) == (plan.budget_s, plan.predicted_s)
+        if name == "taper-no-replan":  # every phase pinned at its first plan's width
+            assert set(ctl.fixed) == {f"k{i}" for i, r in enumerate(reqs) if len(r[0]) > 1}
 
 
-def test_from_view_round_trips_every_field():
-    reqs = [((5, 6, 7), 0.02, 2.0, 2), ((9,), 0.01, 1.0, 0)]
-    a, b = ArrayBatch.from_view(view_of(reqs)), arrays_by_hand(reqs)
-    assert list(a.rids) == list(b.rids) and a.extra_tokens == b.extra_tokens
-    for f in ("ready", "ctx", "slack_s", "weight", "phase", "fixed_width"):
-        assert np.array_equal(getattr(a, f), getattr(b, f)), f
+def test_the_batch_carries_every_field():
+    reqs = [((5, 6, 7), 0.01, 2, 2.0), ((9,), 0.005, 0, 1.0)]
+    spy = Spy(parse_policy("taper-no-replan", model=MODEL))
+    ctl = StepController(spy)  # type: ignore[arg-type]
+    start_clocks(ctl, reqs, 1.0)
+    ctl.select(rows_of(reqs), 1.0, waiting=4)
+    ctl.select(rows_of(reqs), 1.001, waiting=4)
+    a = spy.seen[-1]
+    assert list(a.rids) == ["k0", "k1"] and a.ready.tolist() == [3, 1] and a.ctx.tolist() == [5, 6, 7, 9]
+    assert a.slack_s.tolist() == pytest.approx([3 * SLO - 0.011, SLO - 0.006])  # phase: 2 tokens in; serial: per gap
+    assert a.weight.tolist() == [2.0, 1.0] and a.phase.tolist() == [True, False]
+    assert a.fixed_width.tolist() == [3, 0] and a.slo_s.tolist() == [SLO, SLO] and a.waiting == 4
+    assert a.gap_slack_s is None and a.extra_tokens == 0
 
 
 @pytest.mark.parametrize("kw, msg", [
@@ -67,11 +128,6 @@ def test_bad_array_batch_is_rejected(kw, msg):
         ArrayBatch(**{**base, **kw})
 
 
-def test_step_plan_from_arrays_builds_its_dict_on_demand():
-    p = StepPlan(rids=["a", "b"], widths=np.array([2, 1]), predicted_s=0.5)
-    assert p.rows == 3 and p.widths(["b", "a"]) == [1, 2] and p.width == {"a": 2, "b": 1}
-    assert p == StepPlan({"a": 2, "b": 1}, 0.5)
-    with pytest.raises(ValueError, match="either width"):
-        StepPlan()
-    with pytest.raises(ValueError, match="either width"):
-        StepPlan({"a": 1}, widths=np.array([1]), rids=["a"])
+def test_step_plan_counts_its_rows():
+    p = StepPlan(["a", "b"], np.array([2, 1]), predicted_s=0.5)
+    assert p.rows == 3 and p.budget_s == float("inf") and p.considered == 0 and p.notes == {}

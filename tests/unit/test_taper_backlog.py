@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from branchwise.taper.controller import Row, StepController
-from branchwise.taper.policies import parse_policy
+from branchwise.taper.planner import ArrayBatch, StepPlan
+from branchwise.taper.policies import Policy, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
-from branchwise.taper.state import ArrayBatch
 
 SLO = 0.016
 # the 2-core CPU box of the rate-2.1 run: 4.5 ms before the first row, 0.35 ms per row
@@ -30,6 +30,10 @@ def trapped(ctl: StepController, serial: int = 24, phases: int = 8, fanout: int 
         t += step_s
         ctl.on_step_done({r.key: (1, SLO, r.phase) for r in rows if r.order == 0}, t, serial + phases)
     return rows, t + step_s
+
+
+def width(plan: StepPlan) -> dict[str, int]:
+    return dict(zip(plan.rids, plan.widths.tolist(), strict=True))
 
 
 def widths(rows: list[Row], active: list[int]) -> dict[str, int]:
@@ -91,9 +95,9 @@ def test_overload_rule_bounds_late_requests_at_their_pace():
     model = LinearLatencyModel(c0=6e-3, c_seq=4e-4, c_ctx=0.0)
     no = parse_policy("taper-no-overload", model=model).plan(a)
     yes = parse_policy("taper", model=model).plan(a)
-    assert no.width["p"] == 1 and "overload" not in no.notes
+    assert width(no)["p"] == 1 and "overload" not in no.notes
     assert yes.notes.get("overload") == 1.0 and yes.budget_s == pytest.approx(0.8 * 0.016)
-    assert yes.width["p"] == fan and yes.predicted_s <= yes.budget_s  # 6 + 15 x 0.4 = 12 ms
+    assert width(yes)["p"] == fan and yes.predicted_s <= yes.budget_s  # 6 + 15 x 0.4 = 12 ms
 
 
 def test_backlog_term_keeps_the_budget_at_the_slo_pace():
@@ -106,11 +110,11 @@ def test_backlog_term_keeps_the_budget_at_the_slo_pace():
              phase=np.array([False] * n_ser + [True]), slo_s=np.full(n_ser + 1, 0.016))
     model = LinearLatencyModel(c0=1e-3, c_seq=5e-4, c_ctx=0.0)  # protected: 3.5 ms
     idle = parse_policy("taper", model=model).plan(ArrayBatch(**a, waiting=0))
-    assert idle.width["p"] == 3 and not idle.notes.keys() & {"backlog", "overload"}
+    assert width(idle)["p"] == 3 and not idle.notes.keys() & {"backlog", "overload"}
     queued = parse_policy("taper", model=model).plan(ArrayBatch(**a, waiting=3))
     unqueued = parse_policy("taper-no-backlog", model=model).plan(ArrayBatch(**a, waiting=3))
     assert queued.notes.get("backlog") == 1.0 and queued.budget_s == pytest.approx(0.8 * 0.016)
-    assert queued.width["p"] == fan and unqueued.width["p"] == 3
+    assert width(queued)["p"] == fan and width(unqueued)["p"] == 3
 
 
 def test_late_phase_is_widened_not_deferred():
@@ -120,10 +124,10 @@ def test_late_phase_is_widened_not_deferred():
                    np.array([0.012, -0.010]), None, np.array([False, True]), None, 0,
                    np.full(2, 0.016), 0)
     model = LinearLatencyModel(c0=2e-3, c_seq=5e-4, c_ctx=0.0)
-    assert parse_policy("taper-paper", model=model).plan(a).width["p"] == 1
+    assert width(parse_policy("taper-paper", model=model).plan(a))["p"] == 1
     plan = parse_policy("taper-no-overload", model=model).plan(a)
     # budget 0.8 x min(12 ms, -10 + 3 x 16 = 38 ms) = 9.6 ms; own bound at 9.6 ms needs 2 more rows
-    assert plan.budget_s == pytest.approx(0.8 * 0.012) and plan.width["p"] >= 3
+    assert plan.budget_s == pytest.approx(0.8 * 0.012) and width(plan)["p"] >= 3
 
 
 def test_taper_is_the_paper_rule_with_plentiful_slack_or_without_slo():
@@ -132,8 +136,8 @@ def test_taper_is_the_paper_rule_with_plentiful_slack_or_without_slo():
     model = LinearLatencyModel(c0=2e-3, c_seq=5e-4, c_ctx=0.0)
     for extra in ({}, {"slo_s": np.full(2, 0.05)}):
         got = parse_policy("taper", model=model).plan(ArrayBatch(**a, **extra))
-        assert got.width == parse_policy("taper-paper", model=model).plan(ArrayBatch(**a, **extra)).width
-        assert got.width["p"] == 4
+        assert width(got) == width(parse_policy("taper-paper", model=model).plan(ArrayBatch(**a, **extra)))
+        assert width(got)["p"] == 4
 
 
 def test_stage_mean_slack_banks_a_fast_stage():
@@ -169,19 +173,16 @@ def test_keys_leave_with_their_last_row(policy):
     assert ctl.stats.planned_steps == 20_000
 
 
-class Broken:
-    name = "broken"
-    model = CPU
-
-    def plan(self, batch):
+class BrokenModel:
+    def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float:
         raise RuntimeError("planner bug")
 
-    def pins(self, batch, plan):
-        return {}
+    def row_costs(self, ctx_lens):
+        raise RuntimeError("planner bug")
 
 
 def test_planner_error_runs_every_row_and_logs_once(caplog):
-    ctl = StepController(Broken())  # type: ignore[arg-type]
+    ctl = StepController(Policy("broken", BrokenModel(), rho=0.8))  # type: ignore[arg-type]
     rows = [Row("p", b, 10, SLO, phase=True, fanout=3) for b in range(3)] + [Row("s", 0, 10, SLO)]
     with caplog.at_level("ERROR", logger="branchwise"):
         for i in range(3):

@@ -5,61 +5,73 @@ from __future__ import annotations
 import heapq
 import math
 
+import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.planner import plan_step
+from branchwise.taper.planner import ArrayBatch, StepPlan, plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel
-from branchwise.taper.state import BatchView, RequestView
 from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, Utility
 
 EPS = 1e-12
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
 
 
-def batch_of(lens: list[tuple[int, ...]], weights: list[float] | None = None, slack: float = 1.0) -> BatchView:
-    w = weights or [1.0] * len(lens)
-    return BatchView(tuple(RequestView(f"r{i}", c, slack, weight=w[i], phase_id=f"p{i}" if len(c) > 1 else None)
-                           for i, c in enumerate(lens)))
+def batch_of(lens: list[tuple[int, ...]], weights: list[float] | None = None, slack: float = 1.0,
+             fixed: list[int] | None = None, extra_tokens: int = 0) -> ArrayBatch:
+    """Request i is "r{i}" with rows of context lens[i] (a phase when it has more than one)."""
+    n = len(lens)
+    return ArrayBatch([f"r{i}" for i in range(n)], np.array([len(c) for c in lens], dtype=np.int64),
+                      np.array([x for c in lens for x in c], dtype=np.int64), np.full(n, slack),
+                      np.array(weights or [1.0] * n), np.array([len(c) > 1 for c in lens], dtype=bool),
+                      np.array(fixed, dtype=np.int64) if fixed else None, extra_tokens)
 
 
-def composition(batch: BatchView, width: dict[str, int]) -> tuple[int, int]:
-    rows = sum(width.values())
-    ctx = sum(sum(r.context_lens[: width[r.rid]]) for r in batch.requests)
+def width(plan: StepPlan) -> dict[str, int]:
+    return dict(zip(plan.rids, plan.widths.tolist(), strict=True))
+
+
+def lens_of(batch: ArrayBatch) -> list[list[int]]:
+    ends = batch.ready.cumsum().tolist()
+    return [batch.ctx[e - r:e].tolist() for e, r in zip(ends, batch.ready.tolist(), strict=True)]
+
+
+def composition(batch: ArrayBatch, w: dict[str, int]) -> tuple[int, int]:
+    rows = sum(w.values())
+    ctx = sum(sum(c[: w[rid]]) for rid, c in zip(batch.rids, lens_of(batch), strict=True))
     return rows, ctx
 
 
-def reference(batch: BatchView, model: LinearLatencyModel, budget: float, utility: Utility, prune: bool) -> dict:
+def reference(batch: ArrayBatch, model: LinearLatencyModel, budget: float, utility: Utility, prune: bool) -> dict:
     """Algorithm 1 as written: heap of each request's next row keyed by cost / marginal utility.
 
     prune=True: a misfit drops only that request (the paper); False: the first misfit ends the step.
     """
-    reqs = batch.requests
-    width = {r.rid: 1 for r in reqs}
-    t = model.predict(len(reqs), sum(r.context_lens[0] for r in reqs))
+    lens, rids, weights = lens_of(batch), list(batch.rids), batch.weight.tolist()
+    w = dict.fromkeys(rids, 1)
+    t = model.predict(len(rids), sum(c[0] for c in lens))
     if t > budget:
-        return width
+        return w
 
-    def head(i: int, r: RequestView):
-        k = width[r.rid]  # index of the next row = opportunistic rank k
-        cost = model.c_seq + model.c_ctx * r.context_lens[k]
-        gain = utility.gain(k) * (r.weight if utility.weighted else 1.0)
+    def head(i: int):
+        k = w[rids[i]]  # index of the next row = opportunistic rank k
+        cost = model.c_seq + model.c_ctx * lens[i][k]
+        gain = utility.gain(k) * (weights[i] if utility.weighted else 1.0)
         return (cost / gain, i, cost)
 
-    heap = [head(i, r) for i, r in enumerate(reqs) if r.ready > 1]
+    heap = [head(i) for i in range(len(rids)) if len(lens[i]) > 1]
     heapq.heapify(heap)
     while heap:
         _, i, cost = heapq.heappop(heap)
-        r = reqs[i]
         if t + cost > budget + EPS:
             if prune:
                 continue
             break
         t += cost
-        width[r.rid] += 1
-        if width[r.rid] < r.ready:
-            heapq.heappush(heap, head(i, r))
-    return width
+        w[rids[i]] += 1
+        if w[rids[i]] < len(lens[i]):
+            heapq.heappush(heap, head(i))
+    return w
 
 
 ctx_len = st.integers(1, 8000)
@@ -86,24 +98,23 @@ def distinct_batches(draw):
 def test_protected_always_runs_and_plan_fits_budget(lens, model, budget, utility):
     batch = batch_of(lens, [1.0 + (i % 3) for i in range(len(lens))])
     plan = plan_step(batch, model, budget, utility)
-    assert set(plan.width) == {r.rid for r in batch.requests}
-    for r in batch.requests:
-        assert 1 <= plan.width[r.rid] <= r.ready
+    assert list(plan.rids) == list(batch.rids)
+    assert ((1 <= plan.widths) & (plan.widths <= batch.ready)).all()
     t0 = model.predict(len(lens), sum(c[0] for c in lens))
-    rows, ctx = composition(batch, plan.width)
+    rows, ctx = composition(batch, width(plan))
     assert math.isclose(plan.predicted_s, model.predict(rows, ctx), rel_tol=1e-9, abs_tol=1e-12)
     if t0 <= budget:
         assert model.predict(rows, ctx) <= budget + EPS
     else:
-        assert plan.width == {r.rid: 1 for r in batch.requests}
+        assert width(plan) == dict.fromkeys(batch.rids, 1)
 
 
 @settings(max_examples=50, deadline=None)
 @given(batches, models, st.floats(-0.01, 0.1), st.floats(0, 0.05), utilities)
 def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
     batch = batch_of(lens, [0.5 + (i % 4) for i in range(len(lens))])
-    small = plan_step(batch, model, budget, utility).width
-    big = plan_step(batch, model, budget + more, utility).width
+    small = width(plan_step(batch, model, budget, utility))
+    big = width(plan_step(batch, model, budget + more, utility))
     assert all(big[rid] >= w for rid, w in small.items())
 
 
@@ -112,17 +123,17 @@ def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
 def test_matches_algorithm_1_reference(lens, budget, utility, prune):
     batch = batch_of(lens, [1.0 + 0.37 * (i % 5) for i in range(len(lens))])
     plan = plan_step(batch, MODEL, budget, utility, fill=prune)
-    assert plan.width == reference(batch, MODEL, budget, utility, prune)
+    assert width(plan) == reference(batch, MODEL, budget, utility, prune)
 
 
 @settings(max_examples=50, deadline=None)
 @given(batches, models, st.floats(0, 0.06), utilities)
 def test_fill_only_adds_rows(lens, model, budget, utility):
     batch = batch_of(lens)
-    stop = plan_step(batch, model, budget, utility).width
+    stop = width(plan_step(batch, model, budget, utility))
     fill = plan_step(batch, model, budget, utility, fill=True)
-    assert all(fill.width[rid] >= w for rid, w in stop.items())
-    assert fill.predicted_s <= budget + EPS or fill.width == dict.fromkeys(stop, 1)
+    assert all(width(fill)[rid] >= w for rid, w in stop.items())
+    assert fill.predicted_s <= budget + EPS or width(fill) == dict.fromkeys(stop, 1)
 
 
 def test_fill_is_not_monotone_in_budget():
@@ -131,10 +142,10 @@ def test_fill_is_not_monotone_in_budget():
     model = LinearLatencyModel(c0=0.0, c_seq=0.0, c_ctx=1e-7)
     batch = batch_of([(1, 5000), (1, 1000)], weights=[10.0, 1.0])  # a row costs 5e-4, b row 1e-4
     t0 = 2e-7
-    assert plan_step(batch, model, t0 + 4e-4, PRIORITY, fill=True).width == {"r0": 1, "r1": 2}
-    assert plan_step(batch, model, t0 + 5.5e-4, PRIORITY, fill=True).width == {"r0": 2, "r1": 1}
-    assert plan_step(batch, model, t0 + 4e-4, PRIORITY).width == {"r0": 1, "r1": 1}
-    assert plan_step(batch, model, t0 + 5.5e-4, PRIORITY).width == {"r0": 2, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 4e-4, PRIORITY, fill=True)) == {"r0": 1, "r1": 2}
+    assert width(plan_step(batch, model, t0 + 5.5e-4, PRIORITY, fill=True)) == {"r0": 2, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 4e-4, PRIORITY)) == {"r0": 1, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 5.5e-4, PRIORITY)) == {"r0": 2, "r1": 1}
 
 
 def test_cheap_rows_first_and_a_row_waits_for_its_predecessor():
@@ -143,57 +154,70 @@ def test_cheap_rows_first_and_a_row_waits_for_its_predecessor():
     t0 = MODEL.predict(3, 300)
     row = MODEL.row_costs
     budget = t0 + float(row(500)) + float(row(600)) + 1e-9
-    assert plan_step(batch, MODEL, budget).width == {"r0": 1, "r1": 2, "r2": 2}
+    assert width(plan_step(batch, MODEL, budget)) == {"r0": 1, "r1": 2, "r2": 2}
     budget += float(row(8000)) + float(row(10))
-    assert plan_step(batch, MODEL, budget).width == {"r0": 3, "r1": 2, "r2": 2}
+    assert width(plan_step(batch, MODEL, budget)) == {"r0": 3, "r1": 2, "r2": 2}
 
 
 def test_concave_spreads_width_and_priority_follows_weight():
     lens = [(1000,) * 5, (1000,) * 5]
     t0 = MODEL.predict(2, 2000)
     budget = t0 + 2 * float(MODEL.row_costs(1000)) + 1e-9  # room for exactly two rows
-    assert plan_step(batch_of(lens), MODEL, budget, LINEAR).width == {"r0": 3, "r1": 1}  # ties: earlier
-    assert plan_step(batch_of(lens), MODEL, budget, CONCAVE).width == {"r0": 2, "r1": 2}
-    assert plan_step(batch_of(lens, [1.0, 3.0]), MODEL, budget, PRIORITY).width == {"r0": 1, "r1": 3}
+    assert width(plan_step(batch_of(lens), MODEL, budget, LINEAR)) == {"r0": 3, "r1": 1}  # ties: earlier
+    assert width(plan_step(batch_of(lens), MODEL, budget, CONCAVE)) == {"r0": 2, "r1": 2}
+    assert width(plan_step(batch_of(lens, [1.0, 3.0]), MODEL, budget, PRIORITY)) == {"r0": 1, "r1": 3}
 
 
 def test_fast_paths_and_empty_batch():
     batch = batch_of([(10, 20, 30), (40,)])
-    assert plan_step(batch, MODEL, -1.0).width == {"r0": 1, "r1": 1}
-    assert plan_step(batch, MODEL, float("inf")).width == {"r0": 3, "r1": 1}
-    empty = plan_step(BatchView(()), MODEL, 0.01)
-    assert empty.width == {} and empty.rows == 0
+    assert width(plan_step(batch, MODEL, -1.0)) == {"r0": 1, "r1": 1}
+    assert width(plan_step(batch, MODEL, float("inf"))) == {"r0": 3, "r1": 1}
+    empty = plan_step(batch_of([]), MODEL, 0.01)
+    assert width(empty) == {} and empty.rows == 0 and empty.budget_s == 0.01
 
 
 def test_nan_budget_runs_the_protected_composition_only():
     batch = batch_of([(10, 20, 30), (40,)])
-    assert plan_step(batch, MODEL, float("nan")).width == {"r0": 1, "r1": 1}
+    assert width(plan_step(batch, MODEL, float("nan"))) == {"r0": 1, "r1": 1}
 
 
 def test_extra_prefill_tokens_are_part_of_the_step():
     model = LinearLatencyModel(c0=0.0, c_seq=1e-3, c_ctx=0.0, c_tok=1e-4)
-    lens = ((10, 10, 10),)
-    no_prefill = BatchView((RequestView("a", lens[0], 1.0),))
-    with_prefill = BatchView((RequestView("a", lens[0], 1.0),), extra_tokens=10)
-    assert plan_step(no_prefill, model, 2.5e-3).width == {"a": 2}
-    assert plan_step(with_prefill, model, 2.5e-3).width == {"a": 1}  # 1e-3 prefill leaves room for none
+    lens = [(10, 10, 10)]
+    no_prefill = batch_of(lens)
+    with_prefill = batch_of(lens, extra_tokens=10)
+    assert width(plan_step(no_prefill, model, 2.5e-3)) == {"r0": 2}
+    assert width(plan_step(with_prefill, model, 2.5e-3)) == {"r0": 1}  # 1e-3 prefill leaves room for none
 
 
 def test_pinned_widths_are_held_even_over_budget():
-    reqs = (RequestView("a", (10, 10, 10, 10), 1.0, phase_id="p", fixed_width=3),
-            RequestView("b", (10, 10, 10), 1.0, phase_id="q"),
-            RequestView("c", (10, 10), 1.0, phase_id="s", fixed_width=5))
-    batch = BatchView(reqs)
-    loose = plan_step(batch, MODEL, 1.0, pinned=True).width
-    assert loose == {"a": 3, "b": 3, "c": 2}
+    batch = batch_of([(10, 10, 10, 10), (10, 10, 10), (10, 10)], fixed=[3, 0, 5])
+    loose = width(plan_step(batch, MODEL, 1.0, pinned=True))
+    assert loose == {"r0": 3, "r1": 3, "r2": 2}
     tight = plan_step(batch, MODEL, 0.0, pinned=True)
-    assert tight.width == {"a": 3, "b": 1, "c": 2}
+    assert width(tight) == {"r0": 3, "r1": 1, "r2": 2}
     assert tight.predicted_s == MODEL.predict(6, 60)
-    assert plan_step(batch, MODEL, 0.0).width == {"a": 1, "b": 1, "c": 1}  # without pinning: protected
+    assert width(plan_step(batch, MODEL, 0.0)) == {"r0": 1, "r1": 1, "r2": 1}  # without pinning: protected
 
 
 def test_constant_model_is_all_or_nothing():
     batch = batch_of([(10, 20, 30), (40, 50)])
-    assert plan_step(batch, ConstantLatencyModel(0.03), 0.029).width == {"r0": 1, "r1": 1}
+    assert width(plan_step(batch, ConstantLatencyModel(0.03), 0.029)) == {"r0": 1, "r1": 1}
     plan = plan_step(batch, ConstantLatencyModel(0.03), 0.03)
-    assert plan.width == {"r0": 3, "r1": 2} and plan.predicted_s == 0.03
+    assert width(plan) == {"r0": 3, "r1": 2} and plan.predicted_s == 0.03
+
+
+def test_batches_past_the_row_index_table_plan_alike_and_leave_it_unchanged():
+    """The planner slices a read-only table of row indices; a bigger step builds its own."""
+    from branchwise.taper import planner
+
+    table = planner._ROWS.copy()
+    assert not planner._ROWS.flags.writeable
+    n = len(table) // 2 + 1  # 2 rows each: past the table
+    lens = [(100, 200 + i % 7) for i in range(n)]
+    t0 = MODEL.predict(n, 100 * n)
+    budget = t0 + 100 * float(MODEL.row_costs(200)) + 1e-12  # room for the 100 cheapest branch rows
+    plan = plan_step(batch_of(lens), MODEL, budget)
+    cheapest = [i for i, c in enumerate(lens) if c[1] == 200][:100]  # equal costs: earlier rows first
+    assert plan.rows == n + 100 and np.flatnonzero(plan.widths == 2).tolist() == cheapest
+    assert np.array_equal(planner._ROWS, table)

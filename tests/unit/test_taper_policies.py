@@ -2,35 +2,42 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.policies import (
-    CONST_REF,
-    POLICY_NAMES,
-    CapPolicy,
-    TaperPolicy,
-    parse_policy,
-    parse_policy_name,
-)
+from branchwise.taper.controller import Row, StepController
+from branchwise.taper.planner import ArrayBatch
+from branchwise.taper.policies import CONST_REF, POLICY_NAMES, Policy, parse_policy, parse_policy_name
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
-from branchwise.taper.state import BatchView, RequestView
 from branchwise.taper.utility import CONCAVE
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
 
-request = st.builds(
-    RequestView,
-    rid=st.text("abcdef", min_size=1, max_size=4),
-    context_lens=st.lists(st.integers(1, 8000), min_size=1, max_size=8).map(tuple),
-    slack_s=st.floats(-0.05, 0.2),
-)
-batches = st.lists(request, min_size=0, max_size=10, unique_by=lambda r: r.rid).map(lambda rs: BatchView(tuple(rs)))
+
+def batch(*reqs: tuple) -> ArrayBatch:
+    """reqs: (rid, context lens, slack_s[, in a phase[, pinned width]])."""
+    full = [(*r, False, 0)[:5] for r in reqs]
+    return ArrayBatch([r[0] for r in full], np.array([len(r[1]) for r in full], dtype=np.int64),
+                      np.array([c for r in full for c in r[1]], dtype=np.int64),
+                      np.array([r[2] for r in full], dtype=np.float64), None,
+                      np.array([r[3] for r in full], dtype=bool),
+                      np.array([r[4] for r in full], dtype=np.int64) if any(r[4] for r in full) else None)
 
 
-def widths(policy, batch):
-    return policy.plan(batch).width
+request = st.tuples(st.text("abcdef", min_size=1, max_size=4),
+                    st.lists(st.integers(1, 8000), min_size=1, max_size=8).map(tuple), st.floats(-0.05, 0.2))
+batches = st.lists(request, min_size=0, max_size=10, unique_by=lambda r: r[0]).map(lambda rs: batch(*rs))
+
+
+def widths(policy, a: ArrayBatch) -> dict[str, int]:
+    plan = policy.plan(a)
+    return dict(zip(plan.rids, plan.widths.tolist(), strict=True))
+
+
+def ready(a: ArrayBatch) -> dict[str, int]:
+    return dict(zip(a.rids, a.ready.tolist(), strict=True))
 
 
 @pytest.mark.parametrize("name", ["off", "eager", "taper", "taper-no-slack", "taper-no-replan",
@@ -70,70 +77,75 @@ def test_off_eager_and_caps(batch, k):
     off = widths(parse_policy("off"), batch)
     eager = widths(parse_policy("eager"), batch)
     cap = widths(parse_policy(f"cap:{k}"), batch)
-    for r in batch.requests:
-        assert off[r.rid] == 1
-        assert eager[r.rid] == r.ready
-        assert cap[r.rid] == min(r.ready, k)
+    for rid, n in ready(batch).items():
+        assert off[rid] == 1
+        assert eager[rid] == n
+        assert cap[rid] == min(n, k)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batches, st.floats(0.1, 1.0))
 def test_taper_between_off_and_eager_and_protected_when_late(batch, rho):
-    plan = TaperPolicy("taper", MODEL, rho).plan(batch)
-    for r in batch.requests:
-        assert 1 <= plan.width[r.rid] <= r.ready
-    if batch.requests:
-        assert plan.budget_s == pytest.approx(rho * min(r.slack_s for r in batch.requests))
-        if min(r.slack_s for r in batch.requests) < 0:  # someone is already late: protected only
-            assert plan.rows == len(batch.requests)
+    plan = Policy("taper", MODEL, rho=rho).plan(batch)  # the budget rule without taper's terms
+    assert ((1 <= plan.widths) & (plan.widths <= batch.ready)).all()
+    if len(batch.rids):
+        assert plan.budget_s == pytest.approx(rho * batch.slack_s.min())
+        if batch.slack_s.min() < 0:  # someone is already late: protected only
+            assert plan.rows == len(batch.rids)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batches)
 def test_no_slack_admits_every_ready_row(batch):
     plan = parse_policy("taper-no-slack", model=MODEL).plan(batch)
-    assert plan.width == {r.rid: r.ready for r in batch.requests}
+    assert widths(parse_policy("taper-no-slack", model=MODEL), batch) == ready(batch)
     assert plan.budget_s == float("inf")
 
 
 def test_cap_policy_reports_prediction_when_given_a_model():
-    batch = BatchView((RequestView("a", (100, 200, 300), 0.1), RequestView("b", (50,), 0.1)))
-    plan = CapPolicy("cap:2", 2, MODEL).plan(batch)
-    assert plan.width == {"a": 2, "b": 1}
-    assert plan.predicted_s == pytest.approx(MODEL.predict(3, 350))
-    assert CapPolicy("eager", None).plan(batch).predicted_s == 0.0  # no model: no prediction
+    a = batch(("a", (100, 200, 300), 0.1), ("b", (50,), 0.1))
+    cap2 = Policy("cap:2", MODEL, cap=2)
+    assert cap2.static and widths(cap2, a) == {"a": 2, "b": 1}
+    assert cap2.plan(a).predicted_s == pytest.approx(MODEL.predict(3, 350))
+    assert Policy("eager").plan(a).predicted_s == 0.0  # no model: no prediction
+    assert not parse_policy("taper").static
 
 
 def test_taper_widens_with_slack_and_contracts_without():
     lens = (2000,) * 6
-    mk = lambda slack: BatchView((RequestView("par", lens, 1.0, phase_id="p", phase_fanout=6),  # noqa: E731
-                                  RequestView("ser", (3000,), slack)))
+    mk = lambda slack: batch(("par", lens, 1.0, True), ("ser", (3000,), slack))  # noqa: E731
     policy = parse_policy("taper", model=MODEL, rho=0.8)
-    loose = policy.plan(mk(0.05))  # budget 40 ms: all 7 rows cost ~12 ms
+    assert widths(policy, mk(0.05))["par"] == 6  # budget 40 ms: all 7 rows cost ~12 ms
     tight = policy.plan(mk(0.0149))  # budget 11.92 ms: S0 10.9 ms + two 0.4 ms rows
-    late = policy.plan(mk(-0.01))
-    assert loose.width["par"] == 6
-    assert tight.width == {"par": 3, "ser": 1} and tight.predicted_s <= tight.budget_s
-    assert late.width == {"par": 1, "ser": 1}
+    assert widths(policy, mk(0.0149)) == {"par": 3, "ser": 1} and tight.predicted_s <= tight.budget_s
+    assert widths(policy, mk(-0.01)) == {"par": 1, "ser": 1}
 
 
 def test_no_replan_pins_width_at_phase_start_and_holds_it():
-    policy = parse_policy("taper-no-replan", model=MODEL, rho=1.0)
     lens = (2000,) * 6
-    start = BatchView((RequestView("par", lens, 1.0, phase_id="p", phase_fanout=6),
-                       RequestView("ser", (3000,), 0.05)))
-    plan = policy.plan(start)
-    pins = policy.pins(start, plan)
-    assert pins == {"par": 6}  # only phase requests without a stored width; serial ones never
-    # later, the budget collapses; the stored width is held (that is the ablation)...
-    later = BatchView((RequestView("par", lens[:5], 1.0, phase_id="p", phase_fanout=6, fixed_width=pins["par"]),
-                       RequestView("ser", (3000,), -0.01)))
-    held = policy.plan(later)
-    assert held.width == {"par": 5, "ser": 1}
-    assert policy.pins(later, held) == {}
+    start = batch(("par", lens, 1.0, True), ("ser", (3000,), 0.05))
+    # later, the budget collapses; a pinned width is held (that is the ablation)...
+    later = batch(("par", lens[:5], 1.0, True, 6), ("ser", (3000,), -0.01))
+    policy = parse_policy("taper-no-replan", model=MODEL, rho=1.0)
+    assert widths(policy, start) == {"par": 6, "ser": 1}
+    assert widths(policy, later) == {"par": 5, "ser": 1}
     # ...where replanning taper contracts at once
-    assert parse_policy("taper", model=MODEL).plan(later).width == {"par": 1, "ser": 1}
-    assert parse_policy("taper", model=MODEL).pins(start, plan) == {}
+    assert widths(parse_policy("taper", model=MODEL), later) == {"par": 1, "ser": 1}
+
+
+def test_pin_rule_pins_only_phases_and_only_once():
+    """The controller keeps the pins: a phase's width at its first plan, never a serial request's;
+    a pinned phase keeps its pin while its budget collapses. Replanning policies pin nothing."""
+    rows = [Row("par", b, 2000, 0.05, phase=True, fanout=6) for b in range(6)] + [Row("ser", 0, 3000, 0.05)]
+    ctl = StepController(parse_policy("taper-no-replan", model=MODEL, rho=1.0))
+    assert len(ctl.select(rows, 0.0)) == 7
+    assert ctl.fixed == {"par": 6}
+    ctl.on_step_done({"ser": (1, 0.05, False)}, 0.0, 1)
+    assert len(ctl.select(rows[1:], 0.06)) == 6  # "ser" is 10 ms late: the pin holds all 5 rows
+    assert ctl.fixed == {"par": 6}
+    taper = StepController(parse_policy("taper", model=MODEL))
+    taper.select(rows, 0.0)
+    assert taper.fixed == {}
 
 
 def test_const_predictor_ablation():
@@ -143,12 +155,25 @@ def test_const_predictor_ablation():
     assert parse_policy("taper-const-predictor", const_s=0.02).model.value_s == 0.02
     const = ConstantLatencyModel(0.01)
     assert parse_policy("taper-const-predictor", model=const).model is const
-    batch = lambda slack: BatchView((RequestView("a", (100,) * 4, slack), RequestView("b", (100,), 1.0)))  # noqa: E731
+    mk = lambda slack: batch(("a", (100,) * 4, slack), ("b", (100,), 1.0))  # noqa: E731
     p = parse_policy("taper-const-predictor", const_s=0.02, rho=1.0)
-    assert p.plan(batch(0.019)).width == {"a": 1, "b": 1}  # constant over budget: nothing extra
-    assert p.plan(batch(0.021)).width == {"a": 4, "b": 1}  # under: everything
+    assert widths(p, mk(0.019)) == {"a": 1, "b": 1}  # constant over budget: nothing extra
+    assert widths(p, mk(0.021)) == {"a": 4, "b": 1}  # under: everything
 
 
 def test_default_model_is_used_without_one():
     assert parse_policy("taper").model == default_model()
     assert parse_policy("off").model is None
+
+
+def test_a_policy_is_frozen_data():
+    p = parse_policy("taper-no-backlog", model=MODEL, rho=0.5, utility="concave", fill=True)
+    assert (p.rho, p.terms.mean, p.terms.overload, p.terms.backlog, p.replan, p.slack, p.fill) == \
+        (0.5, True, True, False, True, True, True)
+    assert p == Policy("taper-no-backlog", MODEL, rho=0.5, terms=p.terms, utility=CONCAVE, fill=True)
+    assert not parse_policy("taper-paper").terms.any() and not parse_policy("taper-no-replan").replan
+    assert parse_policy("cap:3").cap == 3 and parse_policy("eager").cap is None
+    with pytest.raises(AttributeError):
+        p.rho = 0.9  # type: ignore[misc]
+    with pytest.raises(ValueError, match="needs a latency model"):
+        Policy("taper", None, rho=0.8)

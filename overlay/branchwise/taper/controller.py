@@ -1,8 +1,29 @@
 """The per-step admission controller: rows of a decode batch in, active row indices out.
 
-Pure (no SGLang): the scheduler hook turns its ScheduleBatch into `Row`s, asks `select`, and runs
-the chosen sub-batch; after the step it reports deliveries and the realized latency. Rows of one
-parallel phase share a `key` (the phase id); a serial request's key is its rid.
+Pure (no SGLang). One decode step, top to bottom:
+1. The scheduler hook turns its ScheduleBatch into `Row`s and calls `select(rows, now)`. Rows of
+   one parallel phase share a `key` (the phase); a serial request's key is its own.
+2. `select` groups the rows by key (each group in branch order) and, when some key has more than
+   one row, builds the planner's `ArrayBatch`: per key its ready rows' context lengths, its slack
+   from the key's `SlackTracker`, its SLO, weight and pin.
+3. The policy (policies.py) turns that into a `StepPlan` (planner.py): a width per key.
+4. `select` returns the first `width` rows of each key (plus forced rows); the hook runs them
+   (deferral.py) and afterwards reports the deliveries (`on_step_done`) and the realized step
+   latency (`on_latency`, which refits the policy's model in place).
+
+Slack is how long the next step may take before a request's TPOT exceeds its SLO:
+- serial stage, per gap (the paper's reading): the next token comes one step from now, so
+      slack = slo - (now - last_token_delivery)
+- parallel phase: the SLO applies to the phase's effective TPOT = phase wall time / tokens over all
+  its branches. The next step adds at least one token, so it keeps the effective TPOT within the
+  SLO iff (now + T - phase_start) / (tokens_in_phase + 1) <= slo, i.e.
+      slack = (tokens_in_phase + 1) * slo - (now - phase_start)
+  (counting only the protected row's token keeps this conservative when more rows run).
+- serial stage on its mean pace (policies whose terms include `mean`): a serial stage's TPOT is its
+  wall time over its tokens, like a phase's, so its slack takes the phase form from the stage start;
+  a request that ran ahead of its pace has banked the difference.
+Time is always passed in (the scheduler clock of TP rank 0), never read here, so the controller is
+deterministic and rank-invariant.
 
 Per-key state (slack trackers, taper-no-replan pins) lives while the key has rows: the caller
 reports keys whose last row finished or was aborted (`on_finished`), and their entries go; a
@@ -23,12 +44,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from branchwise.taper.planner import ArrayBatch, StepPlan
 from branchwise.taper.policies import Policy
 from branchwise.taper.predictor import OnlineRefit
-from branchwise.taper.slack import SlackTracker
-from branchwise.taper.state import ArrayBatch, StepPlan
 
 logger = logging.getLogger("branchwise")
+_COUNTED = ("per_gap", "overload", "backlog")  # StepPlan.notes counted in StepStats.terms
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,6 +62,52 @@ class Row:
     phase: bool = False
     fanout: int = 1
     forced: bool = False  # must run this step (abort pending)
+
+
+@dataclass(slots=True)
+class SlackTracker:
+    """One key's delivery clock (module docstring). The controller starts it at the key's first
+    plan or delivery, in a phase for phase keys; `on_tokens(now, n)` gets the tokens delivered by
+    all of the key's rows in that step. `mean`: a serial stage's slack is read on its mean pace."""
+
+    slo_s: float
+    last_token_s: float  # time of the last token delivery (the clock's start initially)
+    phase_start_s: float | None = None
+    phase_tokens: int = 0
+    mean: bool = False
+    stage_start_s: float = float("nan")  # serial stage start; NaN: last_token_s at creation
+    stage_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if self.stage_start_s != self.stage_start_s:
+            self.stage_start_s = self.last_token_s
+
+    def on_tokens(self, now_s: float, n: int = 1) -> None:
+        self.last_token_s = now_s
+        if self.phase_start_s is not None:
+            self.phase_tokens += n
+        else:
+            self.stage_tokens += n
+
+    def start_phase(self, now_s: float) -> None:
+        self.phase_start_s, self.phase_tokens = now_s, 0
+
+    @property
+    def in_phase(self) -> bool:
+        return self.phase_start_s is not None
+
+    def slack(self, now_s: float) -> float:
+        if self.phase_start_s is not None:
+            return (self.phase_tokens + 1) * self.slo_s - (now_s - self.phase_start_s)
+        if self.mean:
+            return (self.stage_tokens + 1) * self.slo_s - (now_s - self.stage_start_s)
+        return self.slo_s - (now_s - self.last_token_s)
+
+    def gap_slack(self, now_s: float) -> float:
+        """The paper's reading: per gap in a serial stage (the phase slack in a phase)."""
+        if self.phase_start_s is not None:
+            return (self.phase_tokens + 1) * self.slo_s - (now_s - self.phase_start_s)
+        return self.slo_s - (now_s - self.last_token_s)
 
 
 @dataclass(slots=True)
@@ -98,25 +165,28 @@ class StepController:
               waiting: int) -> list[int]:
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
-        batch = self._snapshot(rows, groups, now, bubble, waiting)
+        heads = [rows[idx[0]] for idx in groups.values()]
+        batch = self._snapshot(rows, groups, heads, now, bubble, waiting)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch)
-        self.fixed.update(self.policy.pins(batch, plan))
+        width = plan.widths.tolist()
+        if not self.policy.replan:  # the pin rule: a phase keeps the width of its first plan
+            for key, w, head in zip(groups, width, heads, strict=True):
+                if head.phase and key not in self.fixed:
+                    self.fixed[key] = w
         self._account(plan, batch, time.perf_counter() - t0)
-        width = plan.widths(batch.rids)
         active = [i for w, idx in zip(width, groups.values(), strict=True) for n, i in enumerate(idx)
                   if n < w or rows[i].forced]
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], now: float,
-                  bubble: bool = False, waiting: int = 0) -> ArrayBatch:
+    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], now: float,
+                  bubble: bool, waiting: int) -> ArrayBatch:
         """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
         n = len(groups)
-        heads = [rows[idx[0]] for idx in groups.values()]
-        trackers = [self._tracker(h, now) for h in heads]
+        trackers = [self._tracker(h.key, h.slo_s, h.phase, now) for h in heads]
         slack = [t.slack(now) for t in trackers]
-        gap = [t.gap_slack(now) for t in trackers] if self._mean else None
+        gap = [t.gap_slack(now) for t in trackers] if self.policy.terms.mean else None
         model = self.policy.model
         if bubble and model is not None:
             reserve = model.predict(n, sum(h.ctx for h in heads))
@@ -136,15 +206,12 @@ class StepController:
             np.array([h.slo_s for h in heads], dtype=np.float64), max(int(waiting), 0),
             np.array(gap, dtype=np.float64) if gap is not None else None)
 
-    @property
-    def _mean(self) -> bool:
-        return bool(getattr(self.policy, "stage_mean", False))
-
-    def _tracker(self, head: Row, now: float) -> SlackTracker:
-        tr = self.trackers.get(head.key)
+    def _tracker(self, key: str, slo_s: float, phase: bool, now: float) -> SlackTracker:
+        """The key's clock; a key seen for the first time starts one now (in a phase for phases)."""
+        tr = self.trackers.get(key)
         if tr is None:
-            tr = self.trackers[head.key] = SlackTracker(head.slo_s, now, mean=self._mean)
-            if head.phase:
+            tr = self.trackers[key] = SlackTracker(slo_s, now, mean=self.policy.terms.mean)
+            if phase:
                 tr.start_phase(now)
         return tr
 
@@ -156,7 +223,7 @@ class StepController:
         st.candidates += len(batch.ctx) - n
         st.admitted += plan.rows - n
         st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
-        for term in ("per_gap", "overload", "backlog"):
+        for term in _COUNTED:
             if term in plan.notes:
                 st.terms[term] = st.terms.get(term, 0) + 1
 
@@ -164,12 +231,7 @@ class StepController:
         """Record token deliveries of the rows that ran: key -> (tokens, slo_s, in a phase)."""
         self.stats.rows_run += n_rows
         for key, (n, slo_s, phase) in delivered.items():
-            tr = self.trackers.get(key)
-            if tr is None:
-                tr = self.trackers[key] = SlackTracker(slo_s, now, mean=self._mean)
-                if phase:
-                    tr.start_phase(now)
-            tr.on_tokens(now, n)
+            self._tracker(key, slo_s, phase, now).on_tokens(now, n)
 
     def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float) -> None:
         """A realized pure-decode step latency; feeds the predictor's rolling refit."""

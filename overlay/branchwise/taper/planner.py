@@ -1,4 +1,4 @@
-"""TAPER's per-step planner (Algorithm 1): protected composition, then greedy opportunistic width.
+"""TAPER's per-step planner (Algorithm 1): a decode batch in (`ArrayBatch`), widths out (`StepPlan`).
 
 S0 runs one row per request, always, even over budget. Then rows are admitted greedily by marginal
 utility per marginal predicted latency while T(S) <= budget. A request offers its ready rows in the
@@ -8,24 +8,27 @@ How it is computed (vectorised, no per-candidate objects). Each row has a price:
 predicted seconds (a constant per row, because T is separable) per unit of marginal utility. A heap
 over the requests' next rows pops rows in the order of their running-max price along the request
 (a cheap row queued behind an expensive one waits for it); one sort of all rows by that key, ties
-to the earlier row, gives the same order (up to the order among equal keys). The plan is then the longest prefix of that order whose
-cumulative cost fits the budget: one cumsum and one binary search.
+to the earlier row, gives the same order (up to the order among equal keys). The plan is then the
+longest prefix of that order whose cumulative cost fits the budget: one cumsum and one binary search.
 
 Stopping at the first row that does not fit (rather than skipping that request and trying the
 rest, Algorithm 1's pruning rule) leaves less than one row's cost of the budget unused and makes
 the plan monotone in the budget: more slack never narrows any request. With linear utility and
 equal weights (the paper's configuration) both rules agree except on exact cost ties, because
 later rows cost at least as much as the one that failed. `fill=True` runs the pruning rule exactly.
+
+The static policies (off, cap:K, eager) plan with `plan_capped`: a fixed width per request.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from branchwise.taper.predictor import LatencyModel
-from branchwise.taper.state import ArrayBatch, BatchView, StepPlan, as_arrays
 from branchwise.taper.utility import LINEAR, Utility
 
 # The greedy order is one sort of int64 keys packing (price, row index): the price's float bits
@@ -37,7 +40,59 @@ _TINY = 1e-300  # a zero weight makes rows last, not NaN
 _ROW_BITS = 20  # < 2^20 rows and requests per step
 _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
-_ROWS = np.arange(1 << 12, dtype=np.int64)
+_ROWS = np.arange(1 << 12, dtype=np.int64)  # 0..4095, sliced for the common batch sizes
+_ROWS.flags.writeable = False
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class ArrayBatch:
+    """One snapshot of the decode batch as flat arrays, built by the step controller from its rows.
+
+    A request (a serial request, or a parallel phase) has one ready row in a serial stage and one
+    per ready branch in a phase; its first row is the protected one, the rest are opportunistic
+    candidates in the order the hook would admit them.
+    """
+
+    rids: Sequence[str]  # n requests (the controller's grouping keys)
+    ready: np.ndarray  # int64[n], ready rows per request (>= 1)
+    ctx: np.ndarray  # int64[sum(ready)], row context lengths, request-major, protected row first
+    slack_s: np.ndarray  # float64[n], residual TPOT slack in seconds (may be negative)
+    weight: np.ndarray | None = None  # float64[n], the "priority" utility's weights; None: all 1.0
+    phase: np.ndarray | None = None  # bool[n], in a parallel phase; None: none is
+    fixed_width: np.ndarray | None = None  # int64[n], 0 = not pinned (taper-no-replan)
+    extra_tokens: int = 0  # tokens in the same forward that are not decode rows (mixed prefill)
+    slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
+    waiting: int = 0  # requests queued for admission (SGLang's waiting queue): the backlog
+    gap_slack_s: np.ndarray | None = None  # float64[n], slack_s read per gap (the paper's serial slack)
+
+    def __post_init__(self) -> None:
+        n = len(self.rids)
+        if self.ready.shape != (n,) or self.slack_s.shape != (n,):
+            raise ValueError(f"ArrayBatch: ready and slack_s need one entry per request ({n})")
+        if n and int(self.ready.min()) < 1:
+            raise ValueError("ArrayBatch: every request needs at least one ready row")
+        if self.ctx.shape != (int(self.ready.sum()),):
+            raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
+        for name in ("weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
+            a = getattr(self, name)
+            if a is not None and a.shape != (n,):
+                raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
+
+
+@dataclass(slots=True)
+class StepPlan:
+    """Rows to run per request (aligned with the batch's rids), plus what the planner predicted."""
+
+    rids: Sequence[str]
+    widths: np.ndarray  # int64[n], in [1, ready] for every request
+    predicted_s: float = 0.0
+    budget_s: float = math.inf
+    considered: int = 0  # opportunistic rows the greedy pass priced
+    notes: dict[str, float] = field(default_factory=dict)  # protected_s, and the taper terms that applied
+
+    @property
+    def rows(self) -> int:
+        return int(self.widths.sum())
 
 
 def _ones(n: int) -> np.ndarray:
@@ -45,15 +100,27 @@ def _ones(n: int) -> np.ndarray:
 
 
 def _arange(n: int) -> np.ndarray:
-    global _ROWS
-    if n > len(_ROWS):
-        if n > _ROW_MASK:
-            raise ValueError(f"planner supports < {_ROW_MASK} rows per step, got {n}")
-        _ROWS = np.arange(min(2 * n, _ROW_MASK), dtype=np.int64)
-    return _ROWS[:n]
+    if n <= len(_ROWS):
+        return _ROWS[:n]
+    if n > _ROW_MASK:
+        raise ValueError(f"planner supports < {_ROW_MASK} rows per step, got {n}")
+    return np.arange(n, dtype=np.int64)
 
 
-def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
+def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> StepPlan:
+    """The static rule: min(ready, cap) rows per request (cap None: every ready row).
+    `model`, if set, only fills predicted_s."""
+    w = a.ready if cap is None else np.minimum(a.ready, cap)
+    predicted = 0.0
+    if model is not None and len(a.rids):
+        starts = a.ready.cumsum() - a.ready
+        pos = np.arange(len(a.ctx)) - starts.repeat(a.ready)
+        keep = pos < w.repeat(a.ready)
+        predicted = model.predict(int(w.sum()), int(a.ctx[keep].sum()), a.extra_tokens)
+    return StepPlan(a.rids, w, predicted)
+
+
+def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
               *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None) -> StepPlan:
     """Widths per request for one decode step.
 
@@ -64,11 +131,10 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
-    a = as_arrays(batch)
     rids = a.rids
     n = len(rids)
     if n == 0:
-        return StepPlan({}, 0.0, budget_s)
+        return StepPlan(rids, _ones(0), 0.0, budget_s)
     ready, ctx = a.ready, a.ctx
     starts = ready.cumsum()
     starts -= ready  # index of each request's first (protected) row
@@ -87,7 +153,7 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
     else:
         t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
         if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
-            return StepPlan(rids=rids, widths=_ones(n), predicted_s=t0, budget_s=budget_s,
+            return StepPlan(rids, _ones(n), predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
 
     total = len(ctx)
@@ -100,14 +166,14 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
         forced = np.flatnonzero(pos < lo[seg])
         t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
         if t0 > budget_s:
-            return StepPlan(rids=rids, widths=lo, predicted_s=t0, budget_s=budget_s,
+            return StepPlan(rids, lo, predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
     notes = {"protected_s": t0}
     cost[forced] = 0.0  # in t0 already
     considered = total - len(forced)
     extra_s = float(cost.sum())
     if t0 + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
-        return StepPlan(rids=rids, widths=ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+        return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
 
     # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
@@ -135,7 +201,7 @@ def plan_step(batch: BatchView | ArrayBatch, model: LatencyModel, budget_s: floa
     used = float(cum[k - 1]) if k else 0.0
     if fill and k < total:
         used += _fill(order[k:], cost, seg, pos, width, room - used)
-    return StepPlan(rids=rids, widths=width, predicted_s=t0 + used, budget_s=budget_s,
+    return StepPlan(rids, width, predicted_s=t0 + used, budget_s=budget_s,
                     considered=considered, notes=notes)
 
 

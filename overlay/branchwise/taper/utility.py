@@ -8,27 +8,35 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
 UTILITY_NAMES = ("linear", "concave", "priority")
+_TABLE = 64  # gains precomputed per curve; a wider request gets a table built for that call
 
 
+@dataclass(frozen=True, slots=True, eq=False, repr=False)
 class Utility:
-    """A named marginal-gain curve; `weighted` multiplies gains by RequestView.weight."""
+    """A named marginal-gain curve; `weighted` multiplies gains by the request's weight."""
 
-    __slots__ = ("name", "gain", "weighted", "_table")
+    name: str
+    gain: Callable[[int], float]
+    weighted: bool = False
+    _table: np.ndarray = field(init=False)
 
-    def __init__(self, name: str, gain: Callable[[int], float], weighted: bool = False) -> None:
-        self.name, self.gain, self.weighted = name, gain, weighted
-        self._table = np.ones(1)
+    def __post_init__(self) -> None:
+        t = self._build(_TABLE)
+        t.flags.writeable = False
+        object.__setattr__(self, "_table", t)
+
+    def _build(self, kmax: int) -> np.ndarray:
+        return np.array([1.0] + [self.gain(k) for k in range(1, kmax + 1)])
 
     def table(self, kmax: int) -> np.ndarray:
-        """Gains indexed by k; index 0 (the protected row, which is not priced) holds a placeholder 1."""
-        if len(self._table) <= kmax:
-            size = max(kmax + 1, 2 * len(self._table), 16)
-            self._table = np.array([1.0] + [self.gain(k) for k in range(1, size)])
-        return self._table
+        """Gains indexed by k <= kmax (read-only); index 0 (the protected row, which is not priced)
+        holds a placeholder 1."""
+        return self._table if kmax < len(self._table) else self._build(kmax)
 
     def __repr__(self) -> str:
         return f"Utility({self.name!r})"
@@ -38,13 +46,11 @@ LINEAR = Utility("linear", lambda k: 1.0)  # throughput: every row is worth the 
 CONCAVE = Utility("concave", lambda k: math.log1p(k) - math.log1p(k - 1))  # fairness: first extra row counts most
 PRIORITY = Utility("priority", lambda k: 1.0, weighted=True)  # linear, scaled by the tenant's weight
 
-_BY_NAME = {u.name: u for u in (LINEAR, CONCAVE, PRIORITY)}
-
 
 def parse_utility(name: str | Utility) -> Utility:
     if isinstance(name, Utility):
         return name
-    try:
-        return _BY_NAME[str(name).strip().lower()]
-    except KeyError:
-        raise ValueError(f"invalid utility {name!r}; valid: {', '.join(UTILITY_NAMES)}") from None
+    for u in (LINEAR, CONCAVE, PRIORITY):
+        if u.name == str(name).strip().lower():
+            return u
+    raise ValueError(f"invalid utility {name!r}; valid: {', '.join(UTILITY_NAMES)}")
