@@ -29,7 +29,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
-from branchwise import fork, request_meta  # noqa: E402
+from branchwise import fork, request_meta, runtime  # noqa: E402
 from branchwise import scheduler_hook as sh  # noqa: E402
 from branchwise.config import BranchwiseConfig  # noqa: E402
 
@@ -59,7 +59,7 @@ def measure(bs: int, steps: int) -> tuple[float, float]:
     """(median us per step of SGLang's per-row work alone, of the same with the hooks)."""
     cfg = BranchwiseConfig()
     st = sh.BranchwiseState(cfg, controller=sh._build_controller(cfg))
-    sched = SimpleNamespace(_branchwise=st)
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st))
     reqs = _reqs(bs)
     batch = SimpleNamespace(reqs=reqs, is_empty=lambda: False, forward_iter=0, launch_ts=0.0,
                             forward_mode=SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False))

@@ -27,7 +27,7 @@ PENALIZER_ACCUMULATORS: dict[str, tuple[str, ...]] = {
 
 
 def why_unsupported(scheduler: Any) -> str | None:
-    """Modes in which returning a sub-batch from update_running_batch is unsafe (map §1.5, §1.8)."""
+    """Modes in which returning a sub-batch from update_running_batch is unsafe."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_parallel
 
@@ -151,15 +151,14 @@ def _pinned_cumulate(batch: Any) -> None:
     batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
 
 
-# Set per scheduler process by scheduler_hook.after_init: overlap on and a step controller (every
-# policy defers branch rows; off runs one per phase per step). The hook sees only the ScheduleBatch,
-# and a process runs one scheduler, so the switch is per process.
-_pin_penalty_tokens = False
+# Set on the scheduler's ReqToTokenPool by scheduler_hook.build when overlap is on and a step
+# controller runs (every policy defers branch rows; off runs one per phase per step). The hook
+# receives only the ScheduleBatch, and every batch of a scheduler shares that scheduler's pool.
+PIN_ATTR = "_branchwise_pin_penalty_tokens"
 
 
-def set_penalty_pinning(on: bool) -> None:
-    global _pin_penalty_tokens
-    _pin_penalty_tokens = on
+def pin_penalty_tokens(scheduler: Any) -> None:
+    setattr(scheduler.req_to_token_pool, PIN_ATTR, True)
 
 
 def around_cumulate_penalty_output_tokens(orig: Any, batch: Any) -> None:
@@ -168,7 +167,7 @@ def around_cumulate_penalty_output_tokens(orig: Any, batch: Any) -> None:
     Covers every decode preparation: sub-batches, full steps, and mixed chunked prefill steps,
     which prepare the running batch without going through update_running_batch.
     """
-    if _pin_penalty_tokens:
+    if getattr(batch.req_to_token_pool, PIN_ATTR, False):
         _pinned_cumulate(batch)
     else:
         orig(batch)

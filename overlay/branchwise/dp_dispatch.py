@@ -17,7 +17,8 @@ The map is an LRU of bounded size: a phase ends and is never seen again, so the 
 an evicted key that comes back is placed afresh (placement only, outputs do not depend on it).
 
 The pure parts (affinity_key, PhaseRanks) import no SGLang; the hook bodies run in the DP
-controller process and the schedulers (plugin.py registers them).
+controller process (plugin.py registers them), and each scheduler keeps a SchedulerDp
+(runtime.py builds it and reports it).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ class PhaseRows:
 # ---- DataParallelController hooks (DP controller process) ----------------------------------------
 def after_controller_init(result: None, ctl: Any, *args: Any, **kwargs: Any) -> None:
     ctl.workers = WorkerLog(ctl.workers)
-    ctl._bw_phase_ranks = PhaseRanks()
+    ctl._branchwise_phase_ranks = PhaseRanks()
 
 
 def _key_of(req: Any) -> str | None:
@@ -135,7 +136,7 @@ def _key_of(req: Any) -> str | None:
 
 def around_dispatching_with_trace(orig: Any, ctl: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
     """Send a keyed request to its key's rank; let SGLang place a key's first request and note where."""
-    phases: PhaseRanks | None = getattr(ctl, "_bw_phase_ranks", None)
+    phases: PhaseRanks | None = getattr(ctl, "_branchwise_phase_ranks", None)
     if phases is None or getattr(req, "routed_dp_rank", None) is not None:
         return orig(ctl, req, *args, **kwargs)
     key = _key_of(req)
@@ -153,31 +154,26 @@ def around_dispatching_with_trace(orig: Any, ctl: Any, req: Any, *args: Any, **k
     return out
 
 
-# ---- Scheduler hooks (per DP rank): which rank this is, and which phases it served ---------------
-def _dp_rank() -> int:
-    from sglang.srt.runtime_context import get_parallel
+# ---- Scheduler side (per DP rank): which rank this is, and which phases it served ---------------
+@dataclass
+class SchedulerDp:
+    """A scheduler's part of DP dispatch, for /server_info (runtime.Branchwise.dp)."""
 
-    rank = get_parallel().dp_rank
-    return int(rank) if rank is not None else 0
+    dp_rank: int
+    phase_rows: PhaseRows = field(default_factory=PhaseRows)
 
+    def on_request_created(self, req: Any) -> None:
+        """After scheduler_hook has set `req.bw_meta`."""
+        meta = getattr(req, "bw_meta", None)
+        if meta is not None and meta.phase:
+            self.phase_rows.add(meta.phase)
 
-def after_scheduler_init(result: None, sched: Any, *args: Any, **kwargs: Any) -> None:
-    sched._bw_dp_rank = _dp_rank()
-    sched._bw_phase_rows = PhaseRows()
-
-
-def after_create_generation_req(req: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
-    meta = getattr(req, "bw_meta", None)
-    rows: PhaseRows | None = getattr(sched, "_bw_phase_rows", None)
-    if rows is not None and meta is not None and getattr(meta, "phase", None):
-        rows.add(meta.phase)
-    return req
+    def report(self) -> dict[str, Any]:
+        """Merged into the scheduler's "branchwise" report."""
+        return {"dp_rank": self.dp_rank, "phase_rows": dict(self.phase_rows.rows)}
 
 
-def after_get_internal_state(result: Any, sched: Any, *args: Any, **kwargs: Any) -> Any:
-    state = getattr(result, "internal_state", None)
-    report = state.get("branchwise") if isinstance(state, dict) else None
-    if isinstance(report, dict) and hasattr(sched, "_bw_dp_rank"):
-        report["dp_rank"] = sched._bw_dp_rank
-        report["phase_rows"] = dict(sched._bw_phase_rows.rows)
-    return result
+def build(scheduler: Any, config: Any) -> SchedulerDp:
+    from branchwise.metrics import current_dp_rank
+
+    return SchedulerDp(current_dp_rank())

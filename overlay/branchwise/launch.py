@@ -133,7 +133,15 @@ def post_json(url: str, payload: dict, timeout: float = 120) -> Any:
         return json.loads(body) if body.strip() else {}
 
 
-def branchwise_report(url: str) -> dict[str, Any]:
-    """The scheduler-side Branchwise report (config, pid, process title, counters)."""
-    info = get_json(url + "/server_info")
-    return info["internal_states"][0]["branchwise"]
+def branchwise_reports(url: str) -> dict[int, dict[str, Any]]:
+    """Every scheduler's Branchwise report (config, pid, process title, counters, taper stats), by
+    DP rank. /server_info lists one internal state per DP rank, in no order a caller should rely
+    on, so each report is keyed by the dp_rank it carries."""
+    states = get_json(url + "/server_info")["internal_states"]
+    reports = [st["branchwise"] for st in states if "branchwise" in st]
+    return {rep.get("dp_rank", 0): rep for rep in reports}
+
+
+def branchwise_report(url: str, dp_rank: int = 0) -> dict[str, Any]:
+    """The Branchwise report of DP rank `dp_rank`'s scheduler (the only one without --dp-size)."""
+    return branchwise_reports(url)[dp_rank]

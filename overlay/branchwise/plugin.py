@@ -47,15 +47,11 @@ def _albireo_hooks(HookType):
     hooks = []
     if _flag_declared("async_output"):
         hooks += [
-            (f"{SCHEDULER}.__init__", ao.after_scheduler_init, HookType.AFTER),
-            (f"{SCHEDULER}.get_internal_state", ao.after_get_internal_state, HookType.AFTER),
             (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
              HookType.AROUND),
             (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
             (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
             # forward thread (CPU): the overlap loop's forward-stream work on a FIFO worker thread
-            (f"{SCHEDULER}.__init__", ft.after_scheduler_init, HookType.AFTER),
-            (f"{SCHEDULER}.get_internal_state", ft.after_get_internal_state, HookType.AFTER),
             (f"{SCHEDULER}.run_batch", ft.around_run_batch, HookType.AROUND),
             (f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs, HookType.AROUND),
             (f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation, HookType.AROUND),
@@ -67,8 +63,6 @@ def _albireo_hooks(HookType):
         ]
     if _flag_declared("parallel_sampling"):
         hooks += [
-            (f"{SCHEDULER}.__init__", sp.after_scheduler_init, HookType.AFTER),
-            (f"{SCHEDULER}.get_internal_state", sp.after_get_internal_state, HookType.AFTER),
             (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
             (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
             (f"{MODEL_RUNNER}.forward", sp.around_forward, HookType.AROUND),
@@ -83,7 +77,6 @@ def _step_timer_hooks(HookType):
     from branchwise.albireo import step_timer as t
 
     return [
-        (f"{SCHEDULER}.__init__", t.after_scheduler_init, HookType.AFTER),
         (f"{SCHEDULER}.ingest_requests", t.around_ingest, HookType.AROUND),
         (f"{SCHEDULER}.get_next_batch_to_run", t.around_get_next_batch, HookType.AROUND),
         (f"{SCHEDULER}.run_batch", t.around_run_batch, HookType.AROUND),
@@ -95,33 +88,53 @@ def _step_timer_hooks(HookType):
 
 
 def _fork_hooks(HookType):
-    """Server-side fork/join (fork.py). Registered after scheduler_hook's hooks on the same targets,
-    so they wrap them: fork's __init__ / _create_generation_req AFTER hooks see its state and bw_meta."""
+    """Server-side fork/join (fork.py); its request-creation step runs inside runtime's hook."""
     from branchwise import fork
 
     return [
-        (f"{SCHEDULER}.__init__", fork.after_init, HookType.AFTER),
-        (f"{SCHEDULER}._create_generation_req", fork.after_create_generation_req, HookType.AFTER),
         (f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests, HookType.AFTER),
         (f"{SCHEDULER}.abort_request", fork.after_abort_request, HookType.AFTER),
         (f"{SCHEDULER}.send_abort_output", fork.around_send_abort_output, HookType.AROUND),
-        (f"{SCHEDULER}.get_internal_state", fork.after_get_internal_state, HookType.AFTER),
         (f"{SCHEDULER}.is_fully_idle", fork.after_is_fully_idle, HookType.AFTER),
         (f"{STREAMER}.stream_output", fork.around_stream_output, HookType.AROUND),
     ]
 
 
 def _dp_hooks(HookType):
-    """Phase-affine DP dispatch (dp_dispatch.py); scheduler hooks registered after scheduler_hook's,
-    so they wrap them and see its bw_meta and report."""
+    """Phase-affine DP dispatch (dp_dispatch.py), in the DP controller process; each scheduler's
+    part is built and reported by runtime.py."""
     from branchwise import dp_dispatch as dp
 
     return [
         (f"{DP_CONTROLLER}.__init__", dp.after_controller_init, HookType.AFTER),
         (f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace, HookType.AROUND),
-        (f"{SCHEDULER}.__init__", dp.after_scheduler_init, HookType.AFTER),
-        (f"{SCHEDULER}._create_generation_req", dp.after_create_generation_req, HookType.AFTER),
-        (f"{SCHEDULER}.get_internal_state", dp.after_get_internal_state, HookType.AFTER),
+    ]
+
+
+def _runtime_hooks(HookType, timer_mode: str | None):
+    """The composition root (runtime.py): the only Scheduler.__init__ and get_internal_state hooks,
+    and request creation, whose steps (taper, fork, dp) it runs in a fixed order."""
+    from branchwise import runtime
+
+    hooks = [(f"{SCHEDULER}.__init__", runtime.after_scheduler_init, HookType.AFTER)]
+    if timer_mode != "stock":
+        hooks.append((f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state, HookType.AFTER))
+    if timer_mode not in ("stock", "albireo"):
+        hooks.append((f"{SCHEDULER}._create_generation_req", runtime.after_create_generation_req, HookType.AFTER))
+    return hooks
+
+
+def _taper_hooks(HookType):
+    """Per-step branch admission (scheduler_hook.py) and the deferred rows' penalties (deferral.py)."""
+    from branchwise import deferral
+    from branchwise import scheduler_hook as sh
+
+    return [
+        (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
+        (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
+        # runs only for batches with penalties: which token deferred rows cumulate (deferral.py)
+        (f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens,
+         HookType.AROUND),
     ]
 
 
@@ -133,6 +146,8 @@ def _validate_hooks(HookType):
         (f"{IO_STRUCT}.GenerateReqInput.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments,
          HookType.AROUND),
         (f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object, HookType.AROUND),
+        (f"{TOKENIZER_MANAGER}._validate_one_request", v.after_validate_one_request, HookType.AFTER),
+        (f"{TOKENIZER_MANAGER}.create_abort_task", v.around_create_abort_task, HookType.AROUND),
     ]
 
 
@@ -187,28 +202,13 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from branchwise import deferral
-    from branchwise import scheduler_hook as sh
-    from branchwise import tokenizer_guards as tg
     from branchwise.albireo import step_timer
 
     # bench modes: "stock" = SGLang + the timer only; "albireo" = + Albireo's hooks, no other Branchwise hook
     timer_mode = step_timer.enabled()
-    hooks = [] if timer_mode in ("stock", "albireo") else [
-        (f"{SCHEDULER}.__init__", sh.after_init, HookType.AFTER),
-        (f"{SCHEDULER}.get_internal_state", sh.after_get_internal_state, HookType.AFTER),
-        (f"{SCHEDULER}._create_generation_req", sh.after_create_generation_req, HookType.AFTER),
-        (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
-        (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
-        # runs only for batches with penalties: which token deferred rows cumulate (deferral.py)
-        (f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens,
-         HookType.AROUND),
-    ]
+    hooks = _runtime_hooks(HookType, timer_mode)
     if timer_mode not in ("stock", "albireo"):
-        hooks += _fork_hooks(HookType) + _validate_hooks(HookType)
-        hooks += _dp_hooks(HookType)
-        hooks += [(f"{TOKENIZER_MANAGER}._validate_one_request", tg.after_validate_one_request, HookType.AFTER),
-                  (f"{TOKENIZER_MANAGER}.create_abort_task", tg.around_create_abort_task, HookType.AROUND)]
+        hooks += _taper_hooks(HookType) + _fork_hooks(HookType) + _dp_hooks(HookType) + _validate_hooks(HookType)
     if timer_mode != "stock":
         hooks += _albireo_hooks(HookType)
     if timer_mode:

@@ -1,6 +1,7 @@
 """Glue into SGLang's Scheduler: per-scheduler Branchwise state and the hook bodies.
 
-Every function here is registered by plugin.py; each receives the Scheduler as `self`.
+The per-step hook bodies are registered by plugin.py and receive the Scheduler as `self`; they find
+this module's state at `self.branchwise.taper` (runtime.py builds it with `build`).
 Under tensor parallelism every rank runs the same hooks on identical batches; wall-clock driven
 decisions (TAPER's slack) are made on TP rank 0 and broadcast, so all ranks run the same rows.
 """
@@ -90,7 +91,8 @@ class BranchwiseState:
 
 
 def state_of(scheduler: Any) -> BranchwiseState | None:
-    return getattr(scheduler, "_branchwise", None)
+    bw = getattr(scheduler, "branchwise", None)  # runtime.Branchwise
+    return bw.taper if bw is not None else None
 
 
 def _build_controller(cfg: BranchwiseConfig) -> StepController:
@@ -106,13 +108,13 @@ def _build_controller(cfg: BranchwiseConfig) -> StepController:
     return StepController(policy, refit)
 
 
-def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+def build(scheduler: Any, cfg: BranchwiseConfig) -> BranchwiseState:
+    """This scheduler's TAPER state (runtime.build calls it first, with the parsed settings)."""
     from sglang.srt.runtime_context import get_parallel
 
-    cfg = BranchwiseConfig.from_server_args(self.server_args)
     par = get_parallel()
     st = BranchwiseState(cfg, tp_rank=par.tp_rank, tp_size=par.tp_size)
-    st.disabled_reason = deferral.why_unsupported(self)
+    st.disabled_reason = deferral.why_unsupported(scheduler)
     if st.disabled_reason:
         logger.warning("Branchwise: per-step branch admission is not supported with %s; "
                        "every row runs every step (SGLang's schedule)", st.disabled_reason)
@@ -121,25 +123,17 @@ def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
     # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.
-    deferral.set_penalty_pinning(st.controller is not None and bool(self.enable_overlap))
-    if getattr(self.server_args, "enable_metrics", False) and st.tp_rank == 0:
+    if st.controller is not None and scheduler.enable_overlap:
+        deferral.pin_penalty_tokens(scheduler)
+    if getattr(scheduler.server_args, "enable_metrics", False) and st.tp_rank == 0:
         st.metrics = BranchwiseMetrics()
-    self._branchwise = st
     logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), st.proctitle)
+    return st
 
 
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    st = state_of(self)
-    if st is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise"] = st.report()
-    return result
-
-
-def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    """Attach the parsed custom_params.branchwise as `req.bw_meta`; malformed input ends with HTTP 400."""
-    st = state_of(self)
-    if st is None:
-        return req
+def on_request_created(st: BranchwiseState, req: Any) -> None:
+    """Attach the parsed custom_params.branchwise as `req.bw_meta`; malformed input ends with HTTP 400.
+    Called by runtime's _create_generation_req hook, before fork and dp read `bw_meta`."""
     st.bump("requests_created")
     try:
         req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
@@ -158,7 +152,6 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
     if req.bw_meta.is_branch:
         st.bump("branch_requests")
         st.phases_seen = True
-    return req
 
 
 def note_phase_requests(scheduler: Any) -> None:

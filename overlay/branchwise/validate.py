@@ -2,7 +2,7 @@
 
 SGLang's tokenizer manager answers HTTP 400 for a ValueError raised while it prepares a request;
 any other exception there (a TypeError from a sampling_params key its SamplingParams does not take,
-an invalid session_params, ...) is an HTTP 500. Two hooks (registered in plugin.py) close that:
+an invalid session_params, ...) is an HTTP 500. Four hooks (registered in plugin.py) close that:
 
 - GenerateReqInput.normalize_batch_and_arguments, the first step of every generate request
   (/generate, the OpenAI routes, the Engine API): Branchwise's custom_params are parsed here, so
@@ -11,19 +11,30 @@ an invalid session_params, ...) is an HTTP 500. Two hooks (registered in plugin.
 - TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
   stop token ids and top_logprobs_num are checked against the vocabulary, an empty prompt is
   refused, and an exception other than ValueError there is about the request, so it becomes a
-  ValueError.
+  ValueError;
+- TokenizerManager._validate_one_request: prompt ids given as `input_ids` lie in the vocabulary
+  (SGLang checks their number, not their values: an id outside [0, vocab) reaches the embedding
+  lookup in the scheduler, which dies with every other request: IndexError on CPU, a device-side
+  assert on GPU);
+- TokenizerManager.create_abort_task: a streamed response's task that aborts its rid after the
+  stream reads `obj.is_single`, which only normalization sets. For a request that normalization
+  refused before setting it, or that never got normalized (the client left before the stream's
+  generator started), the task would raise after the response, and uvicorn would then close the
+  keep-alive connection, losing the same client's next request on it. Such a request never reached
+  the scheduler, so there is nothing to abort: the task is skipped.
 
 The bounds are values SGLang's own checks let through to the scheduler: there they raise inside
 its loop (an int32 tensor overflow, an index past the vocabulary, a zero-length prefill) or make
 the sampler's logits infinite.
 
-The scheduler parses custom_params again (scheduler_hook.after_create_generation_req), so a
+The scheduler parses custom_params again (scheduler_hook.on_request_created), so a
 request that reaches it by another path still cannot raise in the scheduler loop.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 from branchwise import request_meta
@@ -40,7 +51,6 @@ MIN_REPETITION_PENALTY = 1e-6
 # top_k and min_new_tokens become int32 tensors in the scheduler (SGLang's "all" top_k is 2**30)
 MAX_TOP_K = 2**30
 INT32_MAX = 2**31 - 1
-_logged: set[str] = set()  # exception types already logged with a traceback (once each)
 
 
 def check_sampling_params(sampling_params: Any) -> None:
@@ -95,10 +105,9 @@ def _is_num(v: Any) -> bool:
 def as_bad_request(e: Exception, where: str) -> ValueError:
     """The ValueError SGLang turns into HTTP 400, for an exception raised by a client's input."""
     name = type(e).__name__
-    if name not in _logged:  # an unforeseen input shape: worth one traceback, not one per request
-        _logged.add(name)
-        logger.warning("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name,
-                       exc_info=e)
+    # The 400's message names the exception; its traceback is for debugging unforeseen input shapes
+    # (at DEBUG: a client sending such requests must not fill the log at the default level).
+    logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name, exc_info=e)
     try:
         msg = str(e)
     except Exception:  # noqa: BLE001 - str() of an exception can itself fail (int digit limit)
@@ -158,3 +167,30 @@ def around_create_tokenized_object(orig: Any, self: Any, obj: Any, *args: Any, *
         raise
     except Exception as e:  # noqa: BLE001 - only the client's request is being read here
         raise as_bad_request(e, "TokenizerManager._create_tokenized_object") from e
+
+
+def after_validate_one_request(result: Any, self: Any, obj: Any, input_ids: Any = None, *args: Any,
+                               **kwargs: Any) -> Any:
+    if input_ids:  # text prompts come from the tokenizer: in range, and min/max cost ~10 ns per id
+        vocab = self.model_config.vocab_size
+        lo, hi = min(input_ids), max(input_ids)
+        if lo < 0 or hi >= vocab:
+            raise ValueError(f"input_ids contains token id {lo if lo < 0 else hi}, outside the "
+                             f"vocabulary [0, {vocab})")
+    return result
+
+
+def around_create_abort_task(orig: Callable[..., Any], self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+    tasks = orig(self, obj, *args, **kwargs)
+    for task in getattr(tasks, "tasks", ()):
+        task.func = _unless_unnormalized(task.func, obj)
+    return tasks
+
+
+def _unless_unnormalized(fn: Callable[..., Any], obj: Any) -> Callable[..., Any]:
+    async def run(*args: Any, **kwargs: Any) -> Any:
+        if hasattr(obj, "is_single"):  # set by normalize_batch_and_arguments
+            return await fn(*args, **kwargs)
+        return None
+
+    return run

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from branchwise import client, frontend_hook
-from branchwise.launch import cpu_env, get_json
+from branchwise.launch import branchwise_reports, cpu_env
 from frontends import fork_join
 from frontends.common import prefix_hits
 
@@ -34,11 +34,6 @@ def client_phases(url: str) -> list[list[str]]:
     return [[g.text for g in phase] for phase in asyncio.run(go())]
 
 
-def rank_reports(url: str) -> dict[int, dict]:
-    states = get_json(url + "/server_info")["internal_states"]
-    return {st["branchwise"]["dp_rank"]: st["branchwise"] for st in states}
-
-
 @pytest.fixture(scope="module")
 def runs(servers) -> dict[str, dict]:
     frontend_hook.install()
@@ -47,7 +42,7 @@ def runs(servers) -> dict[str, dict]:
         server = servers.get(*args, env=env)
         results = run_programs(server.url)
         out[name] = {"url": server.url, "results": results, "hits": prefix_hits(server.url, results),
-                     "phases": client_phases(server.url), "reports": rank_reports(server.url),
+                     "phases": client_phases(server.url), "reports": branchwise_reports(server.url),
                      "metrics": urllib.request.urlopen(server.url + "/metrics", timeout=30).read().decode()}
         if name == "dp1":
             servers.stop(server)  # two servers at once would each get half the machine

@@ -147,14 +147,14 @@ def test_phases_are_spread_by_the_configured_method(ctl: Controller) -> None:
 
 def test_client_routed_requests_are_untouched(ctl: Controller) -> None:
     assert dispatch(ctl, request(phase="g1", routed=1)) == 1
-    assert "g1" not in ctl._bw_phase_ranks.ranks  # the client's choice is not remembered
+    assert "g1" not in ctl._branchwise_phase_ranks.ranks  # the client's choice is not remembered
 
 
 def test_a_phase_whose_rank_left_is_placed_again(ctl: Controller) -> None:
     first = dispatch(ctl, request(phase="g1"))
     ctl._active_workers = [1 - first]
     assert dispatch(ctl, request(phase="g1")) in (0, 1)
-    assert ctl._bw_phase_ranks.replaced == 1
+    assert ctl._branchwise_phase_ranks.replaced == 1
 
 
 def test_a_request_that_breaks_key_parsing_is_dispatched_plainly(ctl: Controller) -> None:
@@ -169,11 +169,11 @@ def test_a_request_that_breaks_key_parsing_is_dispatched_plainly(ctl: Controller
 
 
 def test_the_map_stays_bounded_over_many_phases(ctl: Controller) -> None:
-    ctl._bw_phase_ranks = dp.PhaseRanks(capacity=16)
+    ctl._branchwise_phase_ranks = dp.PhaseRanks(capacity=16)
     for i in range(2000):
         for _ in range(3):
             dispatch(ctl, request(phase=f"g{i}"))
-    assert len(ctl._bw_phase_ranks.ranks) == 16
+    assert len(ctl._branchwise_phase_ranks.ranks) == 16
     phase_ranks: dict[str, set[int]] = {}
     for rank, req in ctl.sent:
         phase_ranks.setdefault(req.sampling_params.custom_params["branchwise"]["phase"], set()).add(rank)
@@ -181,10 +181,16 @@ def test_the_map_stays_bounded_over_many_phases(ctl: Controller) -> None:
 
 
 def test_internal_state_gains_rank_and_phase_rows() -> None:
-    sched = SimpleNamespace(_bw_dp_rank=1, _bw_phase_rows=dp.PhaseRows())
+    """The scheduler's part: rows per phase, merged into its "branchwise" report (runtime.Branchwise)."""
+    from branchwise import runtime
+    from branchwise import scheduler_hook as sh
+    from branchwise.config import BranchwiseConfig
+
+    part = dp.SchedulerDp(dp_rank=1)
     for phase in ["g1", "g1", None]:
-        dp.after_create_generation_req(SimpleNamespace(bw_meta=SimpleNamespace(phase=phase)), sched)
-    result = SimpleNamespace(internal_state={"branchwise": {"counters": {}}})
-    dp.after_get_internal_state(result, sched)
-    assert result.internal_state["branchwise"]["dp_rank"] == 1
-    assert result.internal_state["branchwise"]["phase_rows"] == {"g1": 2}
+        part.on_request_created(SimpleNamespace(bw_meta=SimpleNamespace(phase=phase)))
+    cfg = BranchwiseConfig()
+    rep = runtime.Branchwise(cfg, taper=sh.BranchwiseState(cfg), dp=part).report()["branchwise"]
+    assert rep["dp_rank"] == 1
+    assert rep["phase_rows"] == {"g1": 2}
+    assert rep["config"] == cfg.as_dict()  # the taper report it joins

@@ -13,7 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from branchwise import fork, plugin, request_meta
+from branchwise import fork, request_meta, runtime
 from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
 from branchwise.taper.controller import StepController
@@ -38,12 +38,12 @@ def decode_batch(reqs: list, it: int) -> SimpleNamespace:
 def scheduler(policy: str = "taper") -> SimpleNamespace:
     cfg = BranchwiseConfig(branch_policy=policy)
     st = sh.BranchwiseState(cfg, controller=StepController(parse_policy(policy, model=MODEL)))
-    return SimpleNamespace(_branchwise=st)
+    return SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st))
 
 
 def test_serial_batches_skip_per_row_bookkeeping_but_count_rows():
     s = scheduler()
-    st, ctl = s._branchwise, s._branchwise.controller
+    st, ctl = s.branchwise.taper, s.branchwise.taper.controller
     for it in range(3):
         sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], it))
     assert ctl.trackers == {}  # no per-request state for serial-only steps
@@ -61,13 +61,13 @@ def test_serial_batches_pass_update_running_batch_through_untouched():
 
     b = decode_batch([req("a"), req("b")], 0)
     assert sh.around_update_running_batch(orig, s, b) is b and calls == [b]
-    s._branchwise.phases_seen = True  # a phase request exists elsewhere; this batch is still serial
+    s.branchwise.taper.phases_seen = True  # a phase request exists elsewhere; this batch is still serial
     assert sh.around_update_running_batch(orig, s, b) is b and len(calls) == 2
 
 
 def test_phase_rows_restart_bookkeeping_and_serial_clocks_resume_at_the_last_quiet_step():
     s = scheduler()
-    st, ctl = s._branchwise, s._branchwise.controller
+    st, ctl = s.branchwise.taper, s.branchwise.taper.controller
     st.phases_seen = True
     mixed = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1)]
     sh.after_process_batch_result(None, s, decode_batch(mixed, 0))
@@ -86,18 +86,19 @@ def test_phase_rows_restart_bookkeeping_and_serial_clocks_resume_at_the_last_qui
     assert 0 in active  # the serial row is protected
 
 
-def test_stream_filter_does_not_scan_before_anything_is_tracked(monkeypatch):
-    monkeypatch.setattr(fork, "_tracking", False)
+def test_stream_filter_does_not_scan_before_anything_is_tracked():
+    mgr = SimpleNamespace(tracking=False)  # fork.build hangs the manager on the shared tree cache
+    streamer = SimpleNamespace(tree_cache=SimpleNamespace(_branchwise_fork=mgr))
     seen = []
     reqs = [SimpleNamespace(bw_fork=SimpleNamespace(branch=True))]  # would be filtered if scanned
 
     def orig(self, rs, *args):
         seen.append(rs)
 
-    fork.around_stream_output(orig, None, reqs)
+    fork.around_stream_output(orig, streamer, reqs)
     assert seen[-1] is reqs
-    monkeypatch.setattr(fork, "_tracking", True)
-    fork.around_stream_output(orig, None, reqs)
+    mgr.tracking = True
+    fork.around_stream_output(orig, streamer, reqs)
     assert seen[-1] == []  # a branch row never reaches the detokenizer
 
 
@@ -120,7 +121,7 @@ def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req):
     seen = []
     mgr = SimpleNamespace(on_tokens=lambda t: seen.append((len(t.req.output_ids), t.req.finished())))
     tracked.bw_fork = SimpleNamespace(mgr=mgr, req=tracked)
-    plugin.hook_tracked_request(tracked)
+    fork.hook_tracked_request(tracked)
     for r in (tracked, plain):
         for tok in (7, 8):
             r.output_ids.append(tok)

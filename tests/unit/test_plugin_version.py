@@ -38,3 +38,25 @@ def test_the_supported_version_is_hooked_silently(monkeypatch, capsys, hooked):
 
 def test_the_version_lookup_reads_the_installed_distribution():
     assert plugin._installed_sglang() == SGLANG_VERSION  # this venv: make install pins it
+
+
+@pytest.mark.parametrize("timer", [None, "1", "stock", "albireo"])
+def test_one_hook_per_shared_scheduler_target(monkeypatch, timer):
+    """Scheduler targets that several components need are hooked once, by the composition root
+    (runtime.py), which calls the components in a fixed order: no result depends on hook order."""
+    from branchwise import runtime
+
+    got: list[tuple[str, object]] = []
+    monkeypatch.setattr(HookRegistry, "register", lambda target, fn, kind: got.append((target, fn)))
+    monkeypatch.setattr(plugin, "_installed_sglang", lambda: SGLANG_VERSION)
+    if timer is None:
+        monkeypatch.delenv("BRANCHWISE_STEP_TIMER", raising=False)
+    else:
+        monkeypatch.setenv("BRANCHWISE_STEP_TIMER", timer)
+    plugin.register()
+    on = {name: [fn for target, fn in got if target == f"{plugin.SCHEDULER}.{name}"]
+          for name in ("__init__", "get_internal_state", "_create_generation_req")}
+    assert on["__init__"] == [runtime.after_scheduler_init]
+    assert on["get_internal_state"] == ([] if timer == "stock" else [runtime.after_get_internal_state])
+    full = timer not in ("stock", "albireo")
+    assert on["_create_generation_req"] == ([runtime.after_create_generation_req] if full else [])

@@ -34,8 +34,8 @@ class Orchestrator:
         self.fed.append(ids.tolist())
 
 
-def batch_of(*reqs: FakeReq) -> SimpleNamespace:
-    return SimpleNamespace(reqs=list(reqs), device="cpu",
+def batch_of(*reqs: FakeReq, pool: SimpleNamespace | None = None) -> SimpleNamespace:
+    return SimpleNamespace(reqs=list(reqs), device="cpu", req_to_token_pool=pool or SimpleNamespace(),
                            sampling_info=SimpleNamespace(penalizer_orchestrator=Orchestrator()))
 
 
@@ -46,19 +46,18 @@ def overlap_schedule(runs: list[bool], pinned: bool) -> list[int]:
     req = FakeReq([7, 8, 9])
     produced: list[tuple[int, int]] = [(0, 100)]  # (step, token); the prefill runs at step 0
     fed: list[int] = []
-    deferral.set_penalty_pinning(pinned)
-    try:
-        for s, run in enumerate(runs, start=1):
-            req.output_ids = [t for step, t in produced if step <= s - 2]
-            if not run:
-                continue
-            b = batch_of(req)
-            deferral.around_cumulate_penalty_output_tokens(lambda b: stock_rule(b), b)
-            fed += b.sampling_info.penalizer_orchestrator.fed[0]
-            req.decoded += 1
-            produced.append((s, 100 + len(produced)))
-    finally:
-        deferral.set_penalty_pinning(False)
+    scheduler = SimpleNamespace(req_to_token_pool=SimpleNamespace())  # every batch of a scheduler shares it
+    if pinned:
+        deferral.pin_penalty_tokens(scheduler)
+    for s, run in enumerate(runs, start=1):
+        req.output_ids = [t for step, t in produced if step <= s - 2]
+        if not run:
+            continue
+        b = batch_of(req, pool=scheduler.req_to_token_pool)
+        deferral.around_cumulate_penalty_output_tokens(lambda b: stock_rule(b), b)
+        fed += b.sampling_info.penalizer_orchestrator.fed[0]
+        req.decoded += 1
+        produced.append((s, 100 + len(produced)))
     return fed
 
 
@@ -88,3 +87,16 @@ def test_without_pinning_sglangs_rule_runs():
     b = batch_of(req)
     deferral.around_cumulate_penalty_output_tokens(stock_rule, b)
     assert b.sampling_info.penalizer_orchestrator.fed == [[102]]
+
+
+def test_pinning_belongs_to_the_scheduler_whose_batch_it_is():
+    """The switch sits on a scheduler's ReqToTokenPool, which every batch of that scheduler shares:
+    pinning one scheduler leaves another's batches on SGLang's rule."""
+    pinned, plain = SimpleNamespace(req_to_token_pool=SimpleNamespace()), SimpleNamespace(req_to_token_pool=SimpleNamespace())
+    deferral.pin_penalty_tokens(pinned)
+    fed = {}
+    for name, sched in (("pinned", pinned), ("plain", plain)):
+        b = batch_of(FakeReq([7, 8, 9], output_ids=[100, 101, 102], decoded=2), pool=sched.req_to_token_pool)
+        deferral.around_cumulate_penalty_output_tokens(stock_rule, b)
+        fed[name] = b.sampling_info.penalizer_orchestrator.fed
+    assert fed == {"pinned": [[101]], "plain": [[102]]}  # a row that sat out its previous step

@@ -1,4 +1,4 @@
-"""tokenizer_guards: prompt ids outside the vocabulary are a ValueError (HTTP 400); a stream's abort
+"""validate's TokenizerManager guards: prompt ids outside the vocabulary are a ValueError (HTTP 400); a stream's abort
 task is skipped for a request that was never normalized instead of raising after the response."""
 
 from __future__ import annotations
@@ -9,20 +9,20 @@ from types import SimpleNamespace
 import pytest
 from starlette.background import BackgroundTasks
 
-from branchwise import tokenizer_guards as tg
+from branchwise import validate
 
 TM = SimpleNamespace(model_config=SimpleNamespace(vocab_size=10))
 
 
 @pytest.mark.parametrize("ids", [None, [], [0, 9], [3]])
 def test_ids_in_range_pass(ids):
-    assert tg.after_validate_one_request("r", TM, object(), ids) == "r"
+    assert validate.after_validate_one_request("r", TM, object(), ids) == "r"
 
 
 @pytest.mark.parametrize(("ids", "bad"), [([1, 10], 10), ([-1, 2], -1), ([10**9], 10**9)])
 def test_ids_out_of_range_raise_naming_them(ids, bad):
     with pytest.raises(ValueError, match=rf"input_ids .*token id {bad}\b.*\[0, 10\)"):
-        tg.after_validate_one_request(None, TM, object(), ids)
+        validate.after_validate_one_request(None, TM, object(), ids)
 
 
 def _abort_task(ran: list[str]):
@@ -43,13 +43,13 @@ def test_abort_task_of_an_unnormalized_request_is_skipped():
     ran: list[str] = []
     with pytest.raises(AttributeError):  # SGLang's own task, after the response has been sent
         asyncio.run(_abort_task(ran)(TM, SimpleNamespace(rid="r1"))())
-    tasks = tg.around_create_abort_task(_abort_task(ran), TM, SimpleNamespace(rid="r1"))
+    tasks = validate.around_create_abort_task(_abort_task(ran), TM, SimpleNamespace(rid="r1"))
     asyncio.run(tasks())
     assert ran == []
 
 
 def test_abort_task_of_a_normalized_request_runs():
     ran: list[str] = []
-    tasks = tg.around_create_abort_task(_abort_task(ran), TM, SimpleNamespace(rid="r1", is_single=True))
+    tasks = validate.around_create_abort_task(_abort_task(ran), TM, SimpleNamespace(rid="r1", is_single=True))
     asyncio.run(tasks())
     assert ran == ["r1"]

@@ -1,0 +1,105 @@
+"""The composition root: one `Branchwise` object per SGLang Scheduler, at `scheduler.branchwise`.
+
+`after_scheduler_init` (the only Scheduler.__init__ hook) parses the settings once and builds every
+component in a fixed order; a component that is off is None. Scheduler hook bodies fetch their
+component from `scheduler.branchwise`; hooks on other SGLang objects (model runner, result
+processor, ...) find what the component's build attached to that object. Hooks that several
+components need on one Scheduler target (request creation, /server_info) are written once here
+and call the components in an explicit order, so no behaviour depends on registration order.
+
+Under the step timer's bench modes (env BRANCHWISE_STEP_TIMER, see plugin.py) "stock" builds only
+the timer and "albireo" only Albireo's components and the timer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from branchwise import dp_dispatch, fork, scheduler_hook
+from branchwise.albireo import async_output, forward_thread, sp_sampler_hook, step_timer
+from branchwise.config import BranchwiseConfig
+
+if TYPE_CHECKING:
+    from branchwise.dp_dispatch import SchedulerDp
+    from branchwise.fork import ForkManager
+    from branchwise.scheduler_hook import BranchwiseState
+
+
+@dataclass(slots=True, eq=False)
+class Branchwise:
+    """Everything Branchwise keeps for one scheduler; a None field is a component that is off."""
+
+    config: BranchwiseConfig
+    taper: BranchwiseState | None = None  # per-step branch admission (scheduler_hook)
+    fork: ForkManager | None = None  # server-side fork/join
+    dp: SchedulerDp | None = None  # this DP rank and the phases it served
+    async_output: Any = None  # Albireo: result processing off the critical path
+    forward: Any = None  # Albireo: forwards on a worker thread (CPU)
+    sampler: Any = None  # Albireo: sequence-parallel sampling
+    timer: Any = None  # bench instrument: per-iteration time split
+
+    def report(self) -> dict[str, Any]:
+        """/server_info's internal_state entries, under the keys each component has always used."""
+        rep: dict[str, Any] = {}
+        if self.taper is not None:
+            rep["branchwise"] = self.taper.report()
+            if self.dp is not None:
+                rep["branchwise"].update(self.dp.report())
+        for key, part in (("branchwise_fork", self.fork), ("branchwise_async_output", self.async_output),
+                          ("branchwise_forward_thread", self.forward),
+                          ("branchwise_parallel_sampling", self.sampler)):
+            if part is not None:
+                rep[key] = part.report()
+        return rep
+
+
+def of(scheduler: Any) -> Branchwise | None:
+    return getattr(scheduler, "branchwise", None)
+
+
+def build(scheduler: Any) -> Branchwise:
+    """Parse the settings once and build the components, in this order (each may read the earlier)."""
+    mode = step_timer.enabled()
+    bw = Branchwise(BranchwiseConfig.from_server_args(scheduler.server_args))
+    scheduler.branchwise = bw  # before the components: fork's manager reads the taper state through it
+    if mode not in ("stock", "albireo"):
+        bw.taper = scheduler_hook.build(scheduler, bw.config)
+        fork.after_init(None, scheduler)  # until fork.build lands
+        bw.fork = getattr(scheduler, "_bw_fork", None)
+        bw.dp = dp_dispatch.build(scheduler, bw.config)
+    if mode != "stock":
+        bw.async_output = async_output.build(scheduler, bw.config)
+        bw.forward = forward_thread.build(scheduler, bw.config)
+        sp_sampler_hook.after_scheduler_init(None, scheduler)  # until its hooks read bw.sampler
+        bw.sampler = sp_sampler_hook._STATE
+    if mode:
+        step_timer.after_scheduler_init(None, scheduler)  # until its hooks read bw.timer
+        bw.timer = step_timer.timer()
+    return bw
+
+
+# ---- hook bodies (targets in plugin.py) ---------------------------------------------------------
+def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+    build(self)
+
+
+def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    bw = of(self)
+    state = getattr(result, "internal_state", None)
+    if bw is not None and isinstance(state, dict):
+        state.update(bw.report())
+    return result
+
+
+def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+    """A new client request: taper parses its stamp (`req.bw_meta`), which fork (grammar, tracking)
+    and dp (the rows of its phase) then read."""
+    bw = of(self)
+    if bw is None or bw.taper is None:
+        return req
+    scheduler_hook.on_request_created(bw.taper, req)
+    fork.after_create_generation_req(req, self, recv_req, *args, **kwargs)
+    if bw.dp is not None:
+        bw.dp.on_request_created(req)
+    return req
