@@ -175,7 +175,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
     _decide, after_process_batch_result) over fake SGLang requests; the active rows of each step."""
     from types import SimpleNamespace
 
-    from branchwise import request_meta
+    from branchwise import request_meta, runtime
     from branchwise import scheduler_hook as sh
     from branchwise.config import BranchwiseConfig
 
@@ -183,7 +183,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
     ctl = build_controller(policy, default_model())
     ctl.refit = None  # the hook learns a latency at the next launch, the simulator at the step's end
     st = sh.BranchwiseState(cfg, controller=ctl, phases_seen=True)
-    sched = SimpleNamespace(_branchwise=st, enable_overlap=False)
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st), enable_overlap=False)
     decode = SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False)
     # a row that never runs again finished (a parent parked during its phase resumes later)
     last_seen: dict[tuple[str, int], int] = {}
