@@ -71,11 +71,9 @@ def build(scheduler: Any) -> Branchwise:
     if mode != "stock":
         bw.async_output = async_output.build(scheduler, bw.config)
         bw.forward = forward_thread.build(scheduler, bw.config)
-        sp_sampler_hook.after_scheduler_init(None, scheduler)  # until its hooks read bw.sampler
-        bw.sampler = sp_sampler_hook._STATE
+        bw.sampler = sp_sampler_hook.build(scheduler, bw.config)
     if mode:
-        step_timer.after_scheduler_init(None, scheduler)  # until its hooks read bw.timer
-        bw.timer = step_timer.timer()
+        bw.timer = step_timer.build(scheduler, bw.config)
     return bw
 
 
