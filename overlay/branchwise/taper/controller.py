@@ -22,8 +22,8 @@ Slack is how long the next step may take before a request's TPOT exceeds its SLO
 - serial stage on its mean pace (policies whose terms include `mean`): a serial stage's TPOT is its
   wall time over its tokens, like a phase's, so its slack takes the phase form from the stage start;
   a request that ran ahead of its pace has banked the difference.
-Time is always passed in (the scheduler clock of TP rank 0), never read here, so the controller is
-deterministic and rank-invariant.
+The decision time is always passed in (the scheduler clock of TP rank 0), never read here, so the
+controller decides deterministically and the same on every rank.
 
 Per-key state (slack trackers, taper-no-replan pins) lives while the key has rows: the caller
 reports keys whose last row finished or was aborted (`on_finished`), and their entries go; a
