@@ -226,8 +226,11 @@ class Track:
 
 
 class ForkManager:
-    def __init__(self, sched: Any) -> None:
+    """Server-side fork/join of one scheduler: its open phases, parked parents and live branches."""
+
+    def __init__(self, sched: Any, cfg: BranchwiseConfig) -> None:
         self.sched = sched
+        self.cfg = cfg
         self.reg = PhaseRegistry(max_depth=MAX_DEPTH)
         self.forking: list[Track] = []
         self.closed: list[Track] = []
@@ -235,13 +238,12 @@ class ForkManager:
         self.stats: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         self.branch_tracks: dict[str, Track] = {}  # live server-side branches by rid
+        # Set by the first track() and never reset: until then no output row can need filtering,
+        # later a finished branch may still sit in an in-flight batch whose output must be dropped.
+        self.tracking = False
         self._tok = sched.tokenizer
         # headers, close tags, separators: bounded, since headers carry each request's own text
         self._enc = functools.lru_cache(maxsize=ENC_CACHE)(self._encode_uncached)
-        from branchwise.scheduler_hook import state_of
-
-        st = state_of(sched)
-        self.cfg: BranchwiseConfig = st.config if st is not None else BranchwiseConfig()
         # auto: a request's branches may not claim more decode tokens than the whole KV pool holds
         self.max_branch_tokens: int = (self.cfg.branch_max_branch_tokens
                                        or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
@@ -276,13 +278,10 @@ class ForkManager:
         return g
 
     def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
-        from branchwise import plugin
-
-        global _tracking
         t = Track(self, req, det, TextStream(self.decode), grammar, branch)
         req.bw_fork = t
-        plugin.hook_tracked_request(req)
-        _tracking = True
+        hook_tracked_request(req)
+        self.tracking = True
         return t
 
     # ---- per token (Req.update_finish_state) ----------------------------------------------------
@@ -643,13 +642,9 @@ def _plain_mode(sched: Any) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-# Set by the first ForkManager.track in this process (one scheduler per process) and never reset:
-# a finished branch may still sit in an in-flight batch whose output must be filtered.
-_tracking = False
-
-
 def manager(sched: Any) -> ForkManager | None:
-    return getattr(sched, "_bw_fork", None)
+    bw = getattr(sched, "branchwise", None)
+    return bw.fork if bw is not None else getattr(sched, "_bw_fork", None)
 
 
 def fork_stats(sched: Any) -> dict[str, Any] | None:
@@ -658,14 +653,26 @@ def fork_stats(sched: Any) -> dict[str, Any] | None:
     return mgr.report() if mgr is not None else None
 
 
+def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
+    """The scheduler's fork manager, or None where server-side branching cannot run. The scheduler's
+    tree cache, which the output streamer shares, gets a reference to it for the stream_output hook."""
+    why = _plain_mode(scheduler)
+    if why is not None:
+        logger.info("Branchwise server-side fork/join off: %s", why)
+        return None
+    mgr = ForkManager(scheduler, config)
+    scheduler.tree_cache._branchwise_fork = mgr  # the output streamer's handle (it is a slots dataclass)
+    return mgr
+
+
 # Hook bodies (registered in plugin.py)
 
 
 def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    why = _plain_mode(self)
-    self._bw_fork = ForkManager(self) if why is None else None
-    if why is not None:
-        logger.info("Branchwise server-side fork/join off: %s", why)
+    from branchwise.scheduler_hook import state_of
+
+    st = state_of(self)
+    self._bw_fork = build(self, st.config if st is not None else BranchwiseConfig())
 
 
 def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -686,10 +693,19 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
     return req
 
 
+def hook_tracked_request(req: Any) -> None:
+    """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
+    Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
+    (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
+    as resolved then (class-level hooks of plugins are applied before any Req exists, so they stay
+    inside)."""
+    cls_fn = type(req).update_finish_state
+    req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
+
+
 def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, **kwargs: Any) -> Any:
     """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
-    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent.
-    Installed per tracked Req (plugin.hook_tracked_request), so `req.bw_fork` is always set."""
+    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
     out = orig(req, *args, **kwargs)
     t = getattr(req, "bw_fork", None)
     if t is not None:
@@ -729,14 +745,14 @@ def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any
 
 def around_stream_output(orig: Callable[..., Any], self: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
     """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it.
-    Until this process tracks a first request no row can need filtering: no per-row scan."""
-    if _tracking and any(getattr(r, "bw_fork", None) is not None for r in reqs):
-        reqs = [r for r in reqs if visible(r)]
+    Until the manager tracks a first request no row can need filtering: no per-row scan."""
+    mgr = getattr(getattr(self, "tree_cache", None), "_branchwise_fork", None)
+    if mgr is not None and mgr.tracking and any(getattr(r, "bw_fork", None) is not None for r in reqs):
+        reqs = [r for r in reqs if _streamable(r)]
     return orig(self, reqs, *args, **kwargs)
 
 
-def visible(req: Any) -> bool:
-    """Whether `req` may be streamed now (public for output paths that bypass stream_output)."""
+def _streamable(req: Any) -> bool:
     t = getattr(req, "bw_fork", None)
     if t is None:
         return True

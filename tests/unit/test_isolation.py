@@ -112,7 +112,7 @@ def test_fork_manager_encode_cache_is_bounded():
             return [len(text)]
 
     sched = SimpleNamespace(tokenizer=Tok(), max_total_num_tokens=16384)
-    mgr = fork.ForkManager(sched)
+    mgr = fork.ForkManager(sched, BranchwiseConfig())
     assert mgr.max_branch_tokens == 16384  # auto: the KV pool size
     assert mgr.cfg.branch_max_fanout == 16
     for i in range(3 * fork.ENC_CACHE):  # headers carry client text: one new text per request
