@@ -74,7 +74,7 @@ def _albireo_hooks(HookType):
 
 def _step_timer_hooks(HookType):
     """Bench-only instrument (env BRANCHWISE_STEP_TIMER); never registered in normal serving."""
-    from branchwise.albireo import step_timer as t
+    from branchwise import step_timer as t
 
     return [
         (f"{SCHEDULER}.ingest_requests", t.around_ingest, HookType.AROUND),
@@ -202,7 +202,7 @@ def register() -> None:
         return
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from branchwise.albireo import step_timer
+    from branchwise import step_timer
 
     # bench modes: "stock" = SGLang + the timer only; "albireo" = + Albireo's hooks, no other Branchwise hook
     timer_mode = step_timer.enabled()

@@ -16,8 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import dp_dispatch, fork, scheduler_hook
-from branchwise.albireo import async_output, forward_thread, sp_sampler_hook, step_timer
+from branchwise import dp_dispatch, fork, scheduler_hook, step_timer
+from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
 
 if TYPE_CHECKING:

@@ -101,6 +101,26 @@ def test_table_tokenizer_delegates_everything_else(tok):
     assert tt.decode(ids, skip_special_tokens=True) == tok.decode(ids, skip_special_tokens=True)
     assert tt.eos_token_id == tok.eos_token_id and len(tt) == len(tok)
     assert tt.encode("abc") == tok.encode("abc")
+    plain = TableTokenizer(tok, None)  # no table (not byte-level): every decode is the tokenizer's
+    assert plain.decode(ids) == tok.decode(ids) and plain.eos_token_id == tok.eos_token_id
+
+
+def test_stop_prefix_scan_runs_for_requests_of_an_enabled_async_output_scheduler(tok):
+    from branchwise.albireo.async_output import around_check_match_stop_str_prefix
+
+    calls = []
+
+    def stock(req):
+        calls.append(req)
+        return "stock"
+
+    tail = SimpleNamespace(sampling_params=SimpleNamespace(stop_strs=["ab"]), tail_str=lambda: "xa")
+    tt = TableTokenizer(tok, None)  # the scheduler's tokenizer under --async-output: req.tokenizer
+    assert around_check_match_stop_str_prefix(stock, SimpleNamespace(**vars(tail), tokenizer=tt)) is True
+    tt.enabled = False  # the runtime switch
+    assert around_check_match_stop_str_prefix(stock, SimpleNamespace(**vars(tail), tokenizer=tt)) == "stock"
+    assert around_check_match_stop_str_prefix(stock, SimpleNamespace(**vars(tail), tokenizer=tok)) == "stock"
+    assert len(calls) == 2
 
 
 def test_table_refuses_non_byte_level_tokenizers(tok):
@@ -223,15 +243,16 @@ def test_switch_off_is_refused_until_the_queue_drains_then_sends_move_to_the_cal
     rec = GatedRecorder()
     s = sender(rec)
     st = _state(s)
+    forward = SimpleNamespace(enabled=True)  # the CPU forward thread switches with the rest
     s.send_output("a")
     s.send_output("b")  # the worker is stuck sending "a": "b" stays queued
-    why = set_enabled(st, False, drain_timeout_s=0.05)
+    why = set_enabled(st, False, drain_timeout_s=0.05, forward=forward)
     assert why is not None and "refused" in why and "still queued" in why
-    assert st.enabled and not s.inline  # nothing changed: sends stay on the worker
+    assert st.enabled and not s.inline and forward.enabled  # nothing changed: sends stay on the worker
     s.send_output("c")
     rec.gate.set()
-    assert set_enabled(st, False, drain_timeout_s=10) is None
-    assert not st.enabled and s.inline
+    assert set_enabled(st, False, drain_timeout_s=10, forward=forward) is None
+    assert not st.enabled and s.inline and not forward.enabled
     s.send_output("d")  # now on the calling thread
     assert [(o, t) for o, _, t in rec.got] == [("a", "test-sender"), ("b", "test-sender"), ("c", "test-sender"),
                                                ("d", threading.current_thread().name)]
@@ -257,10 +278,8 @@ def test_set_internal_state_reports_a_refused_switch(monkeypatch):
 
     rec = GatedRecorder()
     s = sender(rec)
-    proc = object()
-    monkeypatch.setitem(ao._STATE, id(proc), _state(s))
     monkeypatch.setattr(ao, "SWITCH_DRAIN_S", 0.05)
-    scheduler = SimpleNamespace(batch_result_processor=proc)
+    scheduler = SimpleNamespace(branchwise=SimpleNamespace(async_output=_state(s), forward=None))
     s.send_output("a")
     s.send_output("b")
 
@@ -274,3 +293,26 @@ def test_set_internal_state_reports_a_refused_switch(monkeypatch):
     assert ao.around_set_internal_state(orig, scheduler, SimpleNamespace(server_args={ao.SWITCH_KEY: 0})).updated
     assert s.inline and rec.overlaps == 0
     s.close()
+
+
+def test_decode_results_take_the_fast_path_only_through_the_state_build_attached(monkeypatch):
+    """The result processor (a frozen slotted dataclass in SGLang) reaches the state through its tree
+    cache; without one, or switched off, SGLang's own decode loop runs."""
+    from branchwise.albireo import async_output as ao
+
+    st = _state(None)
+    fast = []
+    monkeypatch.setattr(ao, "_qualifies", lambda *a: True)
+    monkeypatch.setattr(ao, "fast_decode_result", lambda st, proc, batch, result: fast.append(batch))
+    result = SimpleNamespace(copy_done=None)
+
+    def stock(proc, batch, result):
+        return "stock"
+
+    plain = SimpleNamespace(tree_cache=SimpleNamespace())
+    assert ao.around_process_batch_result_decode(stock, plain, "b0", result) == "stock"
+    proc = SimpleNamespace(tree_cache=SimpleNamespace(**{ao.ATTR: st}))
+    assert ao.around_process_batch_result_decode(stock, proc, "b1", result) is None and fast == ["b1"]
+    st.enabled = False
+    assert ao.around_process_batch_result_decode(stock, proc, "b2", result) == "stock"
+    assert fast == ["b1"] and st.stats["stock"] == 1

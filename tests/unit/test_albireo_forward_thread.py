@@ -13,7 +13,8 @@ from types import SimpleNamespace
 import pytest
 
 from bench.overhead import summarize
-from branchwise.albireo import forward_thread, step_timer
+from branchwise import step_timer
+from branchwise.albireo import forward_thread
 from branchwise.albireo.forward_thread import ForwardExecutor, ForwardJob, ForwardThreadError, HostEvent
 
 
@@ -172,25 +173,22 @@ def test_drain_with_nothing_submitted_returns():
 def test_forward_thread_spans_do_not_touch_the_scheduler_threads_span_stack(tmp_path):
     path = tmp_path / "steps.jsonl"
     t = step_timer.StepTimer(str(path))  # owner: this thread (the "scheduler")
-    step_timer._TIMER = t
-    try:
-        t.begin_iteration(time.perf_counter())
-        t.run = t.res = ["decode", 2]
-        t.enter("result")  # the scheduler thread is inside a span while the worker runs the forward
+    runner = SimpleNamespace(**{step_timer.ATTR: t})  # the model runner, as the timer's build leaves it
+    t.begin_iteration(time.perf_counter())
+    t.run = t.res = ["decode", 2]
+    t.enter("result")  # the scheduler thread is inside a span while the worker runs the forward
 
-        def worker() -> None:
-            t.add_forward_idle(0.004)
-            step_timer._timed("forward", time.sleep, 0.02)
-            step_timer._timed("sample", lambda: None)
+    def worker() -> None:
+        t.add_forward_idle(0.004)
+        step_timer.around_forward(lambda r, s: time.sleep(s), runner, 0.02)
+        step_timer.around_sample(lambda r: None, runner)
 
-        th = threading.Thread(target=worker)
-        th.start()
-        th.join()
-        t.exit()
-        t.begin_iteration(time.perf_counter())
-        t.begin_iteration(time.perf_counter())  # idle: flushes
-    finally:
-        step_timer._TIMER = None
+    th = threading.Thread(target=worker)
+    th.start()
+    th.join()
+    t.exit()
+    t.begin_iteration(time.perf_counter())
+    t.begin_iteration(time.perf_counter())  # idle: flushes
     busy = json.loads(path.read_text().splitlines()[0])
     assert busy["forward"] >= 0.02 and busy["fthread"] == {"idle": 0.004, "jobs": 1}
     assert busy["result"] >= 0.02  # the worker's forward did not end the scheduler's span early
@@ -263,6 +261,8 @@ def test_prefill_and_mixed_batches_staged_on_the_host_go_to_the_worker():
     assert batch_reason(_stub_batch("IDLE")) == "idle batch"
     assert batch_reason(_stub_batch("EXTEND", chunked_req="r1")) == "chunked prefill"
     assert batch_reason(_stub_batch("MIXED", chunked_req="r1")) == "chunked prefill"
+    # a tree cache whose checkpoints around_checkpoint guards lets chunks run on the worker
+    assert batch_reason(_stub_batch("EXTEND", chunked_req="r1"), checkpoint_guarded=True) is None
     assert batch_reason(_stub_batch("EXTEND", prefill_input_ids_cpu=None)) == "prefill ids not staged on the host"
     assert batch_reason(_stub_batch("DECODE", input_ids=[5])) == "inputs staged"
     assert batch_reason(_stub_batch("EXTEND", multimodal_inputs=[None, object()])) == "multimodal or embedding inputs"
@@ -317,22 +317,23 @@ def test_launch_hands_the_prefill_staging_to_the_worker_and_clears_it_on_the_liv
     ex = Gated(scheduler=None)
     gate = threading.Event()
     batch = _stub_batch("MIXED", prefill_input_ids_cpu=[4, 5], mix_running_indices=[3], seq_lens=[1, 1], gate=gate)
-    ft._EX, ex.launching = ex, batch
+    ex.launching = batch
     try:
-        placeholder = ft.around_forward_batch_generation(lambda *a: None, _WORKER, batch)
+        placeholder = ft.around_forward_batch_generation(lambda *a: None, _worker(ex), batch)
         job = ex.job
-        assert job.placeholder is placeholder and placeholder._bw_job
+        assert job.placeholder is placeholder and placeholder._branchwise_job
         assert batch.prefill_input_ids_cpu is None and batch.mix_running_indices is None
         assert job.snapshot.prefill_input_ids_cpu == [4, 5] and job.snapshot.mix_running_indices == [3]
         assert ex.stats.modes == {"mixed": 1} and ex.stats.features == {}
         gate.set()
         ex.drain()
     finally:
-        ft._EX = None
         ex.close()
 
 
-_WORKER = SimpleNamespace(enable_overlap=True, enable_spec=False)  # TpModelWorker as samples_later reads it
+def _worker(ex: ForwardExecutor | None) -> SimpleNamespace:
+    """TpModelWorker as samples_later reads it, with the executor forward_thread.build attaches."""
+    return SimpleNamespace(enable_overlap=True, enable_spec=False, **{forward_thread.ATTR: ex})
 
 
 def test_grammar_batch_forwards_at_launch_and_samples_after_the_mask_is_built(monkeypatch):
@@ -386,13 +387,14 @@ def test_grammar_batch_forwards_at_launch_and_samples_after_the_mask_is_built(mo
     sched = SimpleNamespace(future_map=None, device_module=SimpleNamespace(Event=lambda: None),
                             _relay_forward_payload=lambda b, idx, r: log.append(("relay", b.tag)))
     ex = ForwardExecutor(sched)
-    ft._EX = ex
+    sched.branchwise = SimpleNamespace(forward=ex)
+    worker = _worker(ex)
     try:
         gb = _stub_batch("DECODE", sampling_info=Mask(), tag="g", seq_lens=[1], req_pool_indices=[0], has_grammar=True,
                          reqs=[SimpleNamespace(grammar="fsm")],
                          return_hidden_states=False)
         ex.launching = gb
-        ph = ft.around_forward_batch_generation(forward, _WORKER, gb)
+        ph = ft.around_forward_batch_generation(forward, worker, gb)
         assert ph.delay_sample_func is not None and ex.job is None  # run_batch skips relay and copy
         assert gb.sampling_info.grammars == ["fsm"]  # the requests' grammars, for the mask
         assert ex.stats.features == {"decode: grammar": 1}
@@ -404,7 +406,7 @@ def test_grammar_batch_forwards_at_launch_and_samples_after_the_mask_is_built(mo
         ft.around_copy_result_to_cpu(None, sched, ph, gb)  # SGLang's _copy_result_to_cpu: copy_done = done
         nb = _stub_batch("DECODE", tag="n", seq_lens=[1], req_pool_indices=[0], return_hidden_states=False)  # the next step, no grammar
         ex.launching = nb
-        nxt = ft.around_forward_batch_generation(forward, _WORKER, nb)
+        nxt = ft.around_forward_batch_generation(forward, worker, nb)
         ft.around_copy_result_to_cpu(None, sched, nxt, nb)
         ph.copy_done.synchronize()
         assert ph.next_token_ids == [7] and gb.sampling_info.built == 1  # the worker kept the scheduler's mask
@@ -413,7 +415,6 @@ def test_grammar_batch_forwards_at_launch_and_samples_after_the_mask_is_built(mo
         assert [t for k, t in log[3:6]] == ["g"] * 3 and nxt.next_token_ids == [8]
         assert (ex.stats.jobs, ex.stats.samples) == (2, 1)
     finally:
-        ft._EX = None
         ex.launching = None
         ex.close()
 
@@ -445,7 +446,7 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
             seen.append(tree.req_to_token_pool.req_to_token[0, :4].tolist())
 
     ex, gate, tree = Gated(scheduler=None), threading.Event(), Tree()
-    ft._EX = ex
+    setattr(tree, ft.ATTR, ex)  # as build attaches it to a tree cache whose checkpoint is guarded
     try:
         tree.new = torch.tensor([0, 1, 2, 3], dtype=torch.int64)  # the tree's indices == the row's: no wait
         ex.submit(ForwardJob(gate, None, lambda b: None, HostEvent(), 1))
@@ -459,7 +460,6 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
         assert seen == [[0, 1, 2, 3]]  # the forward read the row before the rewrite, whenever the gate opened
         assert tree.req_to_token_pool.req_to_token[0, :4].tolist() == [9, 8, 7, 3]
     finally:
-        ft._EX = None
         ex.close()
 
 
@@ -499,10 +499,10 @@ def test_samples_later_follows_the_workers_delayed_sampling_condition(monkeypatc
     monkeypatch.delenv("SGLANG_ENABLE_DELAY_SAMPLE", raising=False)
     spec = SimpleNamespace(enable_overlap=True, enable_spec=True)
     no_overlap = SimpleNamespace(enable_overlap=False, enable_spec=False)
-    assert samples_later(_WORKER, _stub_batch("DECODE", has_grammar=True))
-    assert not samples_later(_WORKER, _stub_batch("DECODE"))
+    assert samples_later(_worker(None), _stub_batch("DECODE", has_grammar=True))
+    assert not samples_later(_worker(None), _stub_batch("DECODE"))
     assert not samples_later(spec, _stub_batch("DECODE", has_grammar=True))
     assert not samples_later(no_overlap, _stub_batch("EXTEND", has_grammar=True))
     monkeypatch.setenv("SGLANG_ENABLE_DELAY_SAMPLE", "1")
-    assert samples_later(_WORKER, _stub_batch("DECODE")) and samples_later(_WORKER, _stub_batch("EXTEND"))
-    assert not samples_later(_WORKER, _stub_batch("EXTEND", is_prefill_only=True))
+    assert samples_later(_worker(None), _stub_batch("DECODE")) and samples_later(_worker(None), _stub_batch("EXTEND"))
+    assert not samples_later(_worker(None), _stub_batch("EXTEND", is_prefill_only=True))

@@ -1,4 +1,5 @@
-"""--parallel-sampling hook bodies with stand-ins for SGLang's ModelRunner and batch (tp=1)."""
+"""--parallel-sampling hook bodies with stand-ins for SGLang's ModelRunner and batch (tp=1); the
+state reaches them as build attaches it (on the runner, on the tree cache the batch references)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,8 @@ from branchwise.albireo.parallel_sampler import RowParams, sample_rows
 
 
 @pytest.fixture
-def state(monkeypatch):
-    st = sp.SPState(tp_size=1, tp_group=None, inject_seeds=True)
-    monkeypatch.setattr(sp, "_STATE", st)
-    return st
+def state():
+    return sp.SPState(tp_size=1, tp_group=None, inject_seeds=True)
 
 
 def batch_info(n: int, greedy: bool = False, seeds: list[int] | None = None) -> SimpleNamespace:
@@ -31,7 +30,9 @@ def batch_info(n: int, greedy: bool = False, seeds: list[int] | None = None) -> 
 class Runner:
     """What around_sample touches on ModelRunner."""
 
-    def __init__(self) -> None:
+    def __init__(self, st: sp.SPState | None = None) -> None:
+        if st is not None:
+            setattr(self, sp.ATTR, st)
         self.preprocessed = 0
         self.watermark_state = self.sampling_observer = None
         self.sampler = SimpleNamespace(_preprocess_logits=lambda logits, info: logits)
@@ -46,23 +47,26 @@ def forward_batch(info, n: int, logprob: bool = False) -> SimpleNamespace:
                            seq_lens=torch.arange(n) + 11, forward_mode=SimpleNamespace(is_decode=lambda: True))
 
 
-def _reqs(*rid_seed: tuple[str, int | None]) -> SimpleNamespace:
-    return SimpleNamespace(reqs=[SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(sampling_seed=s))
+def _reqs(st: sp.SPState | None, *rid_seed: tuple[str, int | None]) -> SimpleNamespace:
+    """A ScheduleBatch: its rows, and the scheduler's tree cache (where build put the state)."""
+    tree = SimpleNamespace(**({sp.ATTR: st} if st is not None else {}))
+    return SimpleNamespace(tree_cache=tree,
+                           reqs=[SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(sampling_seed=s))
                                  for rid, s in rid_seed])
 
 
 def test_seeded_rows_keep_their_seed_unseeded_rows_get_one_per_request(state):
     state.nonce = 99
-    info = sp.after_from_schedule_batch(batch_info(4), None, _reqs(("a", None), ("b", 123), ("c", None), ("d", -5)), 460)
+    info = sp.after_from_schedule_batch(batch_info(4), None, _reqs(state, ("a", None), ("b", 123), ("c", None), ("d", -5)), 460)
     seeds = info.sampling_seed.tolist()
     assert info.sampling_seed.dtype == torch.int64
     assert seeds[1] == 123 and seeds[3] == -5  # as given
     assert seeds[0] == sp.request_seed(99, "a") and seeds[2] == sp.request_seed(99, "c") and seeds[0] != seeds[2]
     # a function of (nonce, rid) only: the same rid gets the same seed in any batch, another nonce another one
-    again = sp.after_from_schedule_batch(batch_info(2), None, _reqs(("x", 1), ("c", None)), 460)
+    again = sp.after_from_schedule_batch(batch_info(2), None, _reqs(state, ("x", 1), ("c", None)), 460)
     assert again.sampling_seed.tolist() == [1, seeds[2]]
     state.nonce = 100
-    assert sp.after_from_schedule_batch(batch_info(1), None, _reqs(("c", None)), 460).sampling_seed.item() != seeds[2]
+    assert sp.after_from_schedule_batch(batch_info(1), None, _reqs(state, ("c", None)), 460).sampling_seed.item() != seeds[2]
 
 
 def test_request_seeds_are_distinct_int64():
@@ -88,7 +92,7 @@ def test_shared_nonce_follows_random_seed_and_is_rank_0s_under_tp(monkeypatch):
 def test_seeds_left_alone_when_sglang_provides_them(state):
     state.inject_seeds = False
     info = batch_info(2, seeds=[7, 8])
-    assert sp.after_from_schedule_batch(info, None, _reqs(("a", None), ("b", None)), 460).sampling_seed.tolist() == [7, 8]
+    assert sp.after_from_schedule_batch(info, None, _reqs(state, ("a", None), ("b", None)), 460).sampling_seed.tolist() == [7, 8]
 
 
 def test_sp_path_samples_every_row_with_its_seed(state):
@@ -96,7 +100,7 @@ def test_sp_path_samples_every_row_with_its_seed(state):
     n, v = 5, 460
     logits = torch.randn(n, v)
     info = batch_info(n, seeds=[1, 2, 3, 4, 5])
-    runner, fb = Runner(), forward_batch(info, n)
+    runner, fb = Runner(state), forward_batch(info, n)
     out = SimpleNamespace(next_token_logits=logits.clone(), auxiliary_device_output="stale")
 
     def orig(*a, **k):
@@ -120,7 +124,7 @@ def test_fallback_hides_injected_seeds_and_counts_once_per_reason(state):
         return torch.zeros(3, dtype=torch.int64)
 
     for _ in range(2):
-        sp.around_sample(orig, Runner(), SimpleNamespace(next_token_logits=torch.zeros(3, 8)),
+        sp.around_sample(orig, Runner(state), SimpleNamespace(next_token_logits=torch.zeros(3, 8)),
                          forward_batch(info, 3, logprob=True))
     assert seen == [None, None]  # the stock sampler ran unseeded, as without the flag
     assert info.sampling_seed.tolist() == [1, 2, 3]  # and the rows keep their seeds afterwards
@@ -140,9 +144,9 @@ def test_fallback_reasons(state):
     assert "seeds" in sp._fallback_reason(runner, forward_batch(info, 2), out)
 
 
-def test_flag_off_is_a_pass_through(monkeypatch):
-    monkeypatch.setattr(sp, "_STATE", None)
+def test_flag_off_is_a_pass_through():
     sentinel = object()
-    assert sp.around_sample(lambda *a, **k: sentinel, None, None, None) is sentinel
+    assert sp.around_sample(lambda *a, **k: sentinel, Runner(), None, None) is sentinel
+    assert sp.around_forward(lambda *a, **k: sentinel, Runner(), None) is sentinel
     info = batch_info(2)
-    assert sp.after_from_schedule_batch(info, None, None, 460).sampling_seed is None
+    assert sp.after_from_schedule_batch(info, None, _reqs(None, ("a", None)), 460).sampling_seed is None

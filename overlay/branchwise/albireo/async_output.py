@@ -1,7 +1,7 @@
-"""--async-output: Albireo's output processing (§5, App. A) for SGLang's scheduler, outputs unchanged.
+"""--async-output: Albireo's output processing for SGLang's scheduler, outputs unchanged.
 
-SGLang runs result processing (T5) on the scheduler thread, serial with scheduling the next step
-(map §2.3). It has two halves:
+SGLang runs result processing (T5) on the scheduler thread, serial with scheduling the next step.
+It has two halves:
 
 * The send half (payload serialisation + ZMQ send to the detokenizer) reads only the payload the
   streamer just built (fresh lists, slices of the requests' state), so it can move to an ordered
@@ -25,6 +25,12 @@ Everything else, and every batch the fast path does not qualify for, runs SGLang
 Overlap mode is unchanged: a row that finished at step k is still in step k+1 (its KV slot is
 over-allocated) and is skipped by result processing there, as in SGLang; its KV is released once,
 by SGLang's `release_kv_cache`, when the finish is processed.
+
+Where the state lives: `build` returns the scheduler's `AsyncOutput` (`scheduler.branchwise.
+async_output`, read by the Scheduler hooks) and attaches it, as `_branchwise_async_output`, to the
+result processor's tree cache: the processor is a frozen slotted dataclass, so its hook reaches the
+component through that field. Requests reach the stop-string switch through their tokenizer
+(`req.tokenizer` is the scheduler's `TableTokenizer`).
 """
 
 from __future__ import annotations
@@ -37,8 +43,6 @@ import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
-
-from branchwise.albireo import step_timer
 
 logger = logging.getLogger("branchwise")
 _STOP = object()
@@ -61,6 +65,7 @@ class OrderedSender:
         self.error: BaseException | None = None
         self.inline = False  # set_enabled(False): send on the calling thread (queue drained first)
         self.sent = 0
+        self.timer: Any = None  # the step timer (bench), set by its build
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -85,8 +90,8 @@ class OrderedSender:
                 logger.exception("Branchwise async output: send failed")
                 self.error = e
                 return
-            if (t := step_timer.timer()) is not None:
-                t.add_worker(time.perf_counter() - t0)
+            if self.timer is not None:
+                self.timer.add_worker(time.perf_counter() - t0)
 
     def drain(self, timeout_s: float = 10.0) -> bool:
         """Block until everything queued so far is sent; False if it was not within `timeout_s`
@@ -196,21 +201,24 @@ def check_match_stop_str_prefix(req: Any) -> bool:
 
 
 class TableTokenizer:
-    """The scheduler's tokenizer with decode(ids) served by a TokenTable (plain calls only).
+    """The scheduler's tokenizer under --async-output, with decode(ids) served by a TokenTable when
+    there is one (plain calls only); everything else is delegated unchanged.
 
     Requests use the scheduler's tokenizer for stop-string checks (`Req.tail_str` and friends call
-    `tokenizer.decode(output_ids[-k:])` every step); everything else is delegated unchanged.
+    `tokenizer.decode(output_ids[-k:])` every step). It also carries the runtime switch of the
+    stop-string paths: `enabled` turns the table and the prefix scan (`around_check_match_stop_str_prefix`,
+    which finds it as `req.tokenizer`) off together.
     """
 
-    def __init__(self, tokenizer: Any, table: TokenTable) -> None:
+    def __init__(self, tokenizer: Any, table: TokenTable | None) -> None:
         self._tok = tokenizer
-        self._table = table
+        self.table = table
         self.enabled = True
 
     def decode(self, ids: Any, *args: Any, **kwargs: Any) -> str:
-        if self.enabled and not (args or kwargs):
+        if self.enabled and self.table is not None and not (args or kwargs):
             try:
-                return self._table.decode(ids)
+                return self.table.decode(ids)
             except KeyError:  # an id the table does not know: the tokenizer decides
                 pass
         return self._tok.decode(ids, *args, **kwargs)
@@ -242,18 +250,19 @@ class AsyncOutput:
     def report(self) -> dict[str, Any]:
         """`/server_info` internal_states[i]["branchwise_async_output"]."""
         return {**self.stats, "enabled": self.enabled, "sent": self.sender.sent if self.sender else 0,
-                "table": self.table_tok is not None}
+                "table": self.table_tok is not None and self.table_tok.table is not None}
 
 
-_STATE: dict[int, AsyncOutput] = {}  # id(SchedulerBatchResultProcessor) -> state (frozen dataclass)
+ATTR = "_branchwise_async_output"  # on the result processor's tree cache
 
 
-def install(scheduler: Any) -> AsyncOutput | None:
-    """Scheduler.__init__ AFTER hook body (called when --async-output is on)."""
+def build(scheduler: Any, config: Any) -> AsyncOutput | None:
+    """The scheduler's --async-output component (None when the flag is off)."""
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler_components import output_streamer as os_mod
 
-    proc = scheduler.batch_result_processor
+    if not config.async_output:
+        return None
     sender = None
     if _send_on_thread(scheduler):
         inner = scheduler.ipc_channels.send_to_detokenizer
@@ -267,11 +276,10 @@ def install(scheduler: Any) -> AsyncOutput | None:
             stop_ids.add(tok.eos_token_id)
         stop_ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
         table, why = TokenTable.build(tok)
-        if table is not None:
-            scheduler.tokenizer = table_tok = TableTokenizer(tok, table)
-        else:
+        if table is None:
             logger.info("Branchwise async output: stop strings keep tokenizer.decode (%s)", why)
-    state = AsyncOutput(
+        scheduler.tokenizer = table_tok = TableTokenizer(tok, table)
+    st = AsyncOutput(
         sender=sender,
         stop_ids=frozenset(stop_ids),
         think=bool(getattr(scheduler.model_config, "self_opened_think_start_ids", None)),
@@ -281,26 +289,18 @@ def install(scheduler: Any) -> AsyncOutput | None:
         check_all=_foreign_finish_hooks(Req),
         table_tok=table_tok,
     )
-    _STATE[id(proc)] = state
-    return state
-
-
-def build(scheduler: Any, config: Any) -> AsyncOutput | None:
-    """The scheduler's --async-output component (None when the flag is off)."""
-    if not config.async_output:
-        return None
-    st = install(scheduler)
+    setattr(scheduler.batch_result_processor.tree_cache, ATTR, st)
     logger.info("Branchwise async output on: sends on %s, stop-string lookup table %s",
-                "a worker thread" if st.sender else "the scheduler thread", "on" if st.table_tok else "off")
+                "a worker thread" if sender else "the scheduler thread", "on" if st.report()["table"] else "off")
     return st
 
 
 def _send_on_thread(scheduler: Any) -> bool:
     """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline).
 
-    Measured on CPU (bench.overhead --ab --stream --stop, bs 128): the worker takes ~3 ms/step of
-    pickling + send off the scheduler thread and costs ~1 ms of GIL waiting there, a net gain; at
-    bs 1 it is a wash. `inline` keeps SGLang's placement (the other savings stay)."""
+    The worker takes the payload's pickling and send off the scheduler thread, at the price of some
+    GIL waiting there (`python -m bench.overhead --ab --stream` compares both); `inline` keeps
+    SGLang's placement (the other savings stay)."""
     if getattr(scheduler, "rust_server", None) is not None:  # the Rust egress ring has its own thread
         return False
     mode = os.environ.get(SEND_ENV, "auto").strip().lower()
@@ -321,17 +321,15 @@ def _foreign_finish_hooks(req_cls: Any) -> bool:
                for _, fn, _ in hooks.get(f"{req_cls.__module__}.Req.update_finish_state", []))
 
 
-def state_of(proc: Any) -> AsyncOutput | None:
-    return _STATE.get(id(proc))
-
-
 SWITCH_DRAIN_S = 10.0  # how long a runtime switch waits for the queued sends
 
 
-def set_enabled(st: AsyncOutput, on: bool, drain_timeout_s: float = SWITCH_DRAIN_S) -> str | None:
+def set_enabled(st: AsyncOutput, on: bool, drain_timeout_s: float = SWITCH_DRAIN_S,
+                forward: Any = None) -> str | None:
     """Switch every part at once, between steps; None when switched, else why not (nothing changed).
 
-    The sender drains first, so order is kept and only one thread ever sends on the socket: sends
+    `forward` is the CPU forward thread (forward_thread.ForwardExecutor), part of --async-output:
+    it stops taking new batches (queued ones finish). The sender drains first, so order is kept and only one thread ever sends on the socket: sends
     move to the scheduler thread only once the worker has sent everything queued. Called on the
     scheduler thread, the only one that queues sends, so nothing is queued after the drain."""
     if st.sender is not None:
@@ -343,9 +341,8 @@ def set_enabled(st: AsyncOutput, on: bool, drain_timeout_s: float = SWITCH_DRAIN
     if st.table_tok is not None:
         st.table_tok.enabled = on
     st.enabled = on
-    from branchwise.albireo import forward_thread
-
-    forward_thread.set_enabled(on)  # the CPU forward thread is part of --async-output
+    if forward is not None:
+        forward.enabled = on
     return None
 
 
@@ -430,7 +427,7 @@ def fast_decode_result(st: AsyncOutput, proc: Any, batch: Any, result: Any) -> N
 
 
 def around_process_batch_result_decode(orig: Any, self: Any, batch: Any, result: Any) -> Any:
-    st = _STATE.get(id(self))
+    st = getattr(self.tree_cache, ATTR, None)
     if result.copy_done is not None:  # the forward thread fills the result in: qualify what it produced
         result.copy_done.synchronize()
     if st is None or not st.enabled or not _qualifies(st, self, batch, result):
@@ -442,15 +439,9 @@ def around_process_batch_result_decode(orig: Any, self: Any, batch: Any, result:
 
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    from branchwise.config import BranchwiseConfig
-
-    build(self, BranchwiseConfig.from_server_args(self.server_args))
-
-
 def around_check_match_stop_str_prefix(orig: Any, req: Any) -> bool:
-    on = any(st.enabled for st in _STATE.values())
-    return check_match_stop_str_prefix(req) if on else orig(req)
+    tok = req.tokenizer
+    return check_match_stop_str_prefix(req) if type(tok) is TableTokenizer and tok.enabled else orig(req)
 
 
 SWITCH_KEY = "branchwise_async_output"  # POST /set_internal_state {"server_args": {SWITCH_KEY: 0 | 1}}
@@ -466,8 +457,10 @@ def around_set_internal_state(orig: Any, self: Any, recv_req: Any, *args: Any, *
         return orig(self, recv_req, *args, **kwargs)
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
-    st = state_of(self.batch_result_processor)
-    if st is not None and (why := set_enabled(st, bool(req_args[SWITCH_KEY]), SWITCH_DRAIN_S)) is not None:
+    bw = self.branchwise
+    st = bw.async_output
+    why = None if st is None else set_enabled(st, bool(req_args[SWITCH_KEY]), SWITCH_DRAIN_S, bw.forward)
+    if why is not None:
         logger.warning(why)
         return SetInternalStateReqOutput(updated=False)
     rest = {k: v for k, v in req_args.items() if k != SWITCH_KEY}
@@ -475,10 +468,3 @@ def around_set_internal_state(orig: Any, self: Any, recv_req: Any, *args: Any, *
         recv_req.server_args = rest
         return orig(self, recv_req, *args, **kwargs)
     return SetInternalStateReqOutput(updated=st is not None)
-
-
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    st = state_of(self.batch_result_processor)
-    if st is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_async_output"] = st.report()
-    return result

@@ -1,4 +1,4 @@
-"""Asynchronous forward executor for CPU: make SGLang's overlap loop overlap for real (Albireo §3, §5).
+"""Asynchronous forward executor for CPU: make SGLang's overlap loop overlap for real (Albireo).
 
 SGLang's overlap loop (`event_loop_overlap`) launches step n on the forward stream, then processes
 step n-1's result and plans step n+1 while step n runs. On CPU the streams are synchronous: the
@@ -37,7 +37,7 @@ logprobs, `reasons` = inline batches by "<mode>: <why>"):
   the tree cache is not RadixCache (below). An inline forward runs after every queued one, so no
   forward ever runs concurrently with another.
 
-Why this is race-free (checked against SGLang 0.5.23, map §2):
+Why this is race-free (checked against SGLang 0.5.23's scheduler, overlap loop and radix caches):
 * One FIFO thread = one stream: step n+1's gather runs after step n's stash (resolve-after-stash),
   and every KV write of a forward precedes the forwards launched after it (a prefix matched by a
   later prefill, e.g. a branch spawn over its parked parent, was written by an earlier job).
@@ -89,13 +89,11 @@ Why this is race-free (checked against SGLang 0.5.23, map §2):
   see it later than stock; SGLang's own (thinking budget, n-gram) and bench.structure_driver read
   only those.
 
-Measured here (bench.overhead --ab, 2 shared cores; bench/README.md "Per-step overhead"): the
-worker's idle time before a decode forward (the exposed time) is 0.06-0.10 ms vs 1-7 ms stock, also
-with arrivals in waves (prefills on the worker) and grammar batches (--regex). Throughput is not
-better: on the tiny model 0.57-1.0x of stock at bs 1 / 32 / 128 across runs, on `--size small`
-(matmul-bound) 0.87x / 1.09x / 0.99x. The two threads share one GIL: the scheduler thread's
-Python does not overlap the worker's, and every hand-off costs the worker more than the other
-thread's CPU time (bench.gil_handoff: 1.05-2.2 ms per ms); a smaller switch interval did not help.
+What it costs: the worker and the scheduler thread share one GIL, so the scheduler thread's
+Python does not overlap the worker's, and every hand-off of the GIL costs the worker time
+(`python -m bench.gil_handoff` measures it). The worker's idle time before a decode forward (the
+exposed time, `python -m bench.overhead --ab`) drops, but decode throughput on CPU does not rise
+(docs/benchmarks.md, "Per-step overhead").
 
 Tensor parallelism: every rank runs its own worker, and the jobs, their order and which batches
 run inline are functions of the batches, which every rank plans identically (decide once,
@@ -112,8 +110,12 @@ worker's current stack.
 
 Enabled with --async-output on a CPU device, overlap on, pp = 1, no speculative decoding / PD
 disaggregation / PDMux / unified memory / LoRA / DP attention (`static_reason`), and only when env
-BRANCHWISE_FORWARD_THREAD=1 opts in: on this box it lowers decode throughput (figures above), so
-it is not on by default. The --async-output runtime switch turns it off with the rest.
+BRANCHWISE_FORWARD_THREAD=1 opts in (it does not pay off on CPU, above). The --async-output
+runtime switch turns it off with the rest.
+
+`build` attaches the executor, as `_branchwise_forward`, to the SGLang objects its non-Scheduler
+hooks receive (the TP worker, the FutureMap, a guarded tree cache); the Scheduler hooks read
+`scheduler.branchwise.forward`.
 """
 
 from __future__ import annotations
@@ -131,8 +133,6 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
-
-from branchwise.albireo import step_timer
 
 logger = logging.getLogger("branchwise")
 ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
@@ -247,6 +247,7 @@ class ForwardExecutor:
         self.last: HostEvent | None = None  # the newest job's event: set => the worker is idle
         self.last_end: float | None = None  # when the previous job ended (None: after an inline batch)
         self.stats = ForwardStats()
+        self.timer: Any = None  # the step timer (bench), set by its build
         # chunked prefill on the worker needs every checkpoint of this tree cache to pass through
         # around_checkpoint (RadixCache's own; other caches keep chunked batches inline)
         self.checkpoint_guarded = _guarded_checkpoint(scheduler)
@@ -314,8 +315,8 @@ class ForwardExecutor:
             t0 = time.perf_counter()
             if self.last_end is not None:
                 self.stats.idle_s += t0 - self.last_end
-                if (t := step_timer.timer()) is not None:
-                    t.add_forward_idle(t0 - self.last_end)
+                if self.timer is not None:
+                    self.timer.add_forward_idle(t0 - self.last_end)
             sampling_next = False
             try:
                 sampling_next = bool(self._execute(job, sample))
@@ -385,13 +386,6 @@ def bind_worker_threads() -> None:
     torch.ops.sgl_kernel.init_cpu_threads_env(cpuid)
 
 
-_EX: ForwardExecutor | None = None
-
-
-def executor() -> ForwardExecutor | None:
-    return _EX
-
-
 def static_reason(scheduler: Any) -> str | None:
     """Why the forward thread cannot run on this server, or None. A function of the config only."""
     from sglang.srt.environ import envs
@@ -427,7 +421,7 @@ def mode_name(batch: Any) -> str:
     return batch.forward_mode.name.lower()
 
 
-def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
+def batch_reason(batch: Any, scheduler: Any = None, checkpoint_guarded: bool = False) -> str | None:
     """Why this batch runs inline (None: it goes to the worker). A function of the batch only.
 
     Penalties are not a reason (see the module doc: the forward reads only the accumulators that
@@ -447,7 +441,7 @@ def batch_reason(batch: Any, scheduler: Any = None) -> str | None:
          "prefill ids not staged on the host"),
         # the next planning checkpoints the chunked request (radix dedup may rewrite its req_to_token
         # row below seq_len); only a guarded checkpoint (around_checkpoint) waits for this forward
-        (not decode and batch.chunked_req is not None and not (_EX is not None and _EX.checkpoint_guarded),
+        (not decode and batch.chunked_req is not None and not checkpoint_guarded,
          "chunked prefill"),
         (not decode and _embeds(batch), "multimodal or embedding inputs"),
         (getattr(batch, "hicache_consumer_index", -1) >= 0, "hierarchical cache load"),
@@ -515,13 +509,16 @@ def req_view(req: Any) -> Any:
     return view
 
 
+ATTR = "_branchwise_forward"  # on the TP worker, the FutureMap and (guarded) the tree cache
+
+
 def build(scheduler: Any, config: Any) -> ForwardExecutor | None:
-    """The scheduler's CPU forward thread (None unless --async-output is on and it qualifies)."""
-    return install(scheduler) if config.async_output else None
+    """The scheduler's CPU forward thread (None unless --async-output is on and it qualifies here).
 
-
-def install(scheduler: Any) -> ForwardExecutor | None:
-    global _EX
+    Its hooks on the TP worker, `resolve_forward_inputs` (which receives the FutureMap) and the
+    tree cache's checkpoint find it there, as `_branchwise_forward`."""
+    if not config.async_output:
+        return None
     why = static_reason(scheduler)
     if why is not None:
         logger.info("Branchwise forward thread off: %s", why)
@@ -532,10 +529,14 @@ def install(scheduler: Any) -> ForwardExecutor | None:
         if not 0 < ms <= 100:
             raise ValueError(f"{SWITCH_ENV} must be in (0, 100] ms, got {switch!r}")
         sys.setswitchinterval(ms / 1e3)
-    _EX = ForwardExecutor(scheduler, timeout_s=_timeout_s())
+    ex = ForwardExecutor(scheduler, timeout_s=_timeout_s())
+    setattr(scheduler.tp_worker, ATTR, ex)
+    setattr(scheduler.future_map, ATTR, ex)
+    if ex.checkpoint_guarded:
+        setattr(scheduler.tree_cache, ATTR, ex)
     logger.info("Branchwise forward thread on (torch intra-op threads: %d, GIL switch interval %.2f ms)",
                 _torch_threads(), 1e3 * sys.getswitchinterval())
-    return _EX
+    return ex
 
 
 def _timeout_s() -> float:
@@ -556,17 +557,11 @@ def _torch_threads() -> int:
 
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    from branchwise.config import BranchwiseConfig
-
-    build(self, BranchwiseConfig.from_server_args(self.server_args))
-
-
 def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    ex = _EX
+    ex = self.branchwise.forward
     if ex is None:
         return orig(self, batch, *args, **kwargs)
-    why = "switched off" if not ex.enabled else batch_reason(batch, self)
+    why = "switched off" if not ex.enabled else batch_reason(batch, self, ex.checkpoint_guarded)
     if why is not None:
         ex.drain()  # an inline forward must come after every queued one (one stream)
         ex.stats.inline += 1
@@ -585,20 +580,20 @@ def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any
 
 
 def around_resolve_forward_inputs(orig: Any, batch: Any, future_map: Any, *args: Any, **kwargs: Any) -> Any:
-    ex = _EX
+    ex = getattr(future_map, ATTR, None)
     if ex is not None and batch is ex.launching:
         return None  # deferred to the worker: it must follow the previous step's stash
     return orig(batch, future_map, *args, **kwargs)
 
 
 def around_forward_batch_generation(orig: Any, self: Any, batch: Any = None, *args: Any, **kwargs: Any) -> Any:
-    ex = _EX
+    ex = getattr(self, ATTR, None)
     if ex is None or batch is None or batch is not ex.launching or args or kwargs:
         return orig(self, batch, *args, **kwargs)
     from sglang.srt.managers.utils import GenerationBatchResult
 
     placeholder = GenerationBatchResult()
-    placeholder._bw_job = True  # _relay_forward_payload / _copy_result_to_cpu: the worker does them
+    placeholder._branchwise_job = True  # _relay_forward_payload / _copy_result_to_cpu: the worker does them
     delayed = samples_later(self, batch)
     job = ForwardJob(snapshot(batch), placeholder, lambda b: orig(self, b), HostEvent(), len(batch.seq_lens),
                      forwarded=HostEvent() if delayed else None)
@@ -625,7 +620,7 @@ def _launch_sampling(ex: ForwardExecutor, job: ForwardJob) -> Any:
     _relay_forward_payload and _copy_result_to_cpu, which hand `copy_done` = `done` to result processing."""
     si = job.snapshot.sampling_info  # the launch's forward-only copy, which the worker samples with
     si.update_regex_vocab_mask()
-    si._bw_mask_ready = True  # around_update_regex_vocab_mask: the worker's sample keeps this mask
+    si._branchwise_mask_ready = True  # around_update_regex_vocab_mask: the worker's sample keeps this mask
     ex.job = job
     ex.submit(job, sample=True)
     return job.placeholder
@@ -634,7 +629,7 @@ def _launch_sampling(ex: ForwardExecutor, job: ForwardJob) -> Any:
 def around_update_regex_vocab_mask(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
     """SamplingBatchInfo.update_regex_vocab_mask: keep a mask _launch_sampling built on the scheduler
     thread (the worker must not read the grammars, which the scheduler thread advances)."""
-    if self.__dict__.pop("_bw_mask_ready", False):
+    if self.__dict__.pop("_branchwise_mask_ready", False):
         return None
     return orig(self, *args, **kwargs)
 
@@ -655,27 +650,20 @@ def _count_job(stats: ForwardStats, batch: Any) -> None:
 
 def around_relay_forward_payload(orig: Any, self: Any, batch: Any, future_indices: Any, result: Any,
                                  *args: Any, **kwargs: Any) -> Any:
-    if getattr(result, "_bw_job", False):
+    if getattr(result, "_branchwise_job", False):
         return None
     return orig(self, batch, future_indices, result, *args, **kwargs)
 
 
 def around_copy_result_to_cpu(orig: Any, self: Any, result: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    ex = _EX
-    if ex is None or not getattr(result, "_bw_job", False):
+    ex = self.branchwise.forward
+    if ex is None or not getattr(result, "_branchwise_job", False):
         return orig(self, result, batch, *args, **kwargs)
     job, ex.job = ex.job, None
     if job is None or job.placeholder is not result:
         raise RuntimeError("Branchwise forward thread: result copy without its launched job")
     result.copy_done = job.done  # SGLang's result processing synchronises on it
     return None
-
-
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    ex = _EX
-    if ex is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_forward_thread"] = ex.report()
-    return result
 
 
 def _guarded_checkpoint(scheduler: Any) -> bool:
@@ -697,7 +685,7 @@ def around_checkpoint(orig: Any, self: Any, req: Any, *args: Any, **kwargs: Any)
     reads the row (the next decode step of a just-prefilled row, or the chunk in flight) would see
     the other request's slots. The write is checked instead: if it changes the row while the worker
     is busy, drain first. Unchanged rows (the common case) cost a compare, no wait."""
-    ex = _EX
+    ex = getattr(self, ATTR, None)
     if ex is None or not ex.busy():
         return orig(self, req, *args, **kwargs)
     pool = self.req_to_token_pool
@@ -725,8 +713,3 @@ class _CheckedWrite:
             self.ex.drain()
         return self.write(indices, values)
 
-
-def set_enabled(on: bool) -> None:
-    """Runtime switch (with --async-output's): takes effect at the next launch; queued jobs finish."""
-    if _EX is not None:
-        _EX.enabled = on

@@ -1,6 +1,6 @@
-"""--parallel-sampling: Albireo's sequence-parallel sampling (§6) inside SGLang's ModelRunner.sample.
+"""--parallel-sampling: Albireo's sequence-parallel sampling inside SGLang's ModelRunner.sample.
 
-Stock SGLang samples the whole batch on every TP rank after the logits all-gather (map §3.2).
+Stock SGLang samples the whole batch on every TP rank after the logits all-gather.
 With --parallel-sampling each rank samples only its block of rows and the token ids are
 all-gathered (`parallel_sampler.sp_sample_full`), so the sampling work per rank drops by t.
 
@@ -39,6 +39,13 @@ call. Extend and input-logprob paths keep the all-gather. CUDA graphs: the hooks
 Python, so a graph captures SGLang's all-gather and its replays keep it (then the gathered rows are
 sampled as before); the all-to-all runs for eager decode batches (all of them on CPU, or with
 --disable-cuda-graph).
+
+Where the state lives: `build` returns the scheduler's `SPState` (`scheduler.branchwise.sampler`)
+and attaches it, as `_branchwise_sp`, to the objects the hooks receive: the model runner (forward,
+sample), the model's LogitsProcessors (_get_logits; re-attached when a weight update replaces the
+model) and the tree cache, which every ScheduleBatch references (from_schedule_batch). The exchange
+plan is armed on the SPState for one ModelRunner.forward: forwards never run concurrently (with the
+CPU forward thread they run in order on its worker, inline ones after draining it).
 """
 
 from __future__ import annotations
@@ -47,7 +54,6 @@ import copy
 import hashlib
 import logging
 import random
-import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -79,6 +85,8 @@ class SPState:
     a2a_transform_steps: int = 0  # ... of which penalties or logit_bias were applied to the row block
     fallbacks: dict[str, int] = field(default_factory=dict)  # stock sampler, by reason
     gathered: dict[str, int] = field(default_factory=dict)  # SP decode steps that kept the all-gather
+    plan: ExchangePlan | None = None  # armed for the ModelRunner.forward in progress
+    model: Any = None  # the model whose LogitsProcessors carry this state (tp > 1)
 
     @property
     def id_group(self) -> Any:
@@ -112,12 +120,17 @@ class ExchangePlan:
     done: bool = False  # the last _get_logits of this forward exchanged: logits are [rows_per_rank, V]
 
 
-_STATE: SPState | None = None  # one scheduler (and model runner) per process
-_ARMED = threading.local()  # .plan: armed for one ModelRunner.forward on this thread (forward may run on a worker)
+ATTR = "_branchwise_sp"  # on the model runner, its model's LogitsProcessors and the tree cache
 
 
-def state() -> SPState | None:
-    return _STATE
+def _attach_model(st: SPState, model: Any) -> None:
+    """Give every LogitsProcessor of `model` the state (_get_logits receives only the processor)."""
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    for m in model.modules():
+        if isinstance(m, LogitsProcessor):
+            setattr(m, ATTR, st)
+    st.model = model
 
 
 def _unsupported_mode(scheduler: Any) -> str | None:
@@ -276,19 +289,17 @@ def build(scheduler: Any, config: Any) -> SPState | None:
         logger.warning("Branchwise parallel sampling: decode batches replayed from CUDA graphs keep "
                        "SGLang's captured logits all-gather (rows still sampled in parallel); the "
                        "all-to-all runs only for eager decode batches (--disable-cuda-graph for all)")
+    runner = scheduler.tp_worker.model_runner
+    setattr(runner, ATTR, st)
+    setattr(scheduler.tree_cache, ATTR, st)
+    if par.tp_size > 1:
+        _attach_model(st, runner.model)
     return st
-
-
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    global _STATE
-    from branchwise.config import BranchwiseConfig
-
-    _STATE = build(self, BranchwiseConfig.from_server_args(self.server_args))
 
 
 def after_from_schedule_batch(info: Any, cls: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     """SamplingBatchInfo.from_schedule_batch: give every row its request's seed (unseeded: request_seed)."""
-    st = _STATE
+    st = getattr(batch.tree_cache, ATTR, None) if batch is not None else None
     if st is not None and st.inject_seeds and info.sampling_seed is None:
         seeds = [s if (s := r.sampling_params.sampling_seed) is not None else request_seed(st.nonce, r.rid)
                  for r in batch.reqs]
@@ -317,20 +328,22 @@ class _AllToAll:
 
 def around_forward(orig: Any, runner: Any, fb: Any, *args: Any, **kwargs: Any) -> Any:
     """ModelRunner.forward: arm the all-to-all for a covered decode batch; tag fb with the outcome."""
-    st = _STATE
+    st = getattr(runner, ATTR, None)
     if st is None or st.tp_size == 1 or not fb.forward_mode.is_decode():
         return orig(runner, fb, *args, **kwargs)
     if (why := _gather_reason(runner, fb)) is not None:
         if why in (UNKNOWN_PENALIZER, "rows without sampling params or seeds"):  # others: fallbacks
             st.gather(why)
-        fb.bw_sp_exchange = None
+        fb._branchwise_sp_exchange = None
         return orig(runner, fb, *args, **kwargs)
-    plan = _ARMED.plan = ExchangePlan(bs=fb.batch_size)
+    if runner.model is not st.model:  # a weight update replaced the model
+        _attach_model(st, runner.model)
+    plan = st.plan = ExchangePlan(bs=fb.batch_size)
     try:
         out = orig(runner, fb, *args, **kwargs)
     finally:
-        _ARMED.plan = None
-    fb.bw_sp_exchange = plan if plan.done else None
+        st.plan = None
+    fb._branchwise_sp_exchange = plan if plan.done else None
     if not plan.done:
         st.gather("CUDA graph replay" if getattr(out, "can_run_graph", False) else "all-gather kept in the model")
     return out
@@ -339,12 +352,12 @@ def around_forward(orig: Any, runner: Any, fb: Any, *args: Any, **kwargs: Any) -
 def around_get_logits(orig: Any, lp: Any, hidden_states: Any, lm_head: Any, metadata: Any,
                       *args: Any, **kwargs: Any) -> Any:
     """LogitsProcessor._get_logits: the all-to-all instead of the all-gather, when armed."""
-    plan: ExchangePlan | None = getattr(_ARMED, "plan", None)
+    st = lp.__dict__.get(ATTR)  # not getattr: a miss on an nn.Module raises inside Module.__getattr__
+    plan = st.plan if st is not None else None
     if plan is None:
         return orig(lp, hidden_states, lm_head, metadata, *args, **kwargs)
     plan.done = False  # the last call of the forward decides what the sampler gets
-    st = _STATE
-    if (st is None or not lp.do_tensor_parallel_all_gather or lp.use_attn_tp_group
+    if (not lp.do_tensor_parallel_all_gather or lp.use_attn_tp_group
             or lp.do_tensor_parallel_all_gather_dp_attn or not metadata.forward_mode.is_decode()
             or hidden_states.shape[0] != plan.bs):
         return orig(lp, hidden_states, lm_head, metadata, *args, **kwargs)
@@ -359,11 +372,11 @@ def around_get_logits(orig: Any, lp: Any, hidden_states: Any, lm_head: Any, meta
 
 
 def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: Any, **kwargs: Any) -> Any:
-    st = _STATE
+    st = getattr(runner, ATTR, None)
     if st is None:
         return orig(runner, logits_output, fb, *args, **kwargs)
     info = fb.sampling_info
-    plan: ExchangePlan | None = getattr(fb, "bw_sp_exchange", None)
+    plan: ExchangePlan | None = getattr(fb, "_branchwise_sp_exchange", None)
     if plan is not None:  # next_token_logits holds my block of rows only
         logits_output.auxiliary_device_output = None
         logits = logits_output.next_token_logits
@@ -398,10 +411,3 @@ def around_sample(orig: Any, runner: Any, logits_output: Any, fb: Any, *args: An
     runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=fb)
     st.sp_steps += 1
     return ids
-
-
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    st = _STATE
-    if st is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_parallel_sampling"] = st.report()
-    return result

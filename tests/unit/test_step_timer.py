@@ -6,7 +6,7 @@ import json
 import time
 
 from bench.overhead import summarize
-from branchwise.albireo.step_timer import StepTimer
+from branchwise.step_timer import StepTimer
 
 
 def test_nested_spans_are_exclusive_and_records_flush_when_idle(tmp_path):
@@ -53,3 +53,39 @@ def test_summary_takes_steady_decode_steps_only():
     assert abs(med["result"] - 2.2) < 1e-9  # T5 includes its send part
     assert abs(med["other"] - (16.0 - 11.0 - 1.0 - 1.0 - 0.5 - 2.2)) < 1e-9
     assert abs(sum(share[c] for c in ("sched", "prep", "forward", "sample", "result", "other")) - 1.0) < 1e-9
+
+
+def test_build_wires_the_timer_where_its_hooks_and_albireos_workers_find_it(tmp_path, monkeypatch):
+    """Off without the env; on, a fresh records file, and the hooks whose `self` is not the Scheduler
+    (model runner; output streamer through its tree cache) and the send / forward workers reach it."""
+    from types import SimpleNamespace
+
+    from sglang.srt import runtime_context
+
+    from branchwise import step_timer
+    from branchwise.albireo.async_output import OrderedSender
+    from branchwise.albireo.forward_thread import ForwardExecutor
+
+    monkeypatch.setattr(runtime_context, "get_parallel", lambda: SimpleNamespace(tp_rank=1))
+    monkeypatch.setenv(step_timer.FILE_ENV, str(tmp_path))
+    sender = OrderedSender(SimpleNamespace(socket=None), name="test-sender")
+    forward = ForwardExecutor(scheduler=None)
+    runner, tree = SimpleNamespace(), SimpleNamespace()
+    sched = SimpleNamespace(server_args=SimpleNamespace(port=4321), tp_worker=SimpleNamespace(model_runner=runner),
+                            tree_cache=tree,
+                            branchwise=SimpleNamespace(async_output=SimpleNamespace(sender=sender), forward=forward))
+    monkeypatch.delenv(step_timer.ENV, raising=False)
+    assert step_timer.build(sched, None) is None and not vars(runner)
+    path = tmp_path / "branchwise-steps-4321-tp1.jsonl"
+    path.write_text("old run\n")
+    monkeypatch.setenv(step_timer.ENV, "albireo")
+    t = step_timer.build(sched, None)
+    assert t.path == str(path) and path.read_text() == ""
+    assert getattr(runner, step_timer.ATTR) is t and getattr(tree, step_timer.ATTR) is t
+    assert sender.timer is t and forward.timer is t
+    streamer = SimpleNamespace(tree_cache=tree)
+    t.begin_iteration(time.perf_counter())
+    step_timer.around_stream_output(lambda s, reqs: time.sleep(0.01), streamer, [])
+    assert t.spans["stream"] >= 0.01
+    sender.close()
+    forward.close()

@@ -1,4 +1,4 @@
-"""Per-iteration CPU time split of the SGLang scheduler loop (Albireo §3.1, T1..T5); bench only.
+"""Per-iteration time split of the SGLang scheduler loop (T1..T5 below): a diagnostics instrument.
 
 Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise,
 "stock": the only hooks, so stock SGLang is measured with the same instrument, "albireo": plus
@@ -16,12 +16,18 @@ FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = 
 build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
 iteration (off the scheduler thread). On CPU the forward runs on the scheduler thread, so the
 exposed (non-forward) time of an iteration is `wall - forward`. With the forward thread
-(albireo/forward_thread.py) `forward` and `sample` are the worker's spans and the record also has
-`fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it started
-in this iteration (its exposed time: the scheduler thread's work no longer adds to it when it
-overlaps the forward). `cpu` holds the same spans in
-scheduler-thread CPU time (time.thread_time): on a shared machine wall time includes waiting for a
-core, CPU time does not (but it also misses GIL waits and the forward's intra-op threads).
+(branchwise.albireo.forward_thread) `forward` and `sample` are the worker's spans and the record
+also has `fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it
+started in this iteration (its exposed time: the scheduler thread's work no longer adds to it when
+it overlaps the forward). `cpu` holds the same spans in scheduler-thread CPU time
+(time.thread_time): on a shared machine wall time includes waiting for a core, CPU time does not
+(but it also misses GIL waits and the forward's intra-op threads).
+
+`build` makes one StepTimer per scheduler (`scheduler.branchwise.timer`) and attaches it, as
+`_branchwise_step_timer`, to the model runner and the tree cache (the output streamer, a slotted
+dataclass, reaches it through its tree cache), whose hooks do not receive the scheduler; the
+async-output send worker and the forward thread get it as their `timer`. bench.overhead reads the
+records (`records_path`).
 """
 
 from __future__ import annotations
@@ -154,15 +160,7 @@ class StepTimer:
             self.buf.clear()
 
 
-_TIMER: StepTimer | None = None
-
-
-def timer() -> StepTimer | None:
-    return _TIMER
-
-
-def _timed(name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
-    t = _TIMER
+def _timed(t: StepTimer | None, name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
     if t is None or not t.t0:
         return orig(*args, **kwargs)
     if threading.get_ident() != t.owner:  # the forward thread: its own clock, no shared span stack
@@ -178,53 +176,66 @@ def _timed(name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
         t.exit()
 
 
-# ---- hook bodies (targets named in plugin.py) ----
+ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
+
 
 def build(scheduler: Any, config: Any) -> StepTimer | None:
-    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file."""
+    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file.
+
+    Built after Albireo's components: their worker threads report to it."""
     from sglang.srt.runtime_context import get_parallel
+
+    from branchwise.albireo.async_output import OrderedSender
+    from branchwise.albireo.forward_thread import ForwardExecutor
 
     if enabled() is None:
         return None
     path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
     open(path, "w").close()
-    return StepTimer(path)
+    t = StepTimer(path)
+    setattr(scheduler.tp_worker.model_runner, ATTR, t)
+    setattr(scheduler.tree_cache, ATTR, t)
+    bw = scheduler.branchwise
+    for part in (getattr(bw.async_output, "sender", None), bw.forward):
+        if isinstance(part, OrderedSender | ForwardExecutor):
+            part.timer = t
+    return t
 
 
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    global _TIMER
-    _TIMER = build(self, None)
-
+# ---- hook bodies (targets named in plugin.py) ----
 
 def around_ingest(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    if _TIMER is not None:
-        _TIMER.begin_iteration(time.perf_counter())
-    return _timed("recv", orig, self, *args, **kwargs)
+    t = self.branchwise.timer
+    if t is not None:
+        t.begin_iteration(time.perf_counter())
+    return _timed(t, "recv", orig, self, *args, **kwargs)
 
 
-def around_get_next_batch(orig: Any, *args: Any, **kwargs: Any) -> Any:
-    return _timed("sched", orig, *args, **kwargs)
+def around_get_next_batch(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed(self.branchwise.timer, "sched", orig, self, *args, **kwargs)
 
 
 def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    if _TIMER is not None:
-        _TIMER.run = _batch_key(batch)
-    return _timed("prep", orig, self, batch, *args, **kwargs)
+    t = self.branchwise.timer
+    if t is not None:
+        t.run = _batch_key(batch)
+    return _timed(t, "prep", orig, self, batch, *args, **kwargs)
 
 
-def around_forward(orig: Any, *args: Any, **kwargs: Any) -> Any:
-    return _timed("forward", orig, *args, **kwargs)
+def around_forward(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed(getattr(self, ATTR, None), "forward", orig, self, *args, **kwargs)
 
 
-def around_sample(orig: Any, *args: Any, **kwargs: Any) -> Any:
-    return _timed("sample", orig, *args, **kwargs)
+def around_sample(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed(getattr(self, ATTR, None), "sample", orig, self, *args, **kwargs)
 
 
 def around_process_batch_result(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    if _TIMER is not None:
-        _TIMER.res = _batch_key(batch)
-    return _timed("result", orig, self, batch, *args, **kwargs)
+    t = self.branchwise.timer
+    if t is not None:
+        t.res = _batch_key(batch)
+    return _timed(t, "result", orig, self, batch, *args, **kwargs)
 
 
-def around_stream_output(orig: Any, *args: Any, **kwargs: Any) -> Any:
-    return _timed("stream", orig, *args, **kwargs)
+def around_stream_output(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    return _timed(getattr(self.tree_cache, ATTR, None), "stream", orig, self, *args, **kwargs)
