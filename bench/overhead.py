@@ -16,7 +16,7 @@ with policy off, fork), `branchwise` the whole plugin with the Albireo flags on.
 size it sends bs greedy requests in one /generate call (ignore_eos, --steps new tokens each), so
 decode runs at exactly bs rows (--stream: streamed, every step sends every row's output; --stop:
 stop strings that never match, every row's tail is decoded every step), and reads the scheduler's
-per-iteration records (albireo/step_timer.py). Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
+per-iteration records (branchwise/step_timer.py). Only steady-state iterations count: the one that runs a decode batch of bs rows and processes a
 decode result of bs rows. Reported per step (median over those iterations, or --quantile; ms):
 
   T1 sched    get_next_batch_to_run (filter, update_running_batch, prepare_for_decode)
@@ -61,8 +61,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
-from branchwise.albireo.step_timer import records_path  # noqa: E402
 from branchwise.launch import LocalServer, get_json, post_json  # noqa: E402
+from branchwise.step_timer import records_path  # noqa: E402
 
 STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
 COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")
