@@ -23,15 +23,14 @@ The rules, fixed before any result was seen:
 Simulator windows: WARMUP_S of load before the measured window, WINDOW_S measured (arrivals
 counted), arrivals go on for DRAIN_S after it, and whatever has not finished then is a miss.
 
-Engines: `sim` (bench.simulate's engine and the server's own controller, default) and `replay`
-(live servers: `bench.replay.capacity_engine(args) -> Engine`, built by bench.sweep). An Engine runs
-points; `point(policy, rate, seed) -> dict` with the keys of POINT_KEYS.
+Engines: `sim` (bench.engine's simulator and the server's own controller, default) and `replay`
+(live servers: `bench.sweep.capacity_engine(options) -> Engine`, points from bench.point's
+`run_point`). An Engine runs points; `point(policy, rate, seed) -> dict` with the keys of POINT_KEYS.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import sys
@@ -44,8 +43,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.metrics import fmt, summarize
-from bench.simulate import EngineConfig, Simulator, build_controller, resolve_max_running
+from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
+from bench.metrics import summarize
+from bench.report import Col, blank, fmt, render, write_json
 from bench.workload import PRESETS, RequestSpec, compose, load_trace, stationary_schedule, workload_stats
 from branchwise.taper import LinearLatencyModel, default_model, load_model, parse_policy_name
 
@@ -145,7 +145,7 @@ class _SimPoint:
         return sim_point(self.setup, policy, rate, seed)
 
 
-def sim_engine(a: argparse.Namespace) -> Engine:
+def sim_engine(a: CapacityOptions) -> Engine:
     trace = load_trace(a.trace)
     model = load_model(a.latency_model) if a.latency_model else default_model()
     if not isinstance(model, LinearLatencyModel):
@@ -164,15 +164,12 @@ def sim_engine(a: argparse.Namespace) -> Engine:
     return Engine("sim", _SimPoint(setup), bound, a.jobs, conf)
 
 
-def replay_engine(a: argparse.Namespace) -> Engine:
-    """Live servers: bench.replay's capacity_engine(args) -> Engine, when it provides one."""
+def replay_engine(a: CapacityOptions) -> Engine:
+    """Live servers (bench.sweep builds the engine: probe, grid, servers)."""
     if not (a.launch or a.url):
         raise ValueError("--engine replay needs --launch or --url")
-    try:
-        from bench.replay import capacity_engine  # type: ignore[attr-defined]
-    except ImportError:
-        raise NotImplementedError("--engine replay is not implemented yet: bench.replay has no capacity_engine; "
-                                  "`make bench` (bench.sweep) measures live capacity") from None
+    from bench.sweep import capacity_engine
+
     return capacity_engine(a)
 
 
@@ -266,20 +263,22 @@ def verdict(doc: dict, policy: str = "taper", ratio: float = 0.97) -> list[str]:
 
 
 def table(doc: dict) -> str:
+    """Capacity and spread per policy, then goodput, attainment, finished fraction and P99 TTFT per rate."""
     pols = doc["policies"]
     rates = [p["rate"] for p in next(iter(pols.values()))["points"]]
-    head = f"{'policy':<14}{'capacity':>10}{'spread':>8}  " + "".join(f"{r:>22.3f}" for r in rates)
-    sub = f"{'':<14}{'req/s':>10}{'':>8}  " + "".join(f"{'good att fin TTFT99':>22}" for _ in rates)
-    lines = [head, sub, "-" * len(head)]
-    for k, v in pols.items():
-        cells = ""
-        for p in v["points"]:
+
+    def at(i: int) -> Col:
+        def cell(_k: str, v: dict) -> str:
+            p = v["points"][i]
             ttft = p["p99_ttft_s"]
-            cell = (f"{fmt(p['goodput_tok_s'], nd=0)} {fmt(p['attainment'], True, 0)} "
+            return (f"{fmt(p['goodput_tok_s'], nd=0)} {fmt(p['attainment'], True, 0)} "
                     f"{fmt(p['finished_frac'], True, 0)} {fmt(ttft, nd=1 if (ttft or 0) < 100 else 0)}")
-            cells += f"{cell:>22}"
-        lines.append(f"{k:<14}{v['capacity_rps']:>10.3f}{v['capacity_spread']:>8.3f}  {cells}")
-    return "\n".join(lines)
+
+        return Col(f"{rates[i]:.3f}", 22, cell, sub="good att fin TTFT99")
+
+    cols = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),
+            Col("spread", 8, lambda _k, v: f"{v['capacity_spread']:.3f}"), blank(2), *map(at, range(len(rates)))]
+    return render(pols, cols, name_width=14)
 
 
 def plot(doc: dict, base_rps: float, out: Path, slo_tpot_ms: float) -> Path:
@@ -311,7 +310,37 @@ def plot(doc: dict, base_rps: float, out: Path, slo_tpot_ms: float) -> Path:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+@dataclass(slots=True)
+class CapacityOptions:
+    """One `python -m bench.capacity` run (its flags, parsed). The replay engine (bench.sweep) reads the
+    same names, and the launched servers' settings below."""
+
+    trace: str
+    out: str
+    policies: str = "off,cap:2,cap:5,eager,taper-paper,taper"  # comma-separated, as given
+    slo_tpot_ms: float = 50.0
+    slo_ttft_s: float | None = None
+    seeds: str = "0,1,2"
+    engine: str = "sim"
+    preset: str = "multiverse"
+    rho: float = 0.8
+    max_running: str = "sglang"
+    latency_model: str | None = None
+    jobs: int = 1
+    launch: bool = False
+    url: str | None = None
+    server_args: str = ""
+    plot: bool = True
+    model: str = "models/tiny"  # replay --launch servers
+    server_threads: int = 1
+    max_total_tokens: int = 65536
+
+    @property
+    def taper_rho(self) -> float:
+        return self.rho
+
+
+def parse_args(argv: list[str] | None) -> CapacityOptions:
     ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
@@ -332,13 +361,28 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
+    return CapacityOptions(a.trace, a.out, a.policies, a.slo_tpot_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
+                           a.rho, a.max_running, a.latency_model, a.jobs, a.launch, a.url, a.server_args,
+                           not a.no_plot)
+
+
+def write(out: Path, res: dict, o: CapacityOptions, engine: Engine) -> Path:
+    """capacity.json (the capacity document) and capacity_detail.json (config, per-seed points)."""
+    config = asdict(o) | engine.config | {"grid": list(GRID), "target": TARGET, "bisect_steps": BISECT_STEPS}
+    write_json(out / "capacity_detail.json", {"config": config, "policies": res["detail"], "wall_s": res["wall_s"]},
+               indent=1, default=str)
+    return write_json(out / "capacity.json", res["capacity"], indent=1)
+
+
+def main(argv: list[str] | None = None) -> int:
+    o = parse_args(argv)
     try:
-        policies = [parse_policy_name(p) for p in a.policies.split(",") if p.strip()]
-        seeds = [int(s) for s in a.seeds.split(",") if s.strip()]
+        policies = [parse_policy_name(p) for p in o.policies.split(",") if p.strip()]
+        seeds = [int(s) for s in o.seeds.split(",") if s.strip()]
         if not policies or not seeds:
             raise ValueError("need at least one policy and one seed")
-        engine = sim_engine(a) if a.engine == "sim" else replay_engine(a)
-    except (ValueError, NotImplementedError) as e:
+        engine = sim_engine(o) if o.engine == "sim" else replay_engine(o)
+    except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(f"{engine.name}: grid {', '.join(f'{r:.3f}' for r in grid(engine.base_rps))} req/s "
@@ -347,19 +391,14 @@ def main(argv: list[str] | None = None) -> int:
         res = measure(engine, policies, seeds)
     finally:
         engine.close()
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    doc = res["capacity"]
-    (out / "capacity.json").write_text(json.dumps(doc, indent=1))
-    config = vars(a) | engine.config | {"grid": list(GRID), "target": TARGET, "bisect_steps": BISECT_STEPS}
-    (out / "capacity_detail.json").write_text(json.dumps({"config": config, "policies": res["detail"],
-                                                          "wall_s": res["wall_s"]}, indent=1, default=str))
-    print(table(doc))
-    for line in verdict(doc):
+    out = Path(o.out)
+    path = write(out, res, o, engine)
+    print(table(res["capacity"]))
+    for line in verdict(res["capacity"]):
         print(line)
-    if not a.no_plot:
-        plot(doc, engine.base_rps, out, a.slo_tpot_ms)
-    print(f"wall {res['wall_s']:.0f} s -> {out / 'capacity.json'}")
+    if o.plot:
+        plot(res["capacity"], engine.base_rps, out, o.slo_tpot_ms)
+    print(f"wall {res['wall_s']:.0f} s -> {path}")
     return 0
 
 

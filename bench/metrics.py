@@ -304,24 +304,3 @@ def timeseries(
             out["admission_rate"] = per_bin(st["t_s"], st["admitted"]) / per_bin(st["t_s"], st["eligible"])
         out["steps"] = n.astype(float)
     return out
-
-
-# ------------------------------------------------------------------------------------------ tables
-HEADLINE = ("slo_attainment", "finished_frac", "ttft_p99_s")  # printed side by side in every table
-
-
-def fmt(x: float | None, pct: bool = False, nd: int = 1) -> str:
-    if x is None or (isinstance(x, float) and not np.isfinite(x)):
-        return "-"
-    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
-
-
-def headline_head() -> str:
-    """Column titles for `headline_cells` (26 characters)."""
-    return f"{'attain':>8}{'finished':>9}{'P99 TTFT':>9}"
-
-
-def headline_cells(r: dict) -> str:
-    """Attainment over all arrivals, finished fraction and P99 TTFT (s) of one metrics dict."""
-    return (f"{fmt(r.get('slo_attainment'), True):>8}{fmt(r.get('finished_frac'), True):>9}"
-            f"{fmt(r.get('ttft_p99_s'), nd=2 if (r.get('ttft_p99_s') or 0) < 100 else 0):>9}")

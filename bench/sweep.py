@@ -36,18 +36,12 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench.client import Run
+from bench.point import PointSetup, run_point
 from bench.probe import Probe, probe
-from bench.replay import (
-    DEFAULT_TRACE,
-    PointSetup,
-    Run,
-    Scaling,
-    build_programs,
-    run_point,
-    stationary_schedule,
-    write_records,
-)
-from bench.workload import PRESETS, TraceError, load_trace
+from bench.programs import Scaling, build_programs
+from bench.results import write_records
+from bench.workload import DEFAULT_TRACE, PRESETS, TraceError, load_trace, stationary_schedule
 from branchwise.launch import LocalServer, ServerError
 
 LOADS = (0.1, 0.16, 0.25, 0.4, 0.63, 1.0)

@@ -28,6 +28,7 @@ from pathlib import Path
 import numpy as np
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
+DEFAULT_TRACE = str(Path(__file__).parent / "data" / "AzureLLMInferenceTrace_conv.csv")  # the Azure conversation trace
 
 
 class TraceError(ValueError):

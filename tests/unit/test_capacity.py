@@ -81,13 +81,11 @@ def test_fluid_bound_fills_steps_of_exactly_the_slo() -> None:
     assert 0.3 < lam < 2.0
 
 
-def test_replay_engine_without_a_plug_in_says_so(tmp_path: Path, monkeypatch, capsys) -> None:
-    import bench.replay
-
-    monkeypatch.delattr(bench.replay, "capacity_engine", raising=False)
+def test_cli_rejects_what_no_engine_can_run(tmp_path: Path, capsys) -> None:
     assert cap.main(["--trace", str(AZURE), "--engine", "replay", "--url", "http://x", "--out", str(tmp_path)]) == 2
-    assert "not implemented" in capsys.readouterr().err
+    assert "one policy" in capsys.readouterr().err  # a running server has one policy
     assert cap.main(["--trace", str(AZURE), "--engine", "replay", "--out", str(tmp_path)]) == 2
+    assert "needs --launch or --url" in capsys.readouterr().err
     assert cap.main(["--trace", str(AZURE), "--policies", "off,wide", "--out", str(tmp_path)]) == 2
 
 

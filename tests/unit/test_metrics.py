@@ -154,10 +154,11 @@ def test_per_gap_tpot_is_a_second_figure() -> None:
 
 
 def test_headline_cells_side_by_side() -> None:
-    from bench.metrics import headline_cells, headline_head
+    from bench.report import HEADLINE, render
 
     m = summarize([_rec("a", 0.0, [(False, 0.1, 0.5, 10)]), RequestRecord("q", 0.5)], SLO, (0.0, 1.0),
                   horizon_s=10.0)
-    cells = headline_cells(m)
-    assert len(cells) == len(headline_head())
-    assert cells.split() == ["50.0%", "50.0%", f"{m['ttft_p99_s']:.2f}"]
+    head, rule, row = render({"p": m}, HEADLINE).splitlines()
+    assert len(row) == len(head) == len(rule)
+    assert head.split() == ["policy", "attain", "finished", "P99", "TTFT"]
+    assert row.split() == ["p", "50.0%", "50.0%", f"{m['ttft_p99_s']:.2f}"]

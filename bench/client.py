@@ -1,0 +1,305 @@
+"""The live client: runs programs (bench.programs) on a server at their arrival times and stamps every token.
+
+A serial stage is one streamed /generate on the sequence so far; a parallel phase forks one streamed
+/generate per branch on the shared prefix plus a branch header (stamped with phase id, branch,
+fanout and SLO; structured rids) and joins them in branch order before the next serial stage.
+Decoding is greedy with ignore_eos, so every stage has a fixed length. Each token's delivery time
+comes from the stream (a chunk's tokens arrive together). A `Run` is filled in as it goes, so a run
+that ends early (a dead server, Ctrl-C) keeps what completed.
+
+Alongside the programs two helpers run: a /metrics poller that turns the server's cumulative step
+series into `StepLog` rows (steps, mean realized latency, offered and admitted branch rows), and a
+watch on the client's own event loop (token times are only as good as the loop that stamps them).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+from tqdm import tqdm
+
+from bench.metrics import RequestRecord, StepLog
+from bench.programs import SEP_ID, branch_head, prompt_ids
+from bench.workload import RequestSpec
+from branchwise import client as bw
+from branchwise.client import GenerateError, Generation
+from branchwise.launch import branchwise_report
+
+GenerateFn = Callable[..., Awaitable[Generation]]
+
+
+class RequestFailed(RuntimeError):
+    """The server finished a request abnormally (aborted); the program counts as failed."""
+
+
+@dataclass(slots=True)
+class Outcome:
+    """One program's deliveries so far: [(parallel, token times since the run start)] per stage."""
+
+    spec: RequestSpec
+    stages: list[tuple[bool, list[float]]] = field(default_factory=list)
+    started: bool = False
+    finished: bool = False
+    error: str | None = None
+
+    def record(self) -> RequestRecord:
+        return RequestRecord.from_token_times(self.spec.rid, self.spec.arrival_s, self.stages, self.finished)
+
+
+@dataclass(slots=True)
+class Target:
+    url: str
+    slo_tpot_ms: float
+    seed: int = 0
+    stream_interval: int = 8  # chunk every n tokens; stage TPOT is exact either way (stage ends are sent at once)
+    read_timeout_s: float = 300.0
+    vocab: int = 400  # prompt and header token ids are drawn below this
+    run_id: str = field(default_factory=lambda: "rp" + uuid.uuid4().hex[:6])
+    generate: GenerateFn = bw.generate
+
+
+@dataclass(slots=True)
+class Run:
+    """One replay against one server, filled in as it goes: an interrupted run keeps what it has."""
+
+    label: str
+    outcomes: list[Outcome]
+    steps: StepLog = field(default_factory=StepLog)
+    t0: float = 0.0
+    t_stop: float | None = None  # seconds after t0 when the run ended early (error, Ctrl-C)
+    t_end: float | None = None  # seconds after t0 when observation ended (all done, deadline or early stop)
+    error: str | None = None  # the run ended early: dead server, Ctrl-C
+    warning: str | None = None  # it ran to the end but some programs did not finish in time
+    interrupted: bool = False
+    report_before: dict | None = None
+    report_after: dict | None = None
+    loop_lag_s: list[tuple[float, float]] = field(default_factory=list)  # (when, how late) per 50 ms tick
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        """Every program, started or not: metrics count the ones that arrived in the window, and one
+        that never got a token is a miss like any other unfinished one."""
+        return [o.record() for o in self.outcomes]
+
+
+# ------------------------------------------------------------------------------------ one program
+def _sp(tokens: int, tg: Target) -> dict[str, Any]:
+    sp: dict[str, Any] = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    if tg.stream_interval > 1:
+        sp["stream_interval"] = tg.stream_interval
+    return sp
+
+
+def token_times(g: Generation, t0: float) -> list[float]:
+    """Delivery time of each generated token (a chunk's tokens arrive together), relative to t0."""
+    out = [t - t0 for t, n in zip(g.chunk_times, g.chunk_tokens, strict=True) for _ in range(n)]
+    return out + [g.end - t0] * max(g.completion_tokens - len(out), 0)
+
+
+async def _gen(tg: Target, session: Any, ids: list[int], sp: dict, rid: str, tokens: int) -> Generation:
+    g = await tg.generate(tg.url, None, sp, rid, True, input_ids=ids, session=session)
+    if g.aborted or g.completion_tokens != tokens:
+        raise RequestFailed(f"{rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
+    return g
+
+
+async def _fork_join(tg: Target, session: Any, ids: list[int], group: str, lengths: tuple[int, ...],
+                     ) -> tuple[list[Generation], list[list[int]]]:
+    """One parallel phase: a stamped request per branch on the shared prefix, gathered in branch order."""
+    n = len(lengths)
+    heads = [branch_head(i, tg.vocab) for i in range(n)]
+    tasks = [asyncio.ensure_future(_gen(
+        tg, session, ids + heads[i], bw.stamp_branch(_sp(m, tg), group, i, n, tg.slo_tpot_ms),
+        bw.branch_rid(group, i), m)) for i, m in enumerate(lengths)]
+    try:
+        return list(await asyncio.gather(*tasks)), heads
+    except BaseException:  # one branch failed or we were cancelled: don't leave siblings running
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
+
+
+async def run_program(o: Outcome, tg: Target, session: Any, t0: float) -> None:
+    """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ..."""
+    spec = o.spec
+    ids = prompt_ids(spec.rid, spec.prompt_tokens, tg.seed, tg.vocab)
+    for k, stage in enumerate(spec.stages):
+        if isinstance(stage, int):
+            sp = bw.stamp_serial(_sp(stage, tg), tg.slo_tpot_ms)
+            g = await _gen(tg, session, ids, sp, f"{tg.run_id}-{spec.rid}-s{k}", stage)
+            o.stages.append((False, token_times(g, t0)))
+            ids = ids + g.output_ids
+            continue
+        gens, heads = await _fork_join(tg, session, ids, bw.new_group(f"{tg.run_id}-{spec.rid}-p{k}"), stage)
+        o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
+        ids = ids + [x for h, g in zip(heads, gens, strict=True) for x in h + g.output_ids] + [SEP_ID]
+    o.finished = True
+
+
+async def _program_at(o: Outcome, tg: Target, session: Any, t0: float, bar: tqdm) -> None:
+    delay = o.spec.arrival_s - (time.perf_counter() - t0)
+    if delay > 0:
+        await asyncio.sleep(delay)
+    o.started = True
+    try:
+        await run_program(o, tg, session, t0)
+    except (GenerateError, RequestFailed) as e:  # this request's problem: the run goes on
+        o.error = str(e)
+    except ConnectionError as e:  # a dead server ends the run; a dropped connection only this program
+        if not await _alive(tg.url, session):
+            raise
+        o.error = str(e)
+    bar.update()
+
+
+async def _alive(url: str, session: Any) -> bool:
+    try:
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
+            return r.status == 200
+    except (aiohttp.ClientError, TimeoutError):
+        return False
+
+
+# ----------------------------------------------------------------------------- /metrics and loop
+_METRIC = re.compile(r"^(branchwise:[a-z_]+)(?:\{[^}]*\})?\s+(\S+)$", re.M)
+STEP_SERIES = {"count": "branchwise:realized_step_seconds_count", "sum": "branchwise:realized_step_seconds_sum",
+               "eligible": "branchwise:candidate_branches_total", "admitted": "branchwise:admitted_branches_total"}
+
+
+def parse_step_series(text: str) -> dict[str, float] | None:
+    """The cumulative Branchwise step series of a /metrics page; None when the server exports none."""
+    vals: dict[str, float] = {}
+    for name, value in _METRIC.findall(text):
+        vals[name] = vals.get(name, 0.0) + float(value)
+    if STEP_SERIES["count"] not in vals:
+        return None
+    return {k: vals.get(name, 0.0) for k, name in STEP_SERIES.items()}
+
+
+async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
+    """Turn /metrics deltas into StepLog rows: steps, mean realized latency, offered/admitted branch rows."""
+    prev, t_prev = None, 0.0
+    while True:
+        try:
+            async with session.get(url + "/metrics") as r:
+                cur = parse_step_series(await r.text()) if r.status == 200 else None
+        except (aiohttp.ClientError, TimeoutError):
+            cur = None  # no series (no --enable-metrics) or no server: the step log just stays empty
+        now = time.perf_counter() - run.t0
+        if cur is not None and prev is not None and cur["count"] > prev["count"]:
+            d = {k: cur[k] - prev[k] for k in cur}
+            mean = d["sum"] / d["count"]
+            run.steps.add(t_prev, int(d["count"]), d["sum"], mean, int(d["eligible"]), int(d["admitted"]))
+        if cur is not None:
+            prev, t_prev = cur, now
+        await asyncio.sleep(every_s)
+
+
+async def watch_loop(run: Run, every_s: float = 0.05) -> None:
+    """The client's own event-loop lag: token times are only as good as the loop that stamps them."""
+    while True:
+        t = time.perf_counter()
+        await asyncio.sleep(every_s)
+        run.loop_lag_s.append((t - run.t0, time.perf_counter() - t - every_s))
+
+
+# ----------------------------------------------------------------------------------- one replay
+async def _await_programs(run: Run, tasks: list[asyncio.Task], deadline_s: float) -> None:
+    """Wait for every program until the deadline; the first exception (a dead server) ends the run."""
+    done, pending = await asyncio.wait(tasks, timeout=deadline_s, return_when=asyncio.FIRST_EXCEPTION)
+    failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    if failed:
+        run.error = f"{type(failed[0]).__name__}: {failed[0]}"
+        run.t_stop = time.perf_counter() - run.t0
+    elif pending:
+        run.warning = (f"{len(pending)} of {len(tasks)} programs unfinished {deadline_s:.0f} s after the "
+                       f"start: the server is overloaded at this load (lower --load or --rate-scale)")
+
+
+async def replay(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> None:
+    """Start every program at its arrival time; stop at the first dead-server error or at the deadline."""
+    run.t0 = t0 = time.perf_counter()
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=tg.read_timeout_s)
+    bar = tqdm(total=len(run.outcomes), desc=run.label, unit="req", disable=not progress, leave=False)
+    # force_close: no keep-alive reuse, whose race with the server closing an idle connection shows up
+    # as "connection reset" on a healthy server (seen with uvicorn under load)
+    conn = aiohttp.TCPConnector(limit=0, force_close=True)
+    async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
+        tasks = [asyncio.create_task(_program_at(o, tg, session, t0, bar)) for o in run.outcomes]
+        helpers = [asyncio.create_task(watch_loop(run))]
+        if poll_s > 0:
+            helpers.append(asyncio.create_task(poll_steps(run, tg.url.rstrip("/"), session, poll_s)))
+        try:
+            await _await_programs(run, tasks, deadline_s)
+        except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us, then raises KeyboardInterrupt
+            run.interrupted, run.t_stop = True, time.perf_counter() - t0
+            raise
+        finally:
+            run.t_end = time.perf_counter() - t0
+            for t in [*tasks, *helpers]:
+                t.cancel()
+            await asyncio.gather(*tasks, *helpers, return_exceptions=True)
+            bar.close()
+
+
+def execute(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> Run:
+    """Run `replay` to its end; Ctrl-C ends it early with run.interrupted set and what completed kept."""
+    run.report_before = server_report(tg.url)
+    try:
+        asyncio.run(replay(run, tg, deadline_s, poll_s, progress))
+    except KeyboardInterrupt:
+        run.interrupted = True
+        if run.t_stop is None:
+            run.t_stop = time.perf_counter() - run.t0
+        run.error = run.error or "interrupted (Ctrl-C)"
+    run.report_after = server_report(tg.url)
+    return run
+
+
+# ------------------------------------------------------------------------------ server controls
+def server_report(url: str) -> dict | None:
+    """The server's TAPER counters (/server_info); None without a server or a controller."""
+    try:
+        return branchwise_report(url).get("taper")
+    except Exception:  # noqa: BLE001 - no server, stock SGLang or no controller: the report is optional
+        return None
+
+
+def flush_cache(url: str, wait_s: float = 120.0) -> bool:
+    """Empty the server's radix cache once it is idle (the previous point's aborted requests may
+    still be leaving), so that no point starts with another point's prefixes cached. False when it
+    stayed busy for `wait_s` or has no such endpoint."""
+    end = time.monotonic() + wait_s
+    while True:
+        try:
+            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST"),
+                                        timeout=30):
+                return True
+        except urllib.error.HTTPError as e:
+            if e.code != 400 or time.monotonic() > end:  # 400: requests still running
+                return False
+        except (urllib.error.URLError, TimeoutError, ConnectionError):
+            return False
+        time.sleep(0.5)
+
+
+def abort_all(url: str) -> None:
+    """Ask the server to abort every request (best effort: SGLang also aborts a request whose client
+    went away, only later)."""
+    req = urllib.request.Request(url.rstrip("/") + "/abort_request", data=b'{"abort_all": true}',
+                                 headers={"Content-Type": "application/json"}, method="POST")
+    try:
+        with urllib.request.urlopen(req, timeout=30):
+            pass
+    except (urllib.error.URLError, TimeoutError, ConnectionError):
+        pass

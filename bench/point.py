@@ -1,0 +1,77 @@
+"""One live point: one policy at one stationary load on a running server, and its metrics.
+
+What `python -m bench.sweep` (make bench, load sweeps) and `python -m bench.capacity --engine replay`
+run. A point is a stationary schedule of `rate` req/s for `duration_s` (bench.workload's
+`stationary_schedule`), composed into programs and replayed (bench.client) with `drain_s` after the
+last arrival. The server's radix cache is flushed before the point (no point inherits another's
+prefixes), and afterwards the point waits until the server has dropped the abandoned requests (their
+leftover work would slow whatever runs next). Tokens are streamed 8 per chunk, so the per-gap TPOT
+figure does not apply to live points and is left out.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from bench.client import GenerateFn, Outcome, Run, Target, abort_all, execute, flush_cache
+from bench.programs import Scaling, build_programs, mean_demand_tok_s
+from bench.results import summarize_run
+from bench.workload import RequestSpec, Schedule, stationary_schedule
+from branchwise import client as bw
+
+
+@dataclass(frozen=True, slots=True)
+class PointSetup:
+    """What every live point of a sweep shares: the workload, the SLO and how long a point runs."""
+
+    trace: Any
+    slo_tpot_ms: float
+    scaling: Scaling = Scaling(output_scale=1.0, max_stage_tokens=256)
+    duration_s: float = 40.0
+    drain_s: float = 20.0  # after the last arrival; whatever is unfinished then is a miss
+    preset: str = "multiverse"
+    slo_ttft_s: float | None = None
+    stream_interval: int = 8
+    vocab: int = 400
+    poll_s: float = 1.0
+    generate: GenerateFn = bw.generate
+
+    def programs(self, rate: float, seed: int) -> tuple[Schedule, list[RequestSpec]]:
+        schedule = stationary_schedule(self.trace, rate, self.duration_s, seed)
+        return schedule, build_programs(self.trace, schedule, self.preset, seed, self.scaling)
+
+
+POINT_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
+              "max_gap_p99_ms", "ttft_p50_s", "step_latency_mean_ms", "admission_rate")
+
+
+def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec], duration_s: float) -> dict[str, Any]:
+    """bench.capacity's point keys first (rate, goodput, attainment over all arrivals, finished
+    fraction, P99 TTFT), then the rest of the run's metrics and its bookkeeping."""
+    run = res.get("run", {})
+    return {"rate": rate, "goodput_tok_s": res.get("goodput_tok_s"), "attainment": res.get("slo_attainment"),
+            "finished_frac": res.get("finished_frac"), "p99_ttft_s": res.get("ttft_p99_s"),
+            "requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)} | {
+        k: res.get(k) for k in POINT_KEYS} | {
+        "error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
+        "client_stalls": run.get("client_stalls")}
+
+
+def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
+              progress: bool = False) -> tuple[dict[str, Any], Run]:
+    """One policy at one stationary load on a running server: flush its cache, replay `rate` req/s for
+    setup.duration_s (+ drain), wait until the server is idle again; the point's metrics and the run."""
+    flushed = flush_cache(url)
+    schedule, specs = setup.programs(rate, seed)
+    run = Run(policy, [Outcome(s) for s in specs])
+    tg = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab, generate=setup.generate)
+    execute(run, tg, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
+    if any(o.started and not o.finished for o in run.outcomes):
+        abort_all(url)
+    idle = flush_cache(url) if not run.interrupted else False  # waits until the server is idle
+    res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
+    m = point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed, "left_idle": idle}
+    if setup.stream_interval > 1:  # a delivery carries n tokens: the per-gap reading does not apply
+        m["slo_attainment_gap"] = m["max_gap_p99_ms"] = None
+    return m, run
