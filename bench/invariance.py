@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import fork_oracle
+from bench.cli import add_server_source
 from bench.structure_driver import request, spec
 from branchwise.launch import LocalServer, get_json, post_json
 
@@ -112,10 +113,7 @@ def check(runs: dict[str, list[dict[str, Any]]], progs: list[Program], oracle_ba
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--url", help="a running server (with --enable-custom-logit-processor)")
-    src.add_argument("--launch", action="store_true", help="start a server per policy")
-    ap.add_argument("--model", default="models/tiny")
+    add_server_source(ap, "a running server (with --enable-custom-logit-processor)", "start a server per policy")
     ap.add_argument("--programs", type=int, default=8)
     ap.add_argument("--policies", default="off,cap:2,eager,taper")
     ap.add_argument("--seed", type=int, default=0)

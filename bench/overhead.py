@@ -60,6 +60,7 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
+from bench.cli import add_server_source
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
 from branchwise.launch import LocalServer, get_json, post_json  # noqa: E402
 from branchwise.step_timer import records_path  # noqa: E402
@@ -273,10 +274,8 @@ def ratios(rows: list[Row]) -> str:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--url", help="a running server started with env BRANCHWISE_STEP_TIMER=1 or =stock")
-    src.add_argument("--launch", action="store_true", help="start stock and Branchwise servers, overlap on/off")
-    ap.add_argument("--model", default="models/tiny")
+    src = add_server_source(ap, "a running server started with env BRANCHWISE_STEP_TIMER=1 or =stock",
+                            "start stock and Branchwise servers, overlap on/off")
     ap.add_argument("--batch-sizes", default="1,32,128")
     ap.add_argument("--steps", type=int, default=96, help="new tokens per request")
     ap.add_argument("--tp", type=int, default=1)

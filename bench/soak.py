@@ -47,6 +47,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.cli import add_server_source
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
 from branchwise import client
@@ -680,10 +681,8 @@ def summary(r: Result) -> str:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
-    where = ap.add_mutually_exclusive_group(required=True)
-    where.add_argument("--url", help="a running server on this machine (loopback only)")
-    where.add_argument("--launch", action="store_true", help="start a server: " + " ".join(SERVER_ARGS))
-    ap.add_argument("--model", default="models/tiny", help="with --launch (built if missing)")
+    add_server_source(ap, "a running server on this machine (loopback only)",
+                      "start a server (the model is built if missing): " + " ".join(SERVER_ARGS))
     ap.add_argument("--server-args", default="", help="extra flags for the --launch server, e.g. --async-output")
     ap.add_argument("--minutes", type=float, default=1.0)
     ap.add_argument("--concurrency", type=int, default=12, help="jobs in flight")

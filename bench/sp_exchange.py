@@ -47,15 +47,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from branchwise.albireo.parallel_sampler import (
-    RowParams,
-    exchange_rows,
-    rows_per_rank,
-    sample_own_rows,
-    sample_rows,
-    sp_sample_full,
-    transform_own_rows,
-)
+from branchwise.albireo import parallel_sampler as ps
 from branchwise.albireo.sp_sampler_hook import apply_row_transforms
 from branchwise.launch import free_port
 
@@ -72,11 +64,11 @@ def _all_gather(shard: torch.Tensor, t: int) -> torch.Tensor:
 
 
 def _a2a(shard: torch.Tensor, t: int) -> torch.Tensor:
-    return exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp))
+    return ps.exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp))
 
 
-def _params(bs: int) -> RowParams:
-    return RowParams.make(temperature=[0.8] * bs, top_p=[0.9] * bs, top_k=[50] * bs,
+def _params(bs: int) -> ps.RowParams:
+    return ps.RowParams.make(temperature=[0.8] * bs, top_p=[0.9] * bs, top_k=[50] * bs,
                           seed=list(range(bs)), position=[100 + i for i in range(bs)])
 
 
@@ -112,7 +104,7 @@ def _measure(rank: int, t: int, vocab: int, bs: int, cfg: dict) -> dict:
     g = torch.Generator().manual_seed(bs * 7 + vocab)
     full = torch.randn(bs, vs * t, generator=g).to(getattr(torch, cfg["dtype"]))
     shard = full[:, rank * vs : (rank + 1) * vs].contiguous()
-    r = rows_per_rank(bs, t)
+    r = ps.rows_per_rank(bs, t)
     # the exchange itself, every configuration: my rows, bit-identical to the gathered ones
     want = full[rank * r : (rank + 1) * r]
     assert torch.equal(_a2a(shard, t)[: want.shape[0]], want) and torch.equal(_all_gather(shard, t), full)
@@ -123,9 +115,9 @@ def _measure(rank: int, t: int, vocab: int, bs: int, cfg: dict) -> dict:
            "ms_all_to_all": _timed(lambda: _a2a(shard, t), its)}
     if cfg["steps"]:
         si = cfg["step_iters"]
-        row["ms_stock"] = _timed(lambda: sample_rows(_all_gather(shard, t)[:, :vocab], p), si, 1)
-        row["ms_sp_gather"] = _timed(lambda: sp_sample_full(_all_gather(shard, t)[:, :vocab], p), si, 1)
-        row["ms_sp_a2a"] = _timed(lambda: sample_own_rows(_a2a(shard, t)[:, :vocab], p, bs), si, 1)
+        row["ms_stock"] = _timed(lambda: ps.sample_rows(_all_gather(shard, t)[:, :vocab], p), si, 1)
+        row["ms_sp_gather"] = _timed(lambda: ps.sp_sample_full(_all_gather(shard, t)[:, :vocab], p), si, 1)
+        row["ms_sp_a2a"] = _timed(lambda: ps.sample_own_rows(_a2a(shard, t)[:, :vocab], p, bs), si, 1)
     if cfg["steps"] and cfg["penalties"]:
         info = _penalties(bs, vocab)
 
@@ -135,15 +127,15 @@ def _measure(rank: int, t: int, vocab: int, bs: int, cfg: dict) -> dict:
             return x
 
         def stock() -> torch.Tensor:
-            return sample_rows(full_rows(), p)
+            return ps.sample_rows(full_rows(), p)
 
         def sp_gather() -> torch.Tensor:
-            return sp_sample_full(full_rows(), p)
+            return ps.sp_sample_full(full_rows(), p)
 
         def sp_a2a() -> torch.Tensor:
             mine = _a2a(shard, t)[:, :vocab]
-            transform_own_rows(mine, bs, t, rank, lambda x, rows: apply_row_transforms(info, x, rows))
-            return sample_own_rows(mine, p, bs)
+            ps.transform_own_rows(mine, bs, t, rank, lambda x, rows: apply_row_transforms(info, x, rows))
+            return ps.sample_own_rows(mine, p, bs)
 
         want = stock()
         assert torch.equal(sp_gather(), want) and torch.equal(sp_a2a(), want)
