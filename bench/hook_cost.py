@@ -60,6 +60,8 @@ def measure(bs: int, steps: int) -> tuple[float, float]:
     cfg = BranchwiseConfig()
     st = sh.BranchwiseState(cfg, controller=sh._build_controller(cfg))
     sched = SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st))
+    # the output streamer shares the scheduler's tree cache, where fork.build leaves its manager
+    streamer = SimpleNamespace(tree_cache=SimpleNamespace(_branchwise_fork=SimpleNamespace(tracking=False)))
     reqs = _reqs(bs)
     batch = SimpleNamespace(reqs=reqs, is_empty=lambda: False, forward_iter=0, launch_ts=0.0,
                             forward_mode=SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False))
@@ -68,7 +70,7 @@ def measure(bs: int, steps: int) -> tuple[float, float]:
         batch.forward_iter, batch.launch_ts = it, it * 1e-3
         sh.around_update_running_batch(lambda self, b: b, sched, batch)
         _sglang_rows(reqs)
-        fork.around_stream_output(lambda self, rs, *a: rs, None, reqs)
+        fork.around_stream_output(lambda self, rs, *a: rs, streamer, reqs)
         sh.after_process_batch_result(None, sched, batch)
 
     base, hook = [], []

@@ -11,6 +11,8 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 import torch
@@ -18,12 +20,12 @@ import torch
 # Per-row state that SGLang's penalizers change in cumulate_output_tokens (sampling/penaltylib/*).
 # Everything else a penalizer holds is a per-request constant. A penalizer class missing here
 # (a new SGLang version, a custom one) makes the step run in full rather than risk its state.
-PENALIZER_ACCUMULATORS: dict[str, tuple[str, ...]] = {
+PENALIZER_ACCUMULATORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "BatchedFrequencyPenalizer": ("cumulated_frequency_penalties",),
     "BatchedPresencePenalizer": ("cumulated_presence_penalties",),
     "BatchedRepetitionPenalizer": ("cumulated_repetition_penalties",),
     "BatchedMinNewTokensPenalizer": ("len_output_tokens",),
-}
+})
 
 
 def why_unsupported(scheduler: Any) -> str | None:

@@ -9,10 +9,8 @@ nothing and writes one line to stderr (`_note_once`).
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
-from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 REQ = "sglang.srt.managers.schedule_batch.Req"
@@ -149,18 +147,6 @@ def _validate_hooks(HookType):
         (f"{TOKENIZER_MANAGER}._validate_one_request", v.after_validate_one_request, HookType.AFTER),
         (f"{TOKENIZER_MANAGER}.create_abort_task", v.around_create_abort_task, HookType.AROUND),
     ]
-
-
-def hook_tracked_request(req: Any) -> None:
-    """Per-request hook on `Req.update_finish_state`, set on the instance of each request
-    server-side fork tracks (fork.ForkManager.track). Not a HookRegistry target on purpose: a
-    class-level AROUND runs for every row of every batch (~1 us per row per step on CPU), this
-    runs only for tracked rows. It wraps the class's method as resolved then (other plugins'
-    class-level hooks on it are applied before any Req exists, so they stay inside)."""
-    from branchwise import fork
-
-    cls_fn = type(req).update_finish_state
-    req.update_finish_state = functools.partial(fork.around_update_finish_state, cls_fn, req)
 
 
 VERSION_NOTED_ENV = "BRANCHWISE_VERSION_NOTED"  # set once the mismatch line is written (children inherit it)

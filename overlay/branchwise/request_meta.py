@@ -15,7 +15,7 @@ from typing import Any
 
 KEY = "branchwise"
 GRAMMARS = ("none", "multiverse", "sprint")
-_FIELDS = {"phase", "branch", "fanout", "slo_tpot_ms", "weight", "grammar"}
+_FIELDS = frozenset({"phase", "branch", "fanout", "slo_tpot_ms", "weight", "grammar"})
 INT_MAX = 2**31 - 1  # branch/fanout: far above any real fanout, and a plain int everywhere downstream
 FLOAT_MAX = 1e9  # slo_tpot_ms/weight: finite, and its products with token counts stay finite
 MAX_SHOWN = 40  # characters of an offending value quoted in an error

@@ -62,17 +62,16 @@ def build(scheduler: Any) -> Branchwise:
     """Parse the settings once and build the components, in this order (each may read the earlier)."""
     mode = step_timer.enabled()
     bw = Branchwise(BranchwiseConfig.from_server_args(scheduler.server_args))
-    scheduler.branchwise = bw  # before the components: fork's manager reads the taper state through it
+    scheduler.branchwise = bw  # first: a component may read the ones built before it there
     if mode not in ("stock", "albireo"):
         bw.taper = scheduler_hook.build(scheduler, bw.config)
-        fork.after_init(None, scheduler)  # until fork.build lands
-        bw.fork = getattr(scheduler, "_bw_fork", None)
+        bw.fork = fork.build(scheduler, bw.config)
         bw.dp = dp_dispatch.build(scheduler, bw.config)
     if mode != "stock":
         bw.async_output = async_output.build(scheduler, bw.config)
         bw.forward = forward_thread.build(scheduler, bw.config)
         bw.sampler = sp_sampler_hook.build(scheduler, bw.config)
-    if mode:
+    if mode:  # last: it hands itself to the async output sender and the forward thread
         bw.timer = step_timer.build(scheduler, bw.config)
     return bw
 

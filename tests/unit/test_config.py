@@ -97,3 +97,38 @@ def test_validated_rejects_bad_values():
         with pytest.raises(ValueError):
             BranchwiseConfig(**bad).validated()
     assert BranchwiseConfig().validated().branch_max_fanout == 16
+
+
+@pytest.mark.parametrize("timer", [None, "1", "stock", "albireo"])
+def test_runtime_parses_the_settings_once_and_builds_in_order(monkeypatch, timer):
+    """runtime.build: one parse per scheduler, each component built once from that config, in a
+    fixed order, each seeing the ones before it on scheduler.branchwise."""
+    from types import SimpleNamespace
+
+    from branchwise import dp_dispatch, fork, runtime, scheduler_hook, step_timer
+    from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
+
+    parsed: list[object] = []
+    monkeypatch.setattr(BranchwiseConfig, "from_server_args",
+                        classmethod(lambda cls, args: parsed.append(args) or cls()))
+    if timer is None:
+        monkeypatch.delenv(step_timer.ENV, raising=False)
+    else:
+        monkeypatch.setenv(step_timer.ENV, timer)
+    order: list[str] = []
+    fields = ("taper", "fork", "dp", "async_output", "forward", "sampler", "timer")
+    for field, module in zip(fields, (scheduler_hook, fork, dp_dispatch, async_output, forward_thread,
+                                      sp_sampler_hook, step_timer), strict=True):
+        def fake(sched, cfg, field=field):
+            bw = sched.branchwise
+            assert cfg is bw.config
+            assert all(getattr(bw, f) == f for f in order)  # the earlier ones are in place
+            order.append(field)
+            return field
+        monkeypatch.setattr(module, "build", fake)
+    sched = SimpleNamespace(server_args=object())
+    runtime.after_scheduler_init(None, sched)
+    assert parsed == [sched.server_args]
+    expected = {None: fields[:6], "1": fields, "albireo": fields[3:], "stock": fields[6:]}[timer]
+    assert tuple(order) == expected
+    assert all(getattr(sched.branchwise, f) == (f if f in expected else None) for f in fields)
