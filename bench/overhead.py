@@ -61,6 +61,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
 from bench.cli import add_server_source
+from bench.report import write_json
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
 from branchwise.launch import LocalServer, get_json, post_json  # noqa: E402
 from branchwise.step_timer import records_path  # noqa: E402
@@ -272,7 +273,31 @@ def ratios(rows: list[Row]) -> str:
     return "\n".join(out)
 
 
-def main(argv: list[str] | None = None) -> None:
+@dataclass(frozen=True, slots=True)
+class Options:
+    """One `python -m bench.overhead` run (its flags, parsed)."""
+
+    url: str | None
+    ab: bool
+    model: str
+    batch_sizes: list[int]
+    steps: int
+    tp: int
+    configs: list[str]
+    overlaps: list[bool]
+    label: str
+    stream: bool
+    extra: dict  # sampling params every request carries (--stop, --regex)
+    rounds: int
+    send: str
+    forward_thread: bool
+    arrivals: int
+    arrival_gap_s: float
+    quantile: float
+    out: str | None
+
+
+def parse_args(argv: list[str] | None) -> Options:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     src = add_server_source(ap, "a running server started with env BRANCHWISE_STEP_TIMER=1 or =stock",
                             "start stock and Branchwise servers, overlap on/off")
@@ -287,8 +312,8 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--regex", help="requests are constrained by this regex (grammar batches: SGLang's delayed "
                                     "sampling; e.g. '[a-z ]+', which never has to end)")
     src.add_argument("--ab", action="store_true",
-                    help="A/B in one server per overlap setting: --async-output switched off/on at runtime "
-                         "in alternating rounds (rows `stock` = switched off: SGLang's own paths)")
+                     help="A/B in one server per overlap setting: --async-output switched off/on at runtime "
+                          "in alternating rounds (rows `stock` = switched off: SGLang's own paths)")
     ap.add_argument("--rounds", type=int, default=3, help="--ab: rounds per batch size (each runs both arms)")
     ap.add_argument("--send", choices=("auto", "thread", "inline"), default="auto",
                     help="--ab: where --async-output sends (BRANCHWISE_ASYNC_SEND)")
@@ -302,48 +327,66 @@ def main(argv: list[str] | None = None) -> None:
                          "by other load on a shared machine)")
     ap.add_argument("--out", help="write the rows as JSON here")
     a = ap.parse_args(argv)
-    batch_sizes = [int(x) for x in a.batch_sizes.split(",")]
     extra = ({"stop": STOP} if a.stop else {}) | ({"regex": a.regex} if a.regex else {})
+    return Options(a.url, a.ab, a.model, [int(x) for x in a.batch_sizes.split(",")], a.steps, a.tp,
+                   a.configs.split(","), [x.strip() == "on" for x in a.overlap.split(",")], a.label, a.stream,
+                   extra, a.rounds, a.send, not a.no_forward_thread, a.arrivals, a.arrival_gap_ms / 1e3,
+                   a.quantile, a.out)
+
+
+def _server(o: Options, config: str, overlap: bool, env: dict[str, str] | None = None) -> LocalServer:
+    args, base_env = launch_args(config, overlap, o.tp)
+    return LocalServer(o.model, args, env=base_env | (env or {}), tp=o.tp,
+                       max_total_tokens=max(16384, max(o.batch_sizes) * (o.steps + 64)))
+
+
+def run_ab(o: Options) -> list[Row]:
+    """--ab: one albireo server per overlap setting, --async-output switched off and on in rounds."""
     rows: list[Row] = []
-    if a.url:
-        port = urllib.parse.urlparse(a.url).port
-        rows += measure(a.url, records_path(port), a.label, True, batch_sizes, a.steps, a.stream, extra,
-                        a.quantile)
-    elif a.ab:
-        for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
-            args, env = launch_args("albireo", overlap, a.tp)
-            env |= {"BRANCHWISE_ASYNC_SEND": a.send} | ({"BRANCHWISE_FORWARD_THREAD": "0"} if a.no_forward_thread else {})
-            srv = LocalServer(a.model, args, env=env, tp=a.tp,
-                              max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
+    env = {"BRANCHWISE_ASYNC_SEND": o.send} | ({} if o.forward_thread else {"BRANCHWISE_FORWARD_THREAD": "0"})
+    for overlap in o.overlaps:
+        srv = _server(o, "albireo", overlap, env)
+        try:
+            srv.start()
+            rows += measure_ab(srv.url, records_path(srv.port), overlap, o.batch_sizes, o.steps, o.rounds,
+                               o.stream, o.extra, o.quantile, o.arrivals, o.arrival_gap_s)
+            ft = get_json(srv.url + "/server_info")["internal_states"][0].get("branchwise_forward_thread")
+            if ft is not None:  # where the forward-thread arm's batches ran
+                print(f"  forward thread: jobs by mode {ft['modes']}, inline {ft['inline']} {ft['reasons']}")
+        finally:
+            srv.stop()
+    return rows
+
+
+def run_configs(o: Options) -> list[Row]:
+    """--launch: a server per (overlap setting, config), one after another."""
+    rows: list[Row] = []
+    for overlap in o.overlaps:
+        for config in o.configs:
+            srv = _server(o, config, overlap)
             try:
                 srv.start()
-                rows += measure_ab(srv.url, records_path(srv.port), overlap, batch_sizes, a.steps, a.rounds,
-                                   a.stream, extra, a.quantile, a.arrivals, a.arrival_gap_ms / 1e3)
-                ft = get_json(srv.url + "/server_info")["internal_states"][0].get("branchwise_forward_thread")
-                if ft is not None:  # where the forward-thread arm's batches ran
-                    print(f"  forward thread: jobs by mode {ft['modes']}, inline {ft['inline']} {ft['reasons']}")
+                rows += measure(srv.url, records_path(srv.port), config, overlap, o.batch_sizes, o.steps,
+                                o.stream, o.extra, o.quantile)
             finally:
                 srv.stop()
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    o = parse_args(argv)
+    if o.url:
+        rows = measure(o.url, records_path(urllib.parse.urlparse(o.url).port), o.label, True, o.batch_sizes,
+                       o.steps, o.stream, o.extra, o.quantile)
     else:
-        for overlap in [x.strip() == "on" for x in a.overlap.split(",")]:
-            for config in a.configs.split(","):
-                args, env = launch_args(config, overlap, a.tp)
-                srv = LocalServer(a.model, args, env=env, tp=a.tp,
-                                  max_total_tokens=max(16384, max(batch_sizes) * (a.steps + 64)))
-                try:
-                    srv.start()
-                    rows += measure(srv.url, records_path(srv.port), config, overlap, batch_sizes, a.steps,
-                                    a.stream, extra, a.quantile)
-                finally:
-                    srv.stop()
-    stat = "median" if a.quantile == 0.5 else f"p{round(a.quantile * 100)}"
+        rows = run_ab(o) if o.ab else run_configs(o)
+    stat = "median" if o.quantile == 0.5 else f"p{round(o.quantile * 100)}"
     print(f"\nwall clock, ms per decode step ({stat} over steady-state steps, per column):\n" + table(rows))
     print(f"\nscheduler-thread CPU time, ms per decode step ({stat}):\n" + table(rows, "cpu"))
     if any(r.config == "stock" for r in rows) and any(r.config != "stock" for r in rows):
         print("\n" + ratios(rows))
-    if a.out:
-        Path(a.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.out).write_text(json.dumps([asdict(r) for r in rows], indent=1))
+    if o.out:
+        write_json(Path(o.out), [asdict(r) for r in rows], indent=1)
 
 
 if __name__ == "__main__":

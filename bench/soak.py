@@ -571,12 +571,27 @@ class Result:
         return all(ok for ok, _ in self.checks.values())
 
 
-def run(url: str, a: argparse.Namespace, server: LocalServer | None = None) -> Result:
+@dataclass(frozen=True, slots=True)
+class SoakOptions:
+    """One soak (its flags, parsed)."""
+
+    url: str | None = None  # a running loopback server; None: --launch
+    model: str = "models/tiny"
+    server_args: str = ""
+    minutes: float = 1.0
+    concurrency: int = 12  # jobs in flight
+    seed: int = 0
+    max_jobs: int = 100_000
+    job_timeout_s: float = 180.0  # a job without a final answer by then is lost
+    rss_bound_mb: float = 256.0  # allowed scheduler VmRSS growth
+
+
+def run(url: str, a: SoakOptions, server: LocalServer | None = None) -> Result:
     """The soak against `url` (`server`: the launched server, for its process and log checks)."""
     return asyncio.run(_run(url, a, server))
 
 
-async def _run(url: str, a: argparse.Namespace, server: LocalServer | None) -> Result:
+async def _run(url: str, a: SoakOptions, server: LocalServer | None) -> Result:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         s = Soak(url, a.seed, http, f"soak{os.getpid():x}{int(time.time()) % 100000:05d}", a.job_timeout_s,
@@ -590,7 +605,7 @@ async def _run(url: str, a: argparse.Namespace, server: LocalServer | None) -> R
             s.pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def _load(s: Soak, a: argparse.Namespace) -> tuple[list[Outcome], Watch, End]:
+async def _load(s: Soak, a: SoakOptions) -> tuple[list[Outcome], Watch, End]:
     bw0, _ = await asyncio.to_thread(reports, s.url)
     pid = int(bw0["pid"])
     # warm-up: one job of every kind (first frontend import, the driver's dill blob, first forks)
@@ -622,7 +637,7 @@ async def _load(s: Soak, a: argparse.Namespace) -> tuple[list[Outcome], Watch, E
     return outcomes, w, end
 
 
-def checks(s: Soak, a: argparse.Namespace, outcomes: list[Outcome], w: Watch, end: End,
+def checks(s: Soak, a: SoakOptions, outcomes: list[Outcome], w: Watch, end: End,
            server: LocalServer | None) -> dict[str, tuple[bool, str]]:
     bad = [o for o in outcomes if o.result in ("LOST", "FAIL")]
     dup = {r: n for r, n in s.answered.items() if n > 1}
@@ -679,7 +694,7 @@ def summary(r: Result) -> str:
     return "\n".join(lines)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> SoakOptions:
     ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
     add_server_source(ap, "a running server on this machine (loopback only)",
                       "start a server (the model is built if missing): " + " ".join(SERVER_ARGS))
@@ -695,13 +710,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
     if a.minutes <= 0 or a.concurrency < 1 or a.max_jobs < 1:
         ap.error("--minutes, --concurrency and --max-jobs must be positive")
-    return a
+    return SoakOptions(a.url and a.url.rstrip("/"), a.model, a.server_args, a.minutes, a.concurrency, a.seed,
+                       a.max_jobs, a.job_timeout_s, a.rss_bound_mb)
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     server = None
-    if a.launch:
+    if a.url is None:
         from branchwise.tiny_model import build
 
         if not (Path(a.model) / "config.json").exists():
@@ -709,7 +725,7 @@ def main(argv: list[str] | None = None) -> int:
         server = LocalServer(str(a.model), SERVER_ARGS + shlex.split(a.server_args)).start()
         print(f"server {server.url} (log {server.log_path})", flush=True)
     try:
-        result = run(server.url if server else a.url.rstrip("/"), a, server)
+        result = run(server.url if server else str(a.url), a, server)
         if server is not None and not result.ok:
             print(f"server log tail ({server.log_path}):\n{server.log_tail()}", flush=True)
     finally:
