@@ -7,11 +7,10 @@ GIL, as a torch_native forward does thousands of times per step); meanwhile the 
 the GIL for --busy-ms of Python every --period-ms (the scheduler thread's per-step work). Printed:
 the worker's time alone and with the main thread, and how much longer it got per millisecond of
 main-thread CPU. 1.0 would be plain serialisation (the two threads' Python simply taking turns);
-above 1.0 each hand-off costs extra (wake-ups, the switch interval's forced drops). On the 2-core
-box, three runs: 1.35-2.2 ms per ms at CPython's default 5 ms switch interval, 1.05-1.9 at 0.5 ms;
-never below 1, so the main thread's Python never overlaps the worker's ops for free. SGLang's
-forward on the thread shows the same (bench.overhead --ab, bs 128: +11 ms per step for 3.7 ms of
-scheduler-thread CPU).
+above 1.0 each hand-off costs extra (wake-ups, the switch interval's forced drops). Below 1.0 the
+main thread's Python would overlap the worker's ops for free, which is what a forward thread needs
+to win; the measured ratios, and SGLang's forward on the thread under bench.overhead --ab, are in
+docs/benchmarks.md.
 """
 
 from __future__ import annotations

@@ -59,7 +59,7 @@ JSON_HEADERS = {"Content-Type": "application/json"}
 IDLE_DEADLINE_S = 90.0
 POLL_S = 0.5
 
-# Job kinds and their weights in the mix (fixed before any run; see bench/README.md "Soak").
+# Job kinds and their weights in the mix (fixed before any run; see docs/benchmarks.md, "Correctness under load").
 MIX: dict[str, int] = {
     "serial": 16, "client_fork": 8, "frontend": 5, "server_fork": 12, "disconnect": 6,
     "abort_parent": 7, "abort_branch": 5, "bad_meta": 5, "bad_sampling": 5, "bad_json": 4, "wide_fork": 3,

@@ -15,7 +15,7 @@ Forks --tp processes joined in a gloo group (what SGLang's TP group is on CPU) a
 
 Also the whole step as served (exchange + sampling + token-id gather where SP needs it): `stock`
 (all-gather, every rank samples every row), `sp_gather` (all-gather, each rank samples its rows,
-ids all-gathered: --parallel-sampling before the all-to-all was wired), `sp_a2a` (all-to-all, own
+ids all-gathered: --parallel-sampling without the all-to-all), `sp_a2a` (all-to-all, own
 rows, ids all-gathered). Sampling is seeded top-k/top-p (the heaviest torch path). --penalties adds
 the same three steps for a batch with penalties and logit_bias on every row (copy_for_forward's
 accumulated additive and scaling tensors + logit_bias, `sp_sampler_hook.apply_row_transforms`):

@@ -275,7 +275,7 @@ class Preset:
     """Branch structure of decomposable requests plus output-length distributions (lognormal, tokens).
 
     Fanout, PDR and PTS are the paper's; the output lengths are this simulator's calibration (see
-    bench/README.md, "Simulator calibration")."""
+    docs/benchmarks.md, "Calibration")."""
 
     name: str
     pdr: float  # fraction of requests that are decomposable
@@ -292,10 +292,10 @@ class Preset:
         return sum(k * p for k, p in self.fanout.items()) / sum(self.fanout.values())
 
 
-# Output lengths (see bench/README.md, "Simulator calibration"): non-decomposable requests are
+# Output lengths (see docs/benchmarks.md, "Calibration"): non-decomposable requests are
 # ShareGPT-like (median 250, mean ~375 tokens); decomposable ones are long reasoning responses whose
 # median (2700, mean ~3250) is the one calibrated constant: it puts IRP-Off's low-load step latency
-# at the paper's 18 ms under the default latency model. SPRINT reuses both; it was not calibrated.
+# at the paper's 18 ms under the default latency model. SPRINT reuses both (not calibrated separately).
 _SHAREGPT_OUT = (250.0, 0.9)
 _REASONING_OUT = (2700.0, 0.6)
 
