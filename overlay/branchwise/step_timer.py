@@ -1,8 +1,9 @@
 """Per-iteration time split of the SGLang scheduler loop (T1..T5 below): a diagnostics instrument.
 
-Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise,
-"stock": the only hooks, so stock SGLang is measured with the same instrument, "albireo": plus
-Albireo's hooks only, so --async-output / --parallel-sampling are measured against stock alone).
+Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise;
+"stock": the timer's hooks and the runtime that builds it, nothing else, so stock SGLang is measured
+with the same instrument; "albireo": plus Albireo's hooks and components only, so --async-output /
+--parallel-sampling are measured against stock alone).
 Every scheduler loop iteration (both event loops start it with `ingest_requests`) becomes one
 JSON line:
 

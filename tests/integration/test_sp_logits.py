@@ -25,8 +25,8 @@ from branchwise.launch import get_json, post_json
 
 # eager pins which token a penalised row cumulates each step (deferral._pinned_cumulate): under overlap
 # SGLang's own rule takes output_ids[-1], whose lag shifts when a prefill step lands between decode
-# steps, so penalised outputs would depend on arrival timing (seen once in CI: one row of
-# penalty_mixed differed, the rerun passed). Without penalties eager runs SGLang's own paths.
+# steps, so penalised outputs would depend on arrival timing. Without penalties eager runs SGLang's
+# own paths.
 PIN = ("--branch-policy", "eager")
 PROMPTS = [f"row {i}: the answer is" for i in range(5)]
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}

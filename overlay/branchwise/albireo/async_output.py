@@ -247,10 +247,14 @@ class AsyncOutput:
     enabled: bool = True  # runtime switch (bench A/B in one process): False = SGLang's own paths
     stats: dict[str, int] = field(default_factory=lambda: {"fast": 0, "stock": 0})
 
+    @property
+    def has_table(self) -> bool:
+        return self.table_tok is not None and self.table_tok.table is not None
+
     def report(self) -> dict[str, Any]:
         """`/server_info` internal_states[i]["branchwise_async_output"]."""
         return {**self.stats, "enabled": self.enabled, "sent": self.sender.sent if self.sender else 0,
-                "table": self.table_tok is not None and self.table_tok.table is not None}
+                "table": self.has_table}
 
 
 ATTR = "_branchwise_async_output"  # on the result processor's tree cache
@@ -269,19 +273,11 @@ def build(scheduler: Any, config: Any) -> AsyncOutput | None:
         sender = OrderedSender(inner)
         object.__setattr__(scheduler.ipc_channels, "send_to_detokenizer", sender)  # frozen dataclass
         scheduler.output_streamer.send_to_detokenizer = sender
-    tok, table_tok = scheduler.tokenizer, None
-    stop_ids = set(scheduler.model_config.hf_eos_token_id or ())
-    if tok is not None:
-        if tok.eos_token_id is not None:
-            stop_ids.add(tok.eos_token_id)
-        stop_ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
-        table, why = TokenTable.build(tok)
-        if table is None:
-            logger.info("Branchwise async output: stop strings keep tokenizer.decode (%s)", why)
-        scheduler.tokenizer = table_tok = TableTokenizer(tok, table)
+    stop_ids = _stop_ids(scheduler)
+    table_tok = _wrap_tokenizer(scheduler)
     st = AsyncOutput(
         sender=sender,
-        stop_ids=frozenset(stop_ids),
+        stop_ids=stop_ids,
         think=bool(getattr(scheduler.model_config, "self_opened_think_start_ids", None)),
         plain_streamer=type(scheduler.output_streamer) is os_mod.SchedulerOutputStreamer,
         force_interval=os_mod.DEFAULT_FORCE_STREAM_INTERVAL,
@@ -291,8 +287,31 @@ def build(scheduler: Any, config: Any) -> AsyncOutput | None:
     )
     setattr(scheduler.batch_result_processor.tree_cache, ATTR, st)
     logger.info("Branchwise async output on: sends on %s, stop-string lookup table %s",
-                "a worker thread" if sender else "the scheduler thread", "on" if st.report()["table"] else "off")
+                "a worker thread" if sender else "the scheduler thread", "on" if st.has_table else "off")
     return st
+
+
+def _stop_ids(scheduler: Any) -> frozenset[int]:
+    """The model's and the tokenizer's EOS and extra stop ids (the finish gate's superset test)."""
+    ids = set(scheduler.model_config.hf_eos_token_id or ())
+    tok = scheduler.tokenizer
+    if tok is not None:
+        if tok.eos_token_id is not None:
+            ids.add(tok.eos_token_id)
+        ids |= set(getattr(tok, "additional_stop_token_ids", None) or ())
+    return frozenset(ids)
+
+
+def _wrap_tokenizer(scheduler: Any) -> TableTokenizer | None:
+    """Put a TableTokenizer in front of the scheduler's tokenizer (requests get it as req.tokenizer)."""
+    tok = scheduler.tokenizer
+    if tok is None:
+        return None
+    table, why = TokenTable.build(tok)
+    if table is None:
+        logger.info("Branchwise async output: stop strings keep tokenizer.decode (%s)", why)
+    scheduler.tokenizer = wrapped = TableTokenizer(tok, table)
+    return wrapped
 
 
 def _send_on_thread(scheduler: Any) -> bool:

@@ -1,4 +1,4 @@
-"""Sequence-parallel sampling (Albireo §6) for SGLang's torch sampling path.
+"""Sequence-parallel sampling (from Albireo) for SGLang's torch sampling path.
 
 Stock SGLang all-gathers the vocab-sharded logits and every TP rank samples the whole batch.
 Here each of the t ranks samples only its block of ceil(bs/t) rows and the token ids are
