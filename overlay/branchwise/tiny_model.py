@@ -16,32 +16,33 @@ import argparse
 import json
 import random
 from pathlib import Path
+from types import MappingProxyType
 
-SPECIALS = ["<s>", "</s>", "<pad>", "<unk>", "<|im_start|>", "<|im_end|>"]
-BRANCH_TAGS = [
+SPECIALS = ("<s>", "</s>", "<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
+BRANCH_TAGS = (
     "<Think>", "</Think>", "<Parallel>", "</Parallel>", "<Goal>", "</Goal>", "<Outline>", "</Outline>",
     "<Path>", "</Path>", "<Conclusion>", "</Conclusion>",
     "<Plan>", "</Plan>", "<Task", "</Task>", "<Execution", "</Execution>", "<Answer>", "</Answer>",
-]
+)
 CHAT_TEMPLATE = (
     "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
-WORDS = (
+WORDS = tuple((
     "the a of to and in is it that for on with as was at by be this are from or an have not they "
     "which one you were all we can there their will would what about when if so more no out up time "
     "plan task path goal answer think step first second then result sum value check compute list "
     "branch merge parallel serial token model request server cache prefix decode batch"
-).split()
-LLAMA_CONFIG = dict(
+).split())
+LLAMA_CONFIG = MappingProxyType(dict(
     hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
     intermediate_size=128, max_position_embeddings=2048, rms_norm_eps=1e-5, tie_word_embeddings=False,
-)
-SIZES = {
+))
+SIZES = MappingProxyType({
     "tiny": LLAMA_CONFIG,
-    "small": LLAMA_CONFIG | dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                                 num_key_value_heads=4, intermediate_size=2816),
-}
+    "small": MappingProxyType(LLAMA_CONFIG | dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
+                                                  num_key_value_heads=4, intermediate_size=2816)),
+})
 
 
 def _corpus(seed: int, lines: int = 2000) -> list[str]:
@@ -61,7 +62,7 @@ def build_tokenizer(seed: int, vocab_size: int = 440):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=SPECIALS,
+        vocab_size=vocab_size, special_tokens=list(SPECIALS),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
