@@ -8,8 +8,8 @@ when it creates the request. Rids are structured so that SGLang's abort-by-prefi
     branch i, its turn-th gen  "fork-3f9a0c1d2e4b/b1/0"   ("g/b1/" never prefixes "g/b10/")
     nested fork k in branch i  "fork-3f9a0c1d2e4b/b1/f0"  (its branches: ".../b1/f0/b2/0")
 
-Importing this module installs the frontend fork hook lazily (branchwise.frontend_hook): SGLang's
-frontend is only patched if and when the program imports it, so bench and replay stay light.
+SGLang frontend programs (`s.fork(n)`) get the same stamps from branchwise.frontend_hook, which
+they import themselves.
 """
 
 from __future__ import annotations
@@ -23,9 +23,7 @@ from typing import Any
 
 import aiohttp
 
-from branchwise import frontend_hook, request_meta
-
-frontend_hook.install()
+from branchwise import request_meta
 
 
 # ---- stamps and rids ----------------------------------------------------------------------------

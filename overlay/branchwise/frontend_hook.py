@@ -1,9 +1,9 @@
 """Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`).
 
-`import branchwise.frontend_hook` (or `install()`; `branchwise.client` and `frontends.*` call it)
+`import branchwise.frontend_hook` (or `install()`, which `frontends.*` call)
 patches SGLang's frontend in this process:
 
-- `StreamExecutor.fork` syncs first. Stock fork reads `text_` before it syncs (interpreter.py:375-378):
+- `StreamExecutor.fork` syncs first. Stock fork reads `text_` before it syncs:
   while the worker thread still has the parent's ops queued, `text_` is "" and the prefix hint
   (SglCommitLazy, a max_new_tokens=0 request) is skipped, so the n siblings arrive together with an
   uncached fork-point prefix and FCFS prefills it redundantly. Syncing first always sends the hint.
@@ -15,8 +15,15 @@ patches SGLang's frontend in this process:
 
 SGLang's plugin entry point runs only in server processes and the frontend never calls
 `load_plugins()`, so client programs opt in by importing this module. The patch is lazy: when
-`sglang.lang` is not imported yet, it is applied the moment it is (a meta-path finder), so
-importing Branchwise never pulls in torch. install() is idempotent; uninstall() restores SGLang.
+`sglang.lang` is not imported yet, it is applied the moment it is, so importing Branchwise never
+pulls in torch. install() is idempotent; uninstall() restores SGLang.
+
+State: the installed hook is one `FrontendHook` object that sits in `sys.meta_path` (the finder
+that patches the two frontend modules as they load); it holds the stamp defaults and what to
+restore, and install()/uninstall() find it there. A pending stamp travels on the executor that
+sends it (`_bw_stamp`, set by the generate wrapper and consumed by `_add_images`, which SGLang
+calls with the executor and the request body right before each /generate), so nothing is kept per
+thread or per module.
 """
 
 from __future__ import annotations
@@ -32,14 +39,8 @@ from branchwise import request_meta
 
 INTERPRETER = "sglang.lang.interpreter"
 ENDPOINT = "sglang.lang.backend.runtime_endpoint"
-_EXTRA = ("slo_tpot_ms", "weight")  # fields install() may add to every branch stamp
-
-_lock = threading.RLock()
-_local = threading.local()  # .pending: (rid, stamp fields) for this thread's next /generate
-_defaults: dict[str, Any] = {}
-_undo: list[tuple[Any, str, Any]] = []  # (owner, attribute, original) to restore
-_patched: set[str] = set()
-_installed = False
+MODULES = (INTERPRETER, ENDPOINT)
+EXTRA = ("slo_tpot_ms", "weight")  # fields install() may add to every branch stamp
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,30 +52,6 @@ class BranchTag:
     @property
     def base(self) -> str:  # rid prefix of everything this branch sends
         return f"{self.group}/b{self.index}"
-
-
-# ---- patches --------------------------------------------------------------------------------------
-def _set(owner: Any, name: str, new: Any) -> None:
-    _undo.append((owner, name, getattr(owner, name)))
-    setattr(owner, name, new)
-
-
-def _patch_interpreter(mod: Any) -> None:
-    orig = mod.StreamExecutor.fork
-
-    @functools.wraps(orig)
-    def fork(self: Any, size: int = 1, position_ids_offset: Any = None) -> list[Any]:
-        self.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
-        self._bw_prefix_group = _next_group(self) if int(size) > 1 else None  # the hint's routing_key
-        try:
-            exes = orig(self, size, position_ids_offset)
-        finally:
-            group, self._bw_prefix_group = self._bw_prefix_group, None
-        if len(exes) > 1:
-            _tag_children(group, exes)
-        return exes
-
-    _set(mod.StreamExecutor, "fork", fork)
 
 
 def _next_group(parent: Any) -> str:
@@ -91,97 +68,52 @@ def _tag_children(group: str, exes: list[Any]) -> None:
         exe._bw_tag, exe._bw_turn = BranchTag(group, i, len(exes)), 0
 
 
-def _arm(s: Any) -> bool:
-    """Queue the stamp for the next /generate this thread sends on behalf of executor `s`."""
-    from branchwise.client import branch_rid
-
-    tag: BranchTag | None = getattr(s, "_bw_tag", None)
-    if tag is None:
-        return False
-    rid = branch_rid(tag.group, tag.index, s._bw_turn)
-    s._bw_turn += 1
-    _local.pending = (rid, {"phase": tag.group, "branch": tag.index, "fanout": tag.fanout, **_defaults})
-    return True
-
-
-def _patch_endpoint(mod: Any) -> None:
-    cls, http = mod.RuntimeEndpoint, mod.http_request
-    gen, gen_stream, commit = cls.generate, cls.generate_stream, cls.commit_lazy_operations
-
-    @functools.wraps(gen)
-    def generate(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
-        _arm(s)
-        try:
-            return gen(self, s, *args, **kw)
-        finally:
-            _local.pending = None
-
-    @functools.wraps(gen_stream)
-    def generate_stream(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
-        _arm(s)  # the request is sent at the first next(), in this same worker thread
-        try:
-            yield from gen_stream(self, s, *args, **kw)
-        finally:
-            _local.pending = None
-
-    @functools.wraps(commit)
-    def commit_lazy_operations(self: Any, s: Any) -> Any:
-        _local.route = getattr(s, "_bw_prefix_group", None)  # set while fork() sends its prefix hint
-        try:
-            return commit(self, s)
-        finally:
-            _local.route = None
-
-    @functools.wraps(http)
-    def http_request(url: str, json: Any = None, *args: Any, **kw: Any) -> Any:
-        route = getattr(_local, "route", None)
-        if route and isinstance(json, dict) and url.endswith("/generate"):
-            _local.route = None
-            json = {**json, "routing_key": route}
-        pending = getattr(_local, "pending", None)
-        if pending and isinstance(json, dict) and url.endswith("/generate") and isinstance(json.get("text"), str):
-            _local.pending = None  # one stamp per gen call
-            rid, fields = pending
-            json = {**json, "rid": rid, "sampling_params": request_meta.stamp(json.get("sampling_params"), **fields)}
-        return http(url, json, *args, **kw)
-
-    _set(cls, "generate", generate)
-    _set(cls, "generate_stream", generate_stream)
-    _set(cls, "commit_lazy_operations", commit_lazy_operations)
-    _set(mod, "http_request", http_request)
+def _stamp_body(s: Any, data: Any) -> None:
+    """Complete a /generate body in place: the stamp the executor's generate call queued, and the
+    routing_key of a fork's prefix hint (set on the parent executor while fork() sends it)."""
+    if not isinstance(data, dict):
+        return
+    if (group := getattr(s, "_bw_prefix_group", None)) is not None:
+        data["routing_key"] = group
+    pending = getattr(s, "_bw_stamp", None)
+    if pending is not None and isinstance(data.get("text"), str):
+        s._bw_stamp = None  # one stamp per gen call
+        rid, fields = pending
+        data["rid"] = rid
+        data["sampling_params"] = request_meta.stamp(data.get("sampling_params"), **fields)
 
 
-_PATCHES = {INTERPRETER: _patch_interpreter, ENDPOINT: _patch_endpoint}
-
-
-def _apply(name: str, mod: Any) -> None:
-    with _lock:
-        if _installed and name not in _patched:
-            _PATCHES[name](mod)
-            _patched.add(name)
-
-
-# ---- lazy application -----------------------------------------------------------------------------
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, name: str) -> None:
-        self.inner, self.name = inner, name
+    def __init__(self, inner: Any, hook: FrontendHook, name: str) -> None:
+        self.inner, self.hook, self.name = inner, hook, name
 
     def create_module(self, spec: Any) -> Any:
         return self.inner.create_module(spec)
 
     def exec_module(self, module: Any) -> None:
         self.inner.exec_module(module)
-        _apply(self.name, module)
+        self.hook.apply(self.name, module)
 
     def __getattr__(self, attr: str) -> Any:  # get_source, get_filename, ... of the real loader
         return getattr(self.inner, attr)
 
 
-class _Finder(importlib.abc.MetaPathFinder):
-    """Wraps the real loader of the two frontend modules so the patch runs right after import."""
+class FrontendHook(importlib.abc.MetaPathFinder):
+    """The installed frontend patch of this process (it lives in sys.meta_path while installed).
 
+    As a finder it wraps the real loader of the two frontend modules, so the patch runs right after
+    they are imported; it keeps the stamp defaults and the (owner, attribute, original) triples that
+    uninstall() restores."""
+
+    def __init__(self) -> None:
+        self.defaults: dict[str, Any] = {}
+        self.undo: list[tuple[Any, str, Any]] = []
+        self.patched: set[str] = set()
+        self.lock = threading.RLock()
+
+    # ---- lazy application ----------------------------------------------------------------------
     def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
-        if name not in _PATCHES or name in _patched:
+        if name not in MODULES or name in self.patched:
             return None
         for finder in sys.meta_path:
             if finder is self or not hasattr(finder, "find_spec"):
@@ -189,50 +121,120 @@ class _Finder(importlib.abc.MetaPathFinder):
             spec = finder.find_spec(name, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _Loader(spec.loader, name)
+                    spec.loader = _Loader(spec.loader, self, name)
                 return spec
         return None
 
+    def apply(self, name: str, mod: Any) -> None:
+        with self.lock:
+            if name not in self.patched:
+                (self._patch_interpreter if name == INTERPRETER else self._patch_endpoint)(mod)
+                self.patched.add(name)
 
-_finder = _Finder()
+    def restore(self) -> None:
+        with self.lock:
+            while self.undo:
+                owner, name, orig = self.undo.pop()
+                setattr(owner, name, orig)
+            self.patched.clear()
+
+    # ---- patches -------------------------------------------------------------------------------
+    def _set(self, owner: Any, name: str, new: Any) -> None:
+        self.undo.append((owner, name, getattr(owner, name)))
+        setattr(owner, name, new)
+
+    def _patch_interpreter(self, mod: Any) -> None:
+        orig = mod.StreamExecutor.fork
+
+        @functools.wraps(orig)
+        def fork(s: Any, size: int = 1, position_ids_offset: Any = None) -> list[Any]:
+            s.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
+            s._bw_prefix_group = _next_group(s) if int(size) > 1 else None  # the hint's routing_key
+            try:
+                exes = orig(s, size, position_ids_offset)
+            finally:
+                group, s._bw_prefix_group = s._bw_prefix_group, None
+            if len(exes) > 1:
+                _tag_children(group, exes)
+            return exes
+
+        self._set(mod.StreamExecutor, "fork", fork)
+
+    def _arm(self, s: Any) -> None:
+        """Queue the stamp for the next /generate body executor `s` sends (a tagged branch only)."""
+        from branchwise.client import branch_rid
+
+        tag: BranchTag | None = getattr(s, "_bw_tag", None)
+        if tag is None:
+            return
+        rid = branch_rid(tag.group, tag.index, s._bw_turn)
+        s._bw_turn += 1
+        s._bw_stamp = (rid, {"phase": tag.group, "branch": tag.index, "fanout": tag.fanout, **self.defaults})
+
+    def _patch_endpoint(self, mod: Any) -> None:
+        cls = mod.RuntimeEndpoint
+        gen, gen_stream, add_images = cls.generate, cls.generate_stream, cls._add_images
+        arm = self._arm
+
+        @functools.wraps(gen)
+        def generate(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
+            arm(s)
+            try:
+                return gen(self, s, *args, **kw)
+            finally:
+                s._bw_stamp = None
+
+        @functools.wraps(gen_stream)
+        def generate_stream(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
+            arm(s)  # the request is sent at the first next(), in this same worker thread
+            try:
+                yield from gen_stream(self, s, *args, **kw)
+            finally:
+                s._bw_stamp = None
+
+        @functools.wraps(add_images)
+        def _add_images(self: Any, s: Any, data: Any) -> Any:
+            _stamp_body(s, data)
+            return add_images(self, s, data)
+
+        self._set(cls, "generate", generate)
+        self._set(cls, "generate_stream", generate_stream)
+        self._set(cls, "_add_images", _add_images)
+
+
+def _current() -> FrontendHook | None:
+    return next((f for f in sys.meta_path if isinstance(f, FrontendHook)), None)
 
 
 def install(**defaults: Any) -> None:
     """Enable stamping + the fork race fix (idempotent). `defaults` (slo_tpot_ms, weight) are added
     to every branch stamp from now on."""
-    global _installed
-    bad = set(defaults) - set(_EXTRA)
+    bad = set(defaults) - set(EXTRA)
     if bad:
-        raise ValueError(f"install() takes only {_EXTRA}, got {sorted(bad)}")
+        raise ValueError(f"install() takes only {EXTRA}, got {sorted(bad)}")
     request_meta.stamp({}, **defaults)  # validate
-    with _lock:
-        _defaults.update({k: v for k, v in defaults.items() if v is not None})
-        if _installed:
-            return
-        _installed = True
-        for name in _PATCHES:
+    hook = _current()
+    if hook is None:
+        hook = FrontendHook()
+        sys.meta_path.insert(0, hook)
+    with hook.lock:
+        hook.defaults.update({k: v for k, v in defaults.items() if v is not None})
+        for name in MODULES:
             if name in sys.modules:
-                _apply(name, sys.modules[name])
-        if _finder not in sys.meta_path:
-            sys.meta_path.insert(0, _finder)
+                hook.apply(name, sys.modules[name])
 
 
 def uninstall() -> None:
     """Restore stock SGLang (for A/B measurements); executors keep their tags but send nothing."""
-    global _installed
-    with _lock:
-        while _undo:
-            owner, name, orig = _undo.pop()
-            setattr(owner, name, orig)
-        _patched.clear()
-        _defaults.clear()
-        _installed = False
-        if _finder in sys.meta_path:
-            sys.meta_path.remove(_finder)
+    hook = _current()
+    if hook is not None:
+        hook.restore()
+        sys.meta_path.remove(hook)
 
 
 def installed() -> bool:
-    return _installed and _patched == set(_PATCHES)
+    hook = _current()
+    return hook is not None and hook.patched == set(MODULES)
 
 
 install()

@@ -251,3 +251,21 @@ def test_install_defaults_reach_every_branch_stamp(fake):
     stamps = [b["sampling_params"]["custom_params"]["branchwise"] for b in fake.bodies
               if "custom_params" in b["sampling_params"]]
     assert len(stamps) == 8 and all(st["slo_tpot_ms"] == 25 and st["weight"] == 2 for st in stamps)
+
+
+def test_no_import_cycles_and_no_hook_state_outside_sys_meta_path():
+    """client does not import the frontend hook (it imports client lazily, one way), and fork does
+    not import plugin; the installed hook is the one FrontendHook in sys.meta_path."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "BRANCHWISE_FRONTEND_HOOK": "0"}  # the venv's .pth would import the hook
+    code = ("import sys, branchwise.client, branchwise.fork; "
+            "assert 'branchwise.frontend_hook' not in sys.modules, 'client imports frontend_hook'; "
+            "assert 'branchwise.plugin' not in sys.modules, 'fork imports plugin'")
+    subprocess.run([sys.executable, "-c", code], check=True, env=env)
+    hooks = [f for f in sys.meta_path if isinstance(f, frontend_hook.FrontendHook)]
+    assert len(hooks) == 1
+    frontend_hook.install()
+    assert [f for f in sys.meta_path if isinstance(f, frontend_hook.FrontendHook)] == hooks
