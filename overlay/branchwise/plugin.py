@@ -36,38 +36,56 @@ def _flag_declared(name: str) -> bool:
     return name in Schedule.__struct_fields__
 
 
-def _albireo_hooks(HookType):
-    """Albireo features; each hook body passes through unless its flag is on for this server."""
+def _async_output_hooks(HookType):
+    """Albireo async output (--async-output): result processing off the critical path."""
     from branchwise.albireo import async_output as ao
+
+    return [
+        (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
+         HookType.AROUND),
+        (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
+        (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
+    ]
+
+
+def _forward_thread_hooks(HookType):
+    """Albireo forward thread (CPU, under --async-output): the overlap loop's forward-stream work on
+    a FIFO worker thread."""
     from branchwise.albireo import forward_thread as ft
+
+    return [
+        (f"{SCHEDULER}.run_batch", ft.around_run_batch, HookType.AROUND),
+        (f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs, HookType.AROUND),
+        (f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation, HookType.AROUND),
+        (f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload, HookType.AROUND),
+        (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
+        (f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
+        (f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
+        (f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask, HookType.AROUND),
+    ]
+
+
+def _sampler_hooks(HookType):
+    """Albireo sequence-parallel sampling (--parallel-sampling)."""
     from branchwise.albireo import sp_sampler_hook as sp
 
+    return [
+        (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
+        (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
+        (f"{MODEL_RUNNER}.forward", sp.around_forward, HookType.AROUND),
+        (f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits, HookType.AROUND),
+    ]
+
+
+def _albireo_hooks(HookType):
+    """Albireo's features, where the ServerArgs patch declares their flags; each hook body passes
+    through unless its component is on for this server."""
     hooks = []
     if _flag_declared("async_output"):
-        hooks += [
-            (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
-             HookType.AROUND),
-            (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
-            (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
-            # forward thread (CPU): the overlap loop's forward-stream work on a FIFO worker thread
-            (f"{SCHEDULER}.run_batch", ft.around_run_batch, HookType.AROUND),
-            (f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs, HookType.AROUND),
-            (f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation, HookType.AROUND),
-            (f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload, HookType.AROUND),
-            (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
-            (f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
-            (f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
-            (f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask, HookType.AROUND),
-        ]
+        hooks += _async_output_hooks(HookType) + _forward_thread_hooks(HookType)
     if _flag_declared("parallel_sampling"):
-        hooks += [
-            (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
-            (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
-            (f"{MODEL_RUNNER}.forward", sp.around_forward, HookType.AROUND),
-            (f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits, HookType.AROUND),
-        ]
+        hooks += _sampler_hooks(HookType)
     return hooks
-
 
 
 def _step_timer_hooks(HookType):
