@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 
-from bench import replay
-from bench.workload import load_trace
+from bench import point, replay
+from bench.programs import Scaling
+from bench.workload import DEFAULT_TRACE, load_trace
 
 
 def test_short_replay_against_taper_server(servers, tmp_path):
@@ -32,12 +33,12 @@ def test_short_replay_against_taper_server(servers, tmp_path):
 
 
 def test_one_live_point_leaves_the_server_idle_and_flushed(servers):
-    """bench.replay.run_point (what bench.sweep and bench.capacity's replay engine run) on a real server:
+    """bench.point.run_point (what bench.sweep and bench.capacity's replay engine run) on a real server:
     every arrival is counted, the cache is flushed before and the server is idle after."""
     srv = servers.get("--branch-policy", "taper")
-    setup = replay.PointSetup(load_trace(replay.DEFAULT_TRACE), 50.0, replay.Scaling(output_scale=0.05, max_stage_tokens=8),
-                              duration_s=8.0, drain_s=120.0, poll_s=0)
-    m, run = replay.run_point(srv.url, "taper", 2.0, 0, setup)
+    setup = point.PointSetup(load_trace(DEFAULT_TRACE), 50.0, Scaling(output_scale=0.05, max_stage_tokens=8),
+                             duration_s=8.0, drain_s=120.0, poll_s=0)
+    m, run = point.run_point(srv.url, "taper", 2.0, 0, setup)
     assert m["cache_flushed"] and m["left_idle"] and m["error"] is None
     assert m["requests"] == len(run.outcomes) > 5 and m["finished_frac"] == 1.0
     assert 0.0 <= m["attainment"] <= 1.0 and m["goodput_tok_s"] <= m["raw_throughput_tok_s"]
