@@ -3,7 +3,7 @@
 client mode: the program writes the skeleton itself (<Think>, <Parallel>, <Goal> with one <Outline>
 per path), forks one branch per path with the path header the server-side grammar would give it
 ("<Path>\\nK: "), joins the paths in outline order exactly as the server's reduce does
-(phases.reduce_text with the grammar's format, which forces <Conclusion>) and writes the conclusion.
+(phases.reduce with the grammar's format, which forces <Conclusion>) and writes the conclusion.
 A Multiverse detector follows the parent's text, so the fork point, headers and final text are
 checked against the grammar the server uses.
 
@@ -69,11 +69,8 @@ def multiverse_program(s: Any, question: str, paths: int, think_tokens: int, out
         forks[i] += fork.headers[i]
         forks[i] += sgl.gen("path", **gen_kwargs(path_tokens, temp, STOPS))
     forks.join()
-    phase = phases.ParallelPhase("client", "client", fork.n, fmt=det.fmt)
-    for i in range(fork.n):
-        phase.add_branch(i, fork.headers[i], label=fork.labels[i])
-        phase.close_branch(i, forks[i]["path"], reason="stop")
-    reduce = phase.join()  # outline order, "</Path>" closed, "<Conclusion>\n" appended
+    # outline order, "</Path>" closed, "<Conclusion>\n" appended
+    reduce = phases.reduce(det.fmt, fork.headers, [forks[i]["path"] for i in range(fork.n)])
     det.join(reduce)
     s += reduce
     s += sgl.gen("conclusion", **gen_kwargs(conclusion_tokens, temp, STOPS))

@@ -66,11 +66,8 @@ def sprint_program(s: Any, question: str, rounds: int, tasks: int, plan_tokens: 
             forks[i] += fork.headers[i]
             forks[i] += sgl.gen("exec", **gen_kwargs(exec_tokens, temp, STOPS))
         forks.join()
-        phase = phases.ParallelPhase(f"round{r}", "client", fork.n, fmt=det.fmt)
-        for i in range(fork.n):
-            phase.add_branch(i, fork.headers[i], label=fork.labels[i])
-            phase.close_branch(i, forks[i]["exec"], reason="stop")
-        reduce = phase.join()  # task order, "</Execution>" closed
+        # task order, "</Execution>" closed
+        reduce = phases.reduce(det.fmt, fork.headers, [forks[i]["exec"] for i in range(fork.n)])
         det.join(reduce)
         s += reduce
         fed += len(reduce)

@@ -1,22 +1,25 @@
-"""Server-side fork/join of parallel phases (Multiverse, SPRINT) inside SGLang's scheduler.
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the SGLang glue.
 
-A grammar detector (branchwise.grammars) watches a request's generated text. When it opens a phase:
+A grammar detector (branchwise.grammars) watches a request's generated text through a TextStream;
+the phase it opens lives in a PhaseRegistry and goes through one lifecycle (branchwise.phases:
+FORKING -> PARALLEL -> REDUCE -> DONE). This module moves SGLang requests and KV along it:
 
-  fork   the parent's output is cut at the fork point (`PhaseOpened.at`) before anything past it is
-         streamed; at the next scheduling point the parent is *parked* like a retraction
-         (schedule_batch.py:2360 release_req): its KV goes into the radix tree with
-         `release_kv_cache(checkpoint=True)` (mem_cache/common.py:400), a tree lock pins that prefix,
-         and the Req leaves running_batch/last_batch and holds no KV row. One real Req per branch
-         (rid f"{parent}/p{n}/b{i}", input = parent ids up to the fork + header_i) goes to the waiting
-         queue; its prefill matches the pinned prefix, so only the header is computed
+  fork   (-> FORKING) the parent's output is cut at the fork point (`PhaseOpened.at`) before
+         anything past it is streamed.
+  park   (-> PARALLEL, at the next scheduling point) the parent is parked like a retraction: its KV
+         goes into the radix tree with `release_kv_cache(checkpoint=True)`, a tree lock pins that
+         prefix, and the Req leaves running_batch/last_batch and holds no KV row. One real Req per
+         branch (rid f"{parent}/p{n}/b{i}", input = parent ids up to the fork + header_i) goes to the
+         waiting queue; its prefill matches the pinned prefix, so only the header is computed
          (`cached_tokens` >= the shared prefix). Branches decode as ordinary running rows tagged with
          `bw_meta = RequestMeta(phase, branch, fanout, slo, weight)` for the TAPER planner.
   close  a branch ends at its own close tag (finished like a stop string, so SGLang releases and
-         caches its KV itself), or by EOS / max_new_tokens / abort (reduce appends the close tag).
-  join   when all branches of a phase are closed, their ids are appended to the parent's output in
-         canonical (branch-index) order and the parent is re-queued as a retracted request
-         (`_add_request_to_queue(is_retracted=True)`, scheduler.py:3480): its prefill matches
-         prefix + branch 0 in the radix tree and computes the rest, then it continues decoding.
+         caches its KV itself), or by EOS / max_new_tokens / abort (the reduce appends the close tag).
+  join   (-> REDUCE) when all branches of a phase are closed, their ids are appended to the parent's
+         output in canonical (branch-index) order and the parent is re-queued as a retracted request
+         (`_add_request_to_queue(is_retracted=True)`): its prefill matches prefix + branch 0 in the
+         radix tree and computes the rest, then it continues decoding. The phase is released (DONE)
+         when the parent's grammar closes it, or with its request.
   nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
 
 Where: detection runs per sequence right after SGLang appends a step's tokens (a hook on
@@ -35,13 +38,12 @@ request continues serially and its finish_reason says why in `branchwise_error`.
 
 Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
 the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
-row's result (batch_result_processor.py:1023) as it does for rows retracted or preempted while in
-flight (schedule_policy.py:1707); FutureMap slots are keyed by req_pool_idx and a reused slot is
-rewritten by its new owner's prefill before being read (overlap_utils.py:143). Tokens past the fork
-point are cut before `stream_output` runs and parents are not streamed while a fork is undecided,
-so the client never sees them. The in-flight step also wrote the KV of the fork token, so the
-branches' prefill hits the whole prefix; without overlap that token's KV does not exist yet and the
-hit is one token shorter.
+row's result as it does for rows retracted or preempted while in flight; FutureMap slots are keyed
+by req_pool_idx and a reused slot is rewritten by its new owner's prefill before being read. Tokens
+past the fork point are cut before `stream_output` runs and parents are not streamed while a fork is
+undecided, so the client never sees them. The in-flight step also wrote the KV of the fork token, so
+the branches' prefill hits the whole prefix; without overlap that token's KV does not exist yet and
+the hit is one token shorter.
 
 Budget (max_new_tokens): the parent's max_new_tokens bounds the whole response, joined branch text
 included. Each branch may use the budget left at the fork (parent max - kept tokens - header); a
@@ -64,11 +66,9 @@ from __future__ import annotations
 import functools
 import logging
 from array import array
-from bisect import bisect_right
 from collections import Counter, deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from enum import StrEnum
+from dataclasses import dataclass
 from typing import Any
 
 from branchwise.config import BranchwiseConfig
@@ -80,7 +80,17 @@ from branchwise.grammars import (
     PhaseOpened,
     get_detector,
 )
-from branchwise.phases import ParallelPhase, PhaseError, PhaseRegistry, Stage, branch_seed
+from branchwise.phases import (
+    ParallelPhase,
+    PhaseError,
+    PhaseRegistry,
+    Stage,
+    TextStream,
+    branch_budget,
+    branch_seed,
+    fork_limit_error,
+    needs_close,
+)
 from branchwise.request_meta import RequestMeta
 
 logger = logging.getLogger("branchwise.fork")
@@ -88,93 +98,7 @@ logger = logging.getLogger("branchwise.fork")
 MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
 RECENT = 64  # phase records kept for /server_info
 ENC_CACHE = 4096  # encoded texts kept (headers carry client text: the cache must not grow per request)
-
-
-# ------------------------------------------------------------------------------------------------
-# Pure helpers (no SGLang import)
-
-
-@dataclass(slots=True)
-class TextStream:
-    """Incremental detokenizer for one sequence's output ids, with per-token character ends.
-
-    `ends[j]` is the detector offset just after output token j; tokens decoding to an incomplete
-    UTF-8 character are held back (at most HOLD ids, so invalid bytes cannot stall the detector)
-    and get the end of the text they complete.
-    """
-
-    HOLD = 4
-
-    decode: Callable[[Sequence[int]], str]
-    fed: int = 0  # output ids consumed
-    read: int = 0  # output ids whose text was emitted (fed - read: held back)
-    prefix: int = 0  # window start: decoding context for the next ids
-    pos: int = 0  # characters emitted
-    ends: list[int] = field(default_factory=list)
-
-    def feed(self, ids: Sequence[int]) -> str:
-        n = len(ids)
-        if n <= self.fed:
-            return ""
-        self.fed = n
-        full = self.decode(ids[self.prefix : n])
-        if full.endswith("\ufffd") and n - self.read < self.HOLD:
-            return ""
-        new = full[len(self.decode(ids[self.prefix : self.read])) :]
-        self.pos += len(new)
-        self.ends.extend([self.pos] * (n - self.read))
-        self.prefix, self.read = max(self.read - 4, 0), n
-        return new
-
-    def cut(self, at: int) -> int:
-        """Number of whole output tokens whose text ends at or before character `at`."""
-        return bisect_right(self.ends, at, 0, self.read)
-
-    def truncate(self, keep: int, pos: int) -> None:
-        """Forget ids past `keep`; the detector keeps `pos` characters (a cut inside a token)."""
-        del self.ends[keep:]
-        self.fed = self.read = keep
-        self.prefix = max(keep - 4, 0)
-        self.pos = pos
-
-    def skip(self, n: int, pos: int) -> None:
-        """`n` ids were appended whose text the detector got otherwise (a join)."""
-        self.ends.extend([pos] * n)
-        self.fed = self.read = self.fed + n
-        self.prefix = max(self.read - 4, 0)
-        self.pos = pos
-
-
-def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:
-    """Tokens a branch may decode: what the parent's budget has left after prefix and header."""
-    return parent_max_new - kept - header_len
-
-
-def fork_limit_error(fanout: int, grants: Sequence[int], granted: int, max_fanout: int,
-                     max_tokens: int) -> str | None:
-    """Why a fork may not be taken (the request then continues serially), or None.
-
-    grants: decode tokens each new branch would be granted; granted: what the request's live
-    branches already hold."""
-    if fanout > max_fanout:
-        return f"fork of {fanout} branches exceeds --branch-max-fanout {max_fanout}; continued serially"
-    total = sum(grants)
-    if granted + total > max_tokens:
-        return (f"fork of {fanout} branches would grant {total} decode tokens ({granted} already held by "
-                f"live branches), over --branch-max-branch-tokens {max_tokens}; continued serially")
-    return None
-
-
-def needs_close(text: str, close: str) -> bool:
-    """Same rule as phases.reduce_text: a branch without its close tag gets one appended."""
-    return bool(close) and not text.rstrip().endswith(close.strip())
-
-
-class State(StrEnum):
-    SERIAL = "serial"  # decoding; detector live unless `det` is None
-    FORKING = "forking"  # fork seen and cut; parked at the next scheduling point
-    PARKED = "parked"  # no KV row, in no batch or queue; waits for its phase's join
-    DONE = "done"
+WAITING = (Stage.FORKING, Stage.PARALLEL)  # a parent in these stages does not decode
 
 
 @dataclass(slots=True, eq=False)
@@ -187,13 +111,9 @@ class Track:
     text: TextStream
     grammar: str
     branch: bool = False  # a server-side branch (internal rid, never streamed to the client)
-    state: State = State.SERIAL
-    fork: PhaseOpened | None = None
-    keep: int = 0  # output tokens kept at the fork
-    leftover: str = ""  # fork point inside a token: its kept text, re-tokenized with the headers
-    headers: list[list[int]] = field(default_factory=list)  # branch i's header ids (incl. leftover)
+    phase: ParallelPhase | None = None  # the phase this sequence opened last (its stage says where it is)
+    finished: bool = False  # the sequence ended (any reason); its phases are dropped
     pin: Any = None  # radix tree lock on the parked prefix
-    shared: int = 0  # prefix tokens put in the radix tree at park
     close_at: int | None = None  # branch closed by its tag: output text ends here
     close_keep: int = 0
     close_leftover: str = ""
@@ -213,12 +133,14 @@ class Track:
             self.error = msg
         self.det = None
 
+    @property
+    def waiting(self) -> bool:
+        """A parent between its fork and its join: it does not decode."""
+        return self.phase is not None and self.phase.state in WAITING
+
     def undecided(self) -> bool:
-        """True while text already decoded may still be cut (a fork waiting for its next char)."""
-        if self.state is not State.SERIAL:
-            return True
-        # Detector._pending: a fork tag closed, one more char decides where the fork point is.
-        return self.det is not None and self.det._pending is not None
+        """True while text already decoded may still be cut (a fork, or one waiting for its next char)."""
+        return self.waiting or (self.det is not None and self.det.deciding)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -287,11 +209,11 @@ class ForkManager:
     # ---- per token (Req.update_finish_state) ----------------------------------------------------
     def on_tokens(self, t: Track) -> None:
         req = t.req
-        if t.state is State.DONE:
+        if t.finished:
             return
-        if t.state is not State.SERIAL:  # a stale in-flight token past the fork point: drop it
+        if t.waiting:  # a stale in-flight token past the fork point: drop it
             if not req.finished():
-                del req.output_ids[t.keep :]
+                del req.output_ids[t.phase.keep :]
             return
         aborted = req.finished() and _is_abort(req.finished_reason)
         if t.det is not None and not aborted:
@@ -306,10 +228,8 @@ class ForkManager:
                     self._on_fork(t, ev)
                 elif isinstance(ev, BranchClosed) and t.branch and t.det is not None and t.det.done:
                     self._on_close_tag(t, ev)  # its own close tag (inner ones leave it running)
-                elif isinstance(ev, PhaseClosed):
-                    ph = self.reg.of_parent(t.rid)
-                    if ph is not None and ph.state is Stage.REDUCE:
-                        self.reg.release(ph.phase_id)
+                elif isinstance(ev, PhaseClosed) and t.phase is not None and t.phase.state is Stage.REDUCE:
+                    self.reg.release(t.phase.phase_id)
         if req.finished():
             self.on_finished(t)
 
@@ -319,9 +239,7 @@ class ForkManager:
         if req.finished() or req.to_finish is not None:
             t.fail("stream ended at a fork")
             return
-        keep = t.text.cut(ev.at)
-        base = t.text.ends[keep - 1] if keep else 0
-        leftover = det.text[base : ev.at]
+        keep, leftover = t.text.split(ev.at, det.text)
         headers = [self.encode(leftover + h) for h in ev.headers]
         grants = [branch_budget(req.sampling_params.max_new_tokens, keep, len(h)) for h in headers]
         if min(grants) < 1:
@@ -338,9 +256,9 @@ class ForkManager:
             t.fail("fork point already streamed")
             return
         try:
-            self.reg.open(t.rid, list(ev.headers), labels=list(ev.labels), prefix_text=det.text,
-                               prefix_len=len(req.origin_input_ids) + keep, header=ev.header,
-                               fmt=det.fmt)
+            t.phase = self.reg.open(t.rid, ev.headers, ev.labels, prefix_text=det.text,
+                                    prefix_len=len(req.origin_input_ids) + keep, header=ev.header,
+                                    fmt=det.fmt, keep=keep, leftover=leftover, header_ids=headers)
         except PhaseError as e:
             t.fail(str(e))
             return
@@ -348,15 +266,13 @@ class ForkManager:
         root.held += t.reserved
         del req.output_ids[keep:]
         t.text.truncate(keep, ev.at)
-        t.state, t.fork, t.keep, t.leftover, t.headers = State.FORKING, ev, keep, leftover, headers
         self.forking.append(t)
 
     def _on_close_tag(self, t: Track, ev: BranchClosed) -> None:
         req = t.req
-        keep = t.text.cut(ev.at)
-        base = t.text.ends[keep - 1] if keep else 0
         assert t.det is not None
-        t.close_at, t.close_keep, t.close_leftover = ev.at, keep, t.det.text[base : ev.at]
+        keep, leftover = t.text.split(ev.at, t.det.text)
+        t.close_at, t.close_keep, t.close_leftover = ev.at, keep, leftover
         if not _is_abort(req.finished_reason):  # SGLang then caches and frees it like a stop string
             from sglang.srt.managers.schedule_batch import FINISH_MATCHED_STR
 
@@ -366,15 +282,16 @@ class ForkManager:
     # ---- end of a sequence ------------------------------------------------------------------------
     def on_finished(self, t: Track) -> None:
         """The sequence ended (any reason). Branches are closed at the next scheduling point."""
-        if t.state is State.DONE:
+        if t.finished:
             return
         req = t.req
-        if t.state is State.FORKING:
+        stage = t.phase.state if t.phase is not None else None
+        if stage is Stage.FORKING:
             self.forking.remove(t)
-        if t.state is State.PARKED:
+        if stage is Stage.PARALLEL:
             self.parked.pop(t.rid, None)
             self._unpin(t)
-        t.state = State.DONE
+        t.finished = True
         root = t.root or t
         root.held -= t.grant + t.reserved  # a fork that never spawned gives its reservation back
         t.grant = t.reserved = 0
@@ -404,14 +321,13 @@ class ForkManager:
     def _park_and_spawn(self, t: Track) -> None:
         from sglang.srt.mem_cache.common import release_kv_cache
 
-        sched, req = self.sched, t.req
-        ph = self.reg.of_parent(t.rid)
-        assert ph is not None and t.fork is not None and not req.finished()
+        sched, req, ph = self.sched, t.req, t.phase
+        assert ph is not None and ph.state is Stage.FORKING and not req.finished()
         _evict(sched, req)
         tree = sched.tree_cache
         origin = len(req.origin_input_ids)
         if req.kv.holds_kv:
-            t.shared = min(req.kv.kv_committed_len, origin + t.keep)
+            ph.shared = min(req.kv.kv_committed_len, origin + ph.keep)
             req.full_untruncated_fill_ids = array("q")  # output_ids shrank: rebuild, not extend
             release_kv_cache(req, tree, checkpoint=True)
             if tree.supports_prefix_sharing() and req.last_node is not None:
@@ -419,34 +335,33 @@ class ForkManager:
         n_retract = req.retraction_count
         req.reset_for_retract()
         req.retraction_count = n_retract  # a park is not a retraction
-        t.state = State.PARKED
+        ph.spawned()
         self.parked[t.rid] = t
         if req.to_finish is not None:  # aborted between the fork and now: end it parked
             req.finished_reason, req.to_finish = req.to_finish, None
             self._finish_outside_batch(t)
             return
-        prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: t.keep])
+        prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: ph.keep])
         parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
         from branchwise.scheduler_hook import note_phase_requests
 
         note_phase_requests(sched)  # before they can reach a batch: TAPER must see their phase
-        for i, b in enumerate(ph.branches):
-            assert b is not None
-            hdr = t.headers[i]
-            br = self._make_branch(req, b.rid, prefix + array("q", hdr), t.keep + len(hdr))
+        for b in ph.branches:
+            i = b.index
+            br = self._make_branch(req, b.rid, ph.branch_input(i, prefix), ph.keep + len(ph.header_ids[i]))
             br.bw_meta = RequestMeta(ph.phase_id, i, ph.fanout, parent_meta.slo_tpot_ms,
                                      parent_meta.weight, t.grammar)
-            bdet = t.det.branch(i, b.label, t.fork.depth) if t.det is not None else None
+            bdet = t.det.branch(i, b.label, ph.depth) if t.det is not None else None
             bt = self.track(br, bdet, t.grammar, branch=True)
             bt.root, bt.grant = t.root or t, br.sampling_params.max_new_tokens
             self.branch_tracks[b.rid] = bt
             sched.init_req_max_new_tokens(br)
             sched._add_request_to_queue(br)
         t.reserved = 0  # now held by the branches (released as each one ends)
-        self._record(ph, t)
+        self._record(ph)
         self.stats["forks"] += 1
         self.stats["branches"] += ph.fanout
-        logger.debug("fork %s: %d branches on %d shared tokens", ph.phase_id, ph.fanout, t.shared)
+        logger.debug("fork %s: %d branches on %d shared tokens", ph.phase_id, ph.fanout, ph.shared)
 
     def _make_branch(self, parent: Any, rid: str, input_ids: array, used: int) -> Any:
         import msgspec
@@ -473,12 +388,12 @@ class ForkManager:
         if hit is None or hit[0].state is not Stage.PARALLEL or hit[1].finished:
             return  # its phase was dropped (parent aborted or finished)
         ph, b = hit
-        ids, text, reason = self._branch_output(bt, ph)
-        self.reg.close_branch(bt.rid, text, ids, reason)
+        ids, text, reason = self._branch_output(bt)
+        ph.close_branch(b.index, text, ids, reason)
         self.stats[f"branch_close_{reason}"] += 1
         parent = self.parked.get(ph.parent_rid)
         if parent is not None:
-            rec = self._record(ph, parent)
+            rec = self._record(ph)
             rec["cached_tokens"][b.index] = bt.req.cached_tokens
             rec["reasons"][b.index] = reason
             if bt.error is not None and parent.error is None:
@@ -486,7 +401,7 @@ class ForkManager:
         if ph.all_closed:
             self._join(ph)
 
-    def _branch_output(self, bt: Track, ph: ParallelPhase) -> tuple[list[int], str, str]:
+    def _branch_output(self, bt: Track) -> tuple[list[int], str, str]:
         req = bt.req
         if bt.close_at is not None:
             ids = list(req.output_ids[: bt.close_keep]) + self.encode(bt.close_leftover)
@@ -502,12 +417,12 @@ class ForkManager:
             reason = "length" if isinstance(fr, FINISH_LENGTH) else "abort" if _is_abort(fr) else "stop"
         return ids, self.decode(ids), reason
 
-    def _record(self, ph: ParallelPhase, parent: Track) -> dict[str, Any]:
+    def _record(self, ph: ParallelPhase) -> dict[str, Any]:
         for rec in reversed(self.recent):
             if rec["phase"] == ph.phase_id:
                 return rec
         rec = {"phase": ph.phase_id, "parent": ph.parent_rid, "fanout": ph.fanout, "depth": ph.depth,
-               "prefix_tokens": ph.prefix_len, "shared_tokens": parent.shared,
+               "prefix_tokens": ph.prefix_len, "shared_tokens": ph.shared,
                "cached_tokens": [None] * ph.fanout, "reasons": [None] * ph.fanout, "joined_tokens": None}
         self.recent.append(rec)
         return rec
@@ -515,9 +430,8 @@ class ForkManager:
     def _join(self, ph: ParallelPhase) -> None:
         t = self.parked.pop(ph.parent_rid)
         req, fmt = t.req, ph.fmt
-        ids = self.encode(t.leftover)
+        ids = self.encode(ph.leftover)
         for b in ph.branches:
-            assert b is not None
             ids += self.encode(b.header) + b.output_ids
             if needs_close(b.output_text, fmt.close):
                 ids += self.encode(fmt.close)
@@ -536,9 +450,8 @@ class ForkManager:
         req.output_ids.extend(ids)
         t.text.skip(len(ids), t.det.pos if t.det is not None else t.text.pos)
         self._unpin(t)
-        self._record(ph, t)["joined_tokens"] = len(ids)
+        self._record(ph)["joined_tokens"] = len(ids)
         self.stats["joins"] += 1
-        t.state, t.fork = State.SERIAL, None
         max_new = req.sampling_params.max_new_tokens
         if len(req.output_ids) >= max_new:  # the response's budget is spent by the branches
             from sglang.srt.managers.schedule_batch import FINISH_LENGTH
@@ -568,7 +481,7 @@ class ForkManager:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         for rid, t in list(self.parked.items()):
-            if t.state is State.PARKED and (recv_req.abort_all or rid.startswith(recv_req.rid)):
+            if recv_req.abort_all or rid.startswith(recv_req.rid):
                 msg = recv_req.abort_message
                 t.req.finished_reason = (FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE) if msg
                                          else FINISH_ABORT())
@@ -579,7 +492,7 @@ class ForkManager:
     def report(self) -> dict[str, Any]:
         reg = self.reg
         sizes = {"forking": len(self.forking), "closed": len(self.closed), "by_branch": len(reg.by_branch),
-                 "by_parent": len(reg.by_parent), "phase_counts": len(reg._count),
+                 "by_parent": len(reg.by_parent), "phase_counts": len(reg.counts),
                  "enc_cache": self._enc.cache_info().currsize}
         return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
                 "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent),
@@ -642,17 +555,6 @@ def _plain_mode(sched: Any) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-def manager(sched: Any) -> ForkManager | None:
-    bw = getattr(sched, "branchwise", None)
-    return bw.fork if bw is not None else getattr(sched, "_bw_fork", None)
-
-
-def fork_stats(sched: Any) -> dict[str, Any] | None:
-    """Server-side fork/join counters and recent phases (per-branch cached tokens) for reports."""
-    mgr = manager(sched)
-    return mgr.report() if mgr is not None else None
-
-
 def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
     """The scheduler's fork manager, or None where server-side branching cannot run. The scheduler's
     tree cache, which the output streamer shares, gets a reference to it for the stream_output hook."""
@@ -665,29 +567,23 @@ def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
     return mgr
 
 
-# Hook bodies (registered in plugin.py)
-
-
-def after_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
-    from branchwise.scheduler_hook import state_of
-
-    st = state_of(self)
-    self._bw_fork = build(self, st.config if st is not None else BranchwiseConfig())
+# Hook bodies (registered in plugin.py; after_create_generation_req is called by runtime.py). Scheduler
+# hooks find the manager at `self.branchwise.fork`.
 
 
 def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    """Runs after the lead's hook of the same target has set `req.bw_meta`."""
+    """A new client request (runtime calls it after taper has set `req.bw_meta`): a grammar the
+    server refuses ends it with HTTP 400; a grammar it serves starts tracking its text."""
+    bw = self.branchwise
     meta = getattr(req, "bw_meta", None)
     if meta is not None and meta.grammar is not None and req.to_finish is None:
-        from branchwise.scheduler_hook import state_of
-
-        st = state_of(self)
-        why = st.config.client_grammar_error(meta.grammar) if st is not None else None
+        why = bw.config.client_grammar_error(meta.grammar)
         if why is not None:  # --branch-grammar-clients deny: HTTP 400, as for any malformed stamp
             req.set_finish_with_abort(f"Branchwise: {why}")
-            st.bump("bad_requests")
+            if bw.taper is not None:
+                bw.taper.bump("bad_requests")
             return req
-    mgr = manager(self)
+    mgr = bw.fork
     if mgr is not None and (g := mgr.grammar_for(req, recv_req)) is not None:
         mgr.track(req, get_detector(g), g)
     return req
@@ -714,14 +610,14 @@ def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, *
 
 
 def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    mgr = manager(self)
+    mgr = self.branchwise.fork
     if mgr is not None and (mgr.forking or mgr.closed):
         mgr.reconcile()
     return result
 
 
 def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
-    mgr = manager(self)
+    mgr = self.branchwise.fork
     if mgr is not None and mgr.parked:
         mgr.abort_parked(recv_req)
     return result
@@ -730,7 +626,7 @@ def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwa
 def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any, req: Any) -> Any:
     """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
     t = getattr(req, "bw_fork", None)
-    mgr = manager(self)
+    mgr = self.branchwise.fork
     if t is None or mgr is None:
         return orig(self, abort_req, req)
     if req.finished_reason is None:
@@ -765,15 +661,7 @@ def after_is_fully_idle(result: bool, self: Any, *args: Any, **kwargs: Any) -> b
     """Not idle while a request is parked or a fork/join waits for the next scheduling point:
     the idle sleeper would otherwise wait for a new request before joining, and the idle leak
     check would count the parked prefix's tree lock."""
-    mgr = manager(self)
+    mgr = self.branchwise.fork
     if result and mgr is not None and (mgr.parked or mgr.forking or mgr.closed):
         return False
     return result
-
-
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    rep = fork_stats(self)
-    if rep is not None and isinstance(getattr(result, "internal_state", None), dict):
-        result.internal_state["branchwise_fork"] = rep
-    return result
-

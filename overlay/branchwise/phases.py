@@ -1,10 +1,20 @@
-"""The parallel-phase model (TAPER §3.1): phase = (prefix P, phase header H, branch headers h_i, fanout n).
+"""The parallel-phase lifecycle, pure (no SGLang import): what a phase is, the one state machine it
+goes through from fork to join, and the text a sequence's detector reads.
 
-Pure bookkeeping, no SGLang import. Two invariants make any branch schedule output-identical
-(TAPER Lemma 1, Appendix A), and this module is where they are enforced:
-  * visibility: branch i's input is P + h_i, never a sibling's text (`branch_prompt`);
-  * canonical reduce: branch outputs are joined in branch-index order, never completion order
-    (`reduce_text`).
+A phase is (shared prefix P, phase header H, branch headers h_i, fanout n). Two rules make any
+branch schedule give the same output as one serial writer, and they are enforced here:
+  * isolation: branch i's input is P + h_i, never a sibling's text (`ParallelPhase.branch_input`);
+  * canonical reduce: branch outputs are joined in branch-index order, never in the order the
+    branches finished (`reduce`).
+
+Lifecycle of a server-side phase (`Stage`), driven by branchwise.fork:
+
+    FORKING   the parent's detector saw a fork; its output was cut at the fork point, and the
+              branches are spawned at the next scheduling point
+    PARALLEL  the parent is parked; its branches decode (`close_branch` records each one's output)
+    REDUCE    every branch closed; the parent resumed with the reduce text (`join`) and decodes
+              until its grammar closes the phase
+    DONE      released (closed by the grammar, or dropped with its request)
 
 Branch request ids are derived, not random: f"{parent_rid}/p{n}/b{i}". SGLang aborts every request
 whose rid starts with the aborted rid, so aborting a parent reaches all its branches (and nested ones).
@@ -13,6 +23,9 @@ whose rid starts with the aborted rid, so aborting a parent reaches all its bran
 from __future__ import annotations
 
 import hashlib
+from array import array
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
 
@@ -22,10 +35,10 @@ class PhaseError(RuntimeError):
 
 
 class Stage(StrEnum):
-    SERIAL = "serial"  # request decodes one sequence (no open phase)
-    PARALLEL = "parallel"  # branches decoding; parent waits
-    REDUCE = "reduce"  # branches joined; parent decodes the reduce (e.g. <Conclusion>)
-    DONE = "done"  # phase finished and released
+    FORKING = "forking"
+    PARALLEL = "parallel"
+    REDUCE = "reduce"
+    DONE = "done"
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,6 +52,18 @@ class ReduceFormat:
     close: str = ""
     sep: str = ""
     suffix: str = ""
+
+
+def needs_close(text: str, close: str) -> bool:
+    """A branch that stopped without its close tag gets one appended (keeps the parent well formed)."""
+    return bool(close) and not text.rstrip().endswith(close.strip())
+
+
+def reduce(fmt: ReduceFormat, headers: Sequence[str], outputs: Sequence[str]) -> str:
+    """Canonical reduce: branch i's header and output, in branch-index order, then the suffix."""
+    parts = [h + out + (fmt.close if needs_close(out, fmt.close) else "") + fmt.sep
+             for h, out in zip(headers, outputs, strict=True)]
+    return "".join(parts) + fmt.suffix
 
 
 @dataclass(slots=True)
@@ -55,6 +80,8 @@ class Branch:
 
 @dataclass(slots=True)
 class ParallelPhase:
+    """One phase from fork to release; `state` is its lifecycle (see the module docstring)."""
+
     phase_id: str
     parent_rid: str
     fanout: int
@@ -63,89 +90,76 @@ class ParallelPhase:
     header: str = ""  # H: phase-level header (Multiverse goal, SPRINT plan)
     depth: int = 0  # 0 = top level; a phase opened inside a branch is one deeper
     fmt: ReduceFormat = field(default_factory=ReduceFormat)
-    branches: list[Branch | None] = field(default_factory=list)
-    state: Stage = Stage.PARALLEL
-    completion_order: list[int] = field(default_factory=list)  # for metrics only, never for reduce
+    branches: list[Branch] = field(default_factory=list)
+    state: Stage = Stage.FORKING
+    # the fork point, in the parent's output: whole tokens kept, and the text of a token the fork
+    # point cuts through (re-tokenized in front of every branch header and of the join)
+    keep: int = 0
+    leftover: str = ""
+    header_ids: list[list[int]] = field(default_factory=list)  # branch i's header (with leftover) in ids
+    shared: int = 0  # prefix tokens the parent left in the prefix cache when it was parked
 
     def __post_init__(self) -> None:
         if self.fanout < 1:
             raise PhaseError(f"phase {self.phase_id}: fanout must be >= 1, got {self.fanout}")
-        if not self.branches:
-            self.branches = [None] * self.fanout
 
-    def branch_rid(self, i: int) -> str:
-        return f"{self.phase_id}/b{i}"
-
-    def add_branch(self, index: int, header: str = "", *, rid: str | None = None, label: str = "") -> Branch:
-        """Attach branch `index` (server-side: all at open; client-side: as sibling requests arrive)."""
-        if not 0 <= index < self.fanout:
-            raise PhaseError(
-                f"phase {self.phase_id}: branch index {index} outside fanout {self.fanout} "
-                "(more branches than announced)"
-            )
-        if self.branches[index] is not None:
-            raise PhaseError(f"phase {self.phase_id}: branch {index} attached twice")
-        b = Branch(index, rid or self.branch_rid(index), header, label)
-        self.branches[index] = b
+    def add_branch(self, header: str, label: str) -> Branch:
+        """Branch number len(branches), with rid f"{phase_id}/b{i}"."""
+        i = len(self.branches)
+        if i >= self.fanout:
+            raise PhaseError(f"phase {self.phase_id}: branch {i} outside fanout {self.fanout}")
+        b = Branch(i, f"{self.phase_id}/b{i}", header, label)
+        self.branches.append(b)
         return b
 
     def branch(self, i: int) -> Branch:
-        b = self.branches[i] if 0 <= i < self.fanout else None
-        if b is None:
+        if not 0 <= i < len(self.branches):
             raise PhaseError(f"phase {self.phase_id}: no branch {i}")
-        return b
+        return self.branches[i]
+
+    def branch_input(self, i: int, prefix: array) -> array:
+        """Isolation: branch i reads the shared prefix and its own header ids, nothing of a sibling."""
+        return prefix + array("q", self.header_ids[i])
+
+    def spawned(self) -> None:
+        """FORKING -> PARALLEL: the parent is parked and its branches are queued."""
+        self._expect(Stage.FORKING, "spawn")
+        self.state = Stage.PARALLEL
 
     def close_branch(self, i: int, text: str = "", ids: list[int] | None = None, reason: str = "tag") -> bool:
         """Record branch i's final output. Returns True when this was the last open branch."""
-        if self.state is not Stage.PARALLEL:
-            raise PhaseError(f"phase {self.phase_id}: cannot close branch {i} in state {self.state}")
+        self._expect(Stage.PARALLEL, f"close branch {i}")
         b = self.branch(i)
         if b.finished:
             raise PhaseError(f"phase {self.phase_id}: branch {i} closed twice")
         b.output_text, b.output_ids = text, list(ids or [])
         b.finished, b.finish_reason = True, reason
-        self.completion_order.append(i)
         return self.all_closed
 
     @property
     def all_closed(self) -> bool:
-        return all(b is not None and b.finished for b in self.branches)
+        return len(self.branches) == self.fanout and all(b.finished for b in self.branches)
 
     @property
     def open_branches(self) -> list[int]:
-        return [i for i, b in enumerate(self.branches) if b is None or not b.finished]
+        return [b.index for b in self.branches if not b.finished]
 
     def join(self) -> str:
-        """All branches closed: move to REDUCE and return the text the parent continues from."""
-        text = reduce_text(self)
+        """PARALLEL -> REDUCE: all branches closed; the text the parent continues from."""
+        self._expect(Stage.PARALLEL, "join")
+        if not self.all_closed:
+            raise PhaseError(f"phase {self.phase_id}: reduce before all branches closed (open: {self.open_branches})")
         self.state = Stage.REDUCE
-        return text
+        return reduce(self.fmt, [b.header for b in self.branches], [b.output_text for b in self.branches])
 
-
-def branch_prompt(phase: ParallelPhase, i: int) -> str:
-    """Visibility rule: shared prefix + this branch's own header; siblings are invisible."""
-    return phase.prefix_text + phase.branch(i).header
-
-
-def reduce_text(phase: ParallelPhase) -> str:
-    """Canonical reduce: outputs in branch-index order regardless of completion order."""
-    if not phase.all_closed:
-        raise PhaseError(
-            f"phase {phase.phase_id}: reduce before all branches closed (open: {phase.open_branches})"
-        )
-    f, parts = phase.fmt, []
-    for b in phase.branches:
-        assert b is not None
-        out = b.output_text
-        if f.close and not out.rstrip().endswith(f.close.strip()):
-            out += f.close  # branch stopped early (length/EOS): keep the parent's text well formed
-        parts.append(b.header + out + f.sep)
-    return "".join(parts) + f.suffix
+    def _expect(self, stage: Stage, what: str) -> None:
+        if self.state is not stage:
+            raise PhaseError(f"phase {self.phase_id}: cannot {what} in state {self.state}")
 
 
 def branch_seed(seed: int, branch_rid: str) -> int:
     """Per-branch sampling seed that depends only on (seed, rid): stochastic decoding stays
-    schedule-invariant (Appendix A) because no branch's draws depend on when siblings ran."""
+    independent of the schedule, because no branch's draws depend on when its siblings ran."""
     h = hashlib.blake2b(f"{seed}:{branch_rid}".encode(), digest_size=8).digest()
     return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -153,8 +167,8 @@ def branch_seed(seed: int, branch_rid: str) -> int:
 class PhaseRegistry:
     """Open phases keyed by phase id, branch rid and parent rid.
 
-    A parent has at most one open phase at a time (it waits at the fork until reduce); a branch may
-    itself be the parent of a nested phase, one level deeper.
+    A parent has at most one open phase at a time (it waits at the fork until its phase is
+    released); a branch may itself be the parent of a nested phase, one level deeper.
     """
 
     def __init__(self, max_depth: int = 3) -> None:
@@ -162,64 +176,27 @@ class PhaseRegistry:
         self.phases: dict[str, ParallelPhase] = {}
         self.by_branch: dict[str, tuple[str, int]] = {}  # branch rid -> (phase id, index)
         self.by_parent: dict[str, str] = {}  # parent rid -> its open phase id
-        self._count: dict[str, int] = {}  # parent rid -> phases opened so far (names p0, p1, ...)
+        self.counts: dict[str, int] = {}  # parent rid -> phases opened so far (names p0, p1, ...)
 
     def __len__(self) -> int:
         return len(self.phases)
 
-    def _new(self, parent_rid: str, fanout: int, phase_id: str | None, **kw) -> ParallelPhase:
+    def open(self, parent_rid: str, headers: Sequence[str], labels: Sequence[str], **kw) -> ParallelPhase:
+        """A fork: the phase (FORKING) and all its branches, with derived rids."""
         if parent_rid in self.by_parent:
             raise PhaseError(f"request {parent_rid} already waits on phase {self.by_parent[parent_rid]}")
-        depth = 0
-        if (owner := self.of_branch(parent_rid)) is not None:
-            depth = owner[0].depth + 1
+        owner = self.of_branch(parent_rid)
+        depth = owner[0].depth + 1 if owner is not None else 0
         if depth >= self.max_depth:
-            raise PhaseError(
-                f"request {parent_rid}: nesting depth {depth} exceeds limit {self.max_depth - 1}"
-            )
-        n = self._count.get(parent_rid, 0)
-        self._count[parent_rid] = n + 1
-        pid = phase_id or f"{parent_rid}/p{n}"
-        if pid in self.phases:
-            raise PhaseError(f"phase {pid} already open")
-        ph = ParallelPhase(pid, parent_rid, fanout, depth=depth, **kw)
-        self.phases[pid], self.by_parent[parent_rid] = ph, pid
+            raise PhaseError(f"request {parent_rid}: nesting depth {depth} exceeds limit {self.max_depth - 1}")
+        n = self.counts.get(parent_rid, 0)
+        self.counts[parent_rid] = n + 1
+        ph = ParallelPhase(f"{parent_rid}/p{n}", parent_rid, len(headers), depth=depth, **kw)
+        for h, label in zip(headers, labels, strict=True):
+            b = ph.add_branch(h, label)
+            self.by_branch[b.rid] = (ph.phase_id, b.index)
+        self.phases[ph.phase_id], self.by_parent[parent_rid] = ph, ph.phase_id
         return ph
-
-    def open(
-        self,
-        parent_rid: str,
-        headers: list[str] | tuple[str, ...],
-        *,
-        labels: list[str] | tuple[str, ...] = (),
-        **kw,
-    ) -> ParallelPhase:
-        """Server-side fork: create the phase and all its branches with derived rids."""
-        ph = self._new(parent_rid, len(headers), None, **kw)
-        for i, h in enumerate(headers):
-            self._index(ph, ph.add_branch(i, h, label=labels[i] if i < len(labels) else str(i + 1)))
-        return ph
-
-    def announce(self, phase_id: str, parent_rid: str, fanout: int, **kw) -> ParallelPhase:
-        """Client-side fork (frontend s.fork): the phase is known before its sibling requests."""
-        return self._new(parent_rid, fanout, phase_id, **kw)
-
-    def attach(self, phase_id: str, index: int, rid: str, header: str = "") -> Branch:
-        ph = self.phase(phase_id)
-        b = ph.add_branch(index, header, rid=rid)
-        self._index(ph, b)
-        return b
-
-    def _index(self, ph: ParallelPhase, b: Branch) -> None:
-        if b.rid in self.by_branch:
-            raise PhaseError(f"branch rid {b.rid} already registered")
-        self.by_branch[b.rid] = (ph.phase_id, b.index)
-
-    def phase(self, phase_id: str) -> ParallelPhase:
-        try:
-            return self.phases[phase_id]
-        except KeyError:
-            raise PhaseError(f"unknown phase {phase_id}") from None
 
     def of_branch(self, rid: str) -> tuple[ParallelPhase, Branch] | None:
         if (hit := self.by_branch.get(rid)) is None:
@@ -231,23 +208,8 @@ class PhaseRegistry:
         pid = self.by_parent.get(rid)
         return self.phases[pid] if pid else None
 
-    def stage(self, rid: str) -> Stage:
-        """Stage of a request (parent or branch) as its own sequence sees it."""
-        ph = self.of_parent(rid)
-        return ph.state if ph is not None else Stage.SERIAL
-
-    def close_branch(
-        self, rid: str, text: str = "", ids: list[int] | None = None, reason: str = "tag"
-    ) -> ParallelPhase:
-        """Close the branch with request id `rid`; caller joins when `phase.all_closed`."""
-        hit = self.of_branch(rid)
-        if hit is None:
-            raise PhaseError(f"{rid} is not a registered branch")
-        hit[0].close_branch(hit[1].index, text, ids, reason)
-        return hit[0]
-
     def release(self, phase_id: str) -> ParallelPhase:
-        """Forget a finished phase (after its reduce), or an aborted one. Nested phases go too."""
+        """Forget a closed phase, or a dropped one (-> DONE). Phases nested in it go too."""
         ph = self.phases.pop(phase_id, None)
         if ph is None:
             raise PhaseError(f"unknown phase {phase_id}")
@@ -255,10 +217,8 @@ class PhaseRegistry:
         if self.by_parent.get(ph.parent_rid) == phase_id:
             del self.by_parent[ph.parent_rid]
         for b in ph.branches:
-            if b is None:
-                continue
             self.by_branch.pop(b.rid, None)
-            self._count.pop(b.rid, None)
+            self.counts.pop(b.rid, None)
             if (nested := self.by_parent.get(b.rid)) is not None:
                 self.release(nested)
         return ph
@@ -274,5 +234,88 @@ class PhaseRegistry:
         for pid in [pid for pid, ph in self.phases.items() if mine(ph.parent_rid)]:
             if pid in self.phases:  # may have gone with an enclosing phase
                 self.release(pid)
-        self._count = {k: v for k, v in self._count.items() if not mine(k)}
+        self.counts = {k: v for k, v in self.counts.items() if not mine(k)}
         return [pid for pid in before if pid not in self.phases]
+
+
+# ---- a sequence's text -------------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class TextStream:
+    """Incremental detokenizer for one sequence's output ids, with per-token character ends.
+
+    `ends[j]` is the detector offset just after output token j; tokens decoding to an incomplete
+    UTF-8 character are held back (at most HOLD ids, so invalid bytes cannot stall the detector)
+    and get the end of the text they complete.
+    """
+
+    HOLD = 4
+
+    decode: Callable[[Sequence[int]], str]
+    fed: int = 0  # output ids consumed
+    read: int = 0  # output ids whose text was emitted (fed - read: held back)
+    prefix: int = 0  # window start: decoding context for the next ids
+    pos: int = 0  # characters emitted
+    ends: list[int] = field(default_factory=list)
+
+    def feed(self, ids: Sequence[int]) -> str:
+        n = len(ids)
+        if n <= self.fed:
+            return ""
+        self.fed = n
+        full = self.decode(ids[self.prefix : n])
+        if full.endswith("\ufffd") and n - self.read < self.HOLD:
+            return ""
+        new = full[len(self.decode(ids[self.prefix : self.read])) :]
+        self.pos += len(new)
+        self.ends.extend([self.pos] * (n - self.read))
+        self.prefix, self.read = max(self.read - 4, 0), n
+        return new
+
+    def cut(self, at: int) -> int:
+        """Number of whole output tokens whose text ends at or before character `at`."""
+        return bisect_right(self.ends, at, 0, self.read)
+
+    def split(self, at: int, text: str) -> tuple[int, str]:
+        """A cut at character `at` of `text` (the detector's text): whole tokens kept, and the text
+        of the token the cut goes through that is still kept."""
+        keep = self.cut(at)
+        return keep, text[(self.ends[keep - 1] if keep else 0) : at]
+
+    def truncate(self, keep: int, pos: int) -> None:
+        """Forget ids past `keep`; the detector keeps `pos` characters (a cut inside a token)."""
+        del self.ends[keep:]
+        self.fed = self.read = keep
+        self.prefix = max(keep - 4, 0)
+        self.pos = pos
+
+    def skip(self, n: int, pos: int) -> None:
+        """`n` ids were appended whose text the detector got otherwise (a join)."""
+        self.ends.extend([pos] * n)
+        self.fed = self.read = self.fed + n
+        self.prefix = max(self.read - 4, 0)
+        self.pos = pos
+
+
+# ---- per-request limits ------------------------------------------------------------------------
+
+
+def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:
+    """Tokens a branch may decode: what the parent's budget has left after prefix and header."""
+    return parent_max_new - kept - header_len
+
+
+def fork_limit_error(fanout: int, grants: Sequence[int], granted: int, max_fanout: int,
+                     max_tokens: int) -> str | None:
+    """Why a fork may not be taken (the request then continues serially), or None.
+
+    grants: decode tokens each new branch would be granted; granted: what the request's live
+    branches already hold."""
+    if fanout > max_fanout:
+        return f"fork of {fanout} branches exceeds --branch-max-fanout {max_fanout}; continued serially"
+    total = sum(grants)
+    if granted + total > max_tokens:
+        return (f"fork of {fanout} branches would grant {total} decode tokens ({granted} already held by "
+                f"live branches), over --branch-max-branch-tokens {max_tokens}; continued serially")
+    return None

@@ -9,9 +9,8 @@ import pytest
 
 from bench import fork_oracle
 from bench.structure_driver import StructureDriver, spec
-from branchwise.fork import TextStream, branch_budget, needs_close
 from branchwise.grammars import Mode, get_detector, parse
-from branchwise.phases import ReduceFormat
+from branchwise.phases import ReduceFormat, TextStream, branch_budget, needs_close
 from branchwise.tiny_model import build_tokenizer
 
 
@@ -34,6 +33,9 @@ def test_text_stream_offsets_and_cut(tok):
     at = text.index("<Path>")
     keep = ts.cut(at)
     assert tok.decode(ids[:keep]) == text[:at]  # whole tokens before the cut point
+    assert ts.split(at, text) == (keep, "")  # the cut falls between tokens: nothing left over
+    k2, left = ts.split(at + 2, text)  # inside "<Path>": the kept part of the token it cuts
+    assert tok.decode(ids[:k2]) + left == text[: at + 2] and k2 <= keep + 1
     ts.truncate(keep, at)
     assert (ts.fed, ts.read, ts.pos) == (keep, keep, at)
     ts.skip(3, at + 10)  # a join appended 3 ids whose text the detector got via join()

@@ -2,6 +2,7 @@
 
 import random
 import re
+from array import array
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -19,7 +20,7 @@ from branchwise.grammars import (
     get_detector,
     parse,
 )
-from branchwise.phases import PhaseRegistry, branch_prompt
+from branchwise.phases import PhaseRegistry
 
 MV = """<Think>
 Let me split this. Note 3 < 4 and a<b> is not a tag, nor is <Pathway>.
@@ -234,9 +235,14 @@ def drive(name: str, text: str, rng: random.Random, **kw):
                     fork(det, rid, start, ev)
             assert det.text == text[start : start + det.pos]
 
+    def ids(s: str) -> list[int]:  # a character-level "tokenizer"
+        return [ord(c) for c in s]
+
     def fork(det, rid, start, ev):
         f = start + ev.at
-        ph = reg.open(rid, ev.headers, labels=ev.labels, prefix_text=text[:f], header=ev.header, fmt=det.fmt)
+        ph = reg.open(rid, ev.headers, ev.labels, prefix_text=text[:f], header=ev.header, fmt=det.fmt,
+                      header_ids=[ids(h) for h in ev.headers])
+        ph.spawned()
         assert ph.depth == ev.depth
         cursor, starts = f, []
         for i in range(ph.fanout):  # where branch i's continuation sits in the serial text
@@ -247,9 +253,9 @@ def drive(name: str, text: str, rng: random.Random, **kw):
             cursor = starts[-1] + len(out) + len(det.fmt.sep)
             ph.branches[i].output_text = out  # stash; closed below in a random completion order
         for i in rng.sample(range(ph.fanout), ph.fanout):
-            reg.close_branch(ph.branches[i].rid, ph.branches[i].output_text)
+            ph.close_branch(i, ph.branches[i].output_text)
         for i in range(ph.fanout):
-            p = branch_prompt(ph, i)
+            p = "".join(map(chr, ph.branch_input(i, array("q", ids(text[:f])))))
             prompts.append(p)
             assert p == text[:f] + ev.headers[i]
             for j in range(ph.fanout):  # visibility: no sibling's body
@@ -298,9 +304,11 @@ def test_parent_mode_pauses_and_drops_overshoot():
 
 def test_fork_waits_for_the_newline_after_goal():
     det = MultiverseDetector()
+    assert not det.deciding
     assert det.feed("<Parallel>\n<Goal>\n<Outline>\n1: a\n</Outline>\n</Goal>") == []
+    assert det.deciding  # the fork point is not known yet: the server holds the text back
     (ev,) = det.feed("\n<Pa")
-    assert ev.at == det.pos and det.text.endswith("</Goal>\n")
+    assert ev.at == det.pos and det.text.endswith("</Goal>\n") and not det.deciding
     det2 = MultiverseDetector()  # no newline: fork right after the tag
     (ev2,) = det2.feed("<Parallel>\n<Goal>\n<Outline>\n1: a\n</Outline>\n</Goal><Path>")
     assert det2.text.endswith("</Goal>") and ev2.at == det2.pos

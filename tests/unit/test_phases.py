@@ -1,6 +1,8 @@
-"""Phase model: derived rids, registry lookups, visibility rule, canonical reduce, error cases."""
+"""Phase model: derived rids, registry lookups, the lifecycle (FORKING -> PARALLEL -> REDUCE -> DONE),
+branch isolation, canonical reduce, error cases."""
 
 import random
+from array import array
 
 import pytest
 
@@ -10,40 +12,45 @@ from branchwise.phases import (
     PhaseRegistry,
     ReduceFormat,
     Stage,
-    branch_prompt,
     branch_seed,
-    reduce_text,
+    reduce,
 )
 
 MV = ReduceFormat(close="\n</Path>", sep="\n", suffix="<Conclusion>\n")
 HDRS = ("<Path>\n1: ", "<Path>\n2: ", "<Path>\n3: ")
 
 
-def open3(reg: PhaseRegistry, rid: str = "r") -> ParallelPhase:
-    return reg.open(rid, HDRS, labels=("1", "2", "3"), prefix_text="PREFIX</Goal>\n", prefix_len=7, fmt=MV)
+def open3(reg: PhaseRegistry, rid: str = "r", spawn: bool = True) -> ParallelPhase:
+    ph = reg.open(rid, HDRS, ("1", "2", "3"), prefix_text="PREFIX</Goal>\n", prefix_len=7, fmt=MV,
+                  header_ids=[[100 + i, 200 + i] for i in range(3)])
+    if spawn:
+        ph.spawned()
+    return ph
 
 
 def test_open_derives_ids_and_indexes():
     reg = PhaseRegistry()
-    ph = open3(reg)
-    assert ph.phase_id == "r/p0" and ph.fanout == 3 and ph.depth == 0
+    ph = open3(reg, spawn=False)
+    assert ph.phase_id == "r/p0" and ph.fanout == 3 and ph.depth == 0 and ph.state is Stage.FORKING
     assert [b.rid for b in ph.branches] == ["r/p0/b0", "r/p0/b1", "r/p0/b2"]
     assert all(b.rid.startswith("r") for b in ph.branches)  # SGLang abort-by-prefix reaches them
-    assert reg.phase("r/p0") is ph and reg.of_parent("r") is ph
+    assert reg.phases["r/p0"] is ph and reg.of_parent("r") is ph
     got = reg.of_branch("r/p0/b1")
     assert got is not None and got[0] is ph and got[1].index == 1 and got[1].label == "2"
     assert reg.of_branch("nope") is None and reg.of_parent("r/p0/b0") is None
-    assert reg.stage("r") is Stage.PARALLEL and reg.stage("other") is Stage.SERIAL
+    ph.spawned()
+    assert ph.state is Stage.PARALLEL
 
 
-def test_visibility_rule_hides_siblings():
+def test_branch_input_is_the_prefix_and_its_own_header_only():
     reg = PhaseRegistry()
     ph = open3(reg)
-    ph.close_branch(0, "SECRET-ZERO\n</Path>")
-    ph.close_branch(2, "SECRET-TWO\n</Path>")
-    p = branch_prompt(ph, 1)
-    assert p == "PREFIX</Goal>\n<Path>\n2: "
-    assert "SECRET" not in p and "1: " not in p and "3: " not in p
+    ph.close_branch(0, "SECRET-ZERO\n</Path>", [900])
+    ph.close_branch(2, "SECRET-TWO\n</Path>", [902])
+    prefix = array("q", [1, 2, 3])
+    got = ph.branch_input(1, prefix)
+    assert list(got) == [1, 2, 3, 101, 201]  # no sibling's header or output ids
+    assert list(prefix) == [1, 2, 3]  # the shared prefix is not modified
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -56,10 +63,9 @@ def test_reduce_order_is_canonical(seed):
     for k, i in enumerate(order):
         last = ph.close_branch(i, outs[i], [i, i])
         assert last == (k == 2)
-    assert ph.completion_order == order
     want = "<Path>\n1: alpha\n</Path>\n<Path>\n2: beta\n</Path>\n<Path>\n3: gamma\n</Path>\n<Conclusion>\n"
-    assert reduce_text(ph) == want
-    assert ph.join() == want and ph.state is Stage.REDUCE and reg.stage("r") is Stage.REDUCE
+    assert reduce(MV, HDRS, outs) == want
+    assert ph.join() == want and ph.state is Stage.REDUCE and reg.of_parent("r") is ph
 
 
 def test_reduce_closes_branch_cut_short():
@@ -68,7 +74,7 @@ def test_reduce_closes_branch_cut_short():
     ph.close_branch(0, "ok\n</Path>")
     ph.close_branch(1, "cut by max tokens", reason="length")
     ph.close_branch(2, "ok2\n</Path>\n")
-    assert reduce_text(ph) == (
+    assert ph.join() == (
         "<Path>\n1: ok\n</Path>\n<Path>\n2: cut by max tokens\n</Path>\n<Path>\n3: ok2\n</Path>\n\n<Conclusion>\n"
     )
     assert ph.branch(1).finish_reason == "length"
@@ -76,59 +82,47 @@ def test_reduce_closes_branch_cut_short():
 
 def test_errors():
     reg = PhaseRegistry(max_depth=2)
-    ph = open3(reg)
+    ph = open3(reg, spawn=False)
+    with pytest.raises(PhaseError, match="cannot close branch 0 in state forking"):
+        ph.close_branch(0, "x")
+    ph.spawned()
+    with pytest.raises(PhaseError, match="cannot spawn in state parallel"):
+        ph.spawned()
     ph.close_branch(0, "x")
     with pytest.raises(PhaseError, match="closed twice"):
         ph.close_branch(0, "x")
     with pytest.raises(PhaseError, match=r"reduce before all branches closed \(open: \[1, 2\]\)"):
-        reduce_text(ph)
-    with pytest.raises(PhaseError, match="more branches than announced"):
-        ph.add_branch(3, "h")
-    with pytest.raises(PhaseError, match="attached twice"):
-        ph.add_branch(1, "h")
+        ph.join()
+    with pytest.raises(PhaseError, match="branch 3 outside fanout 3"):
+        ph.add_branch("h", "4")
     with pytest.raises(PhaseError, match="no branch 7"):
         ph.branch(7)
     with pytest.raises(PhaseError, match="already waits"):
         open3(reg)
     with pytest.raises(PhaseError, match="unknown phase"):
-        reg.phase("zz")
-    with pytest.raises(PhaseError, match="not a registered branch"):
-        reg.close_branch("zz")
+        reg.release("zz")
     with pytest.raises(PhaseError, match="fanout must be >= 1"):
         ParallelPhase("x", "r", 0)
+    with pytest.raises(ValueError):  # a label per header
+        reg.open("q", ("a", "b"), ("1",))
     # nesting: branch of r/p0 opens r/p0/b1/p0 at depth 1; one more level exceeds max_depth=2
-    inner = reg.open("r/p0/b1", ("a", "b"))
+    inner = reg.open("r/p0/b1", ("a", "b"), ("1", "2"))
     assert inner.phase_id == "r/p0/b1/p0" and inner.depth == 1
     with pytest.raises(PhaseError, match="nesting depth 2 exceeds limit 1"):
-        reg.open("r/p0/b1/p0/b0", ("a",))
+        reg.open("r/p0/b1/p0/b0", ("a",), ("1",))
     ph.close_branch(1, "y")
     ph.close_branch(2, "z")
     ph.join()
-    with pytest.raises(PhaseError, match="cannot close branch"):
+    with pytest.raises(PhaseError, match="cannot close branch 1 in state reduce"):
         ph.close_branch(1, "again")
-
-
-def test_client_side_announce_attach():
-    reg = PhaseRegistry()
-    ph = reg.announce("grp42", "client-parent", 2)
-    assert ph.phase_id == "grp42" and ph.open_branches == [0, 1]
-    b1 = reg.attach("grp42", 1, "uuid-b")  # siblings may arrive out of order
-    reg.attach("grp42", 0, "uuid-a")
-    assert reg.of_branch("uuid-b") == (ph, b1)
-    with pytest.raises(PhaseError, match="more branches than announced"):
-        reg.attach("grp42", 2, "uuid-c")
-    with pytest.raises(PhaseError, match="already registered"):
-        reg.attach(reg.announce("g2", "p2", 3).phase_id, 0, "uuid-a")
-    reg.close_branch("uuid-b", "B")
-    assert not ph.all_closed
-    reg.close_branch("uuid-a", "A")
-    assert ph.all_closed and reduce_text(ph) == "AB"
+    with pytest.raises(PhaseError, match="cannot join in state reduce"):
+        ph.join()
 
 
 def test_release_and_drop_request():
     reg = PhaseRegistry()
     ph = open3(reg, "r1")
-    reg.open("r1/p0/b0", ("x", "y"))  # nested phase under branch 0
+    reg.open("r1/p0/b0", ("x", "y"), ("1", "2"))  # nested phase under branch 0
     open3(reg, "r10")  # shares the textual prefix "r1" but is another request
     assert len(reg) == 3
     assert sorted(reg.drop_request("r1")) == ["r1/p0", "r1/p0/b0/p0"]
@@ -141,6 +135,7 @@ def test_release_and_drop_request():
         ph2.close_branch(i, "o")
     ph2.join()
     reg.release(ph2.phase_id)
+    assert ph2.state is Stage.DONE and reg.of_parent("r1") is None
     assert open3(reg, "r1").phase_id == "r1/p1"
     with pytest.raises(PhaseError, match="unknown phase"):
         reg.release("r1/p0")

@@ -5,11 +5,13 @@ Server-side use, one detector per sequence:
   for ev in det.feed(new_text): ...              # PhaseOpened -> fork; det pauses
   bdet = det.branch(i, ev.labels[i], ev.depth)   # branch stream, starts after ev.headers[i]
   bdet.feed(...)                                 # BranchClosed -> branch done (output = bdet.text)
-  det.join(phases.reduce_text(phase))            # parent resumes (Multiverse: at <Conclusion>)
+  det.join(phase.join())                         # parent resumes (Multiverse: at <Conclusion>)
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Any
 
 from branchwise.grammars.base import (
@@ -26,7 +28,7 @@ from branchwise.grammars.base import (
 from branchwise.grammars.multiverse import MultiverseDetector, MultiverseTags
 from branchwise.grammars.sprint import SprintDetector, SprintTags
 
-DETECTORS: dict[str, type[Detector]] = {"multiverse": MultiverseDetector, "sprint": SprintDetector}
+DETECTORS: Mapping[str, type[Detector]] = MappingProxyType({"multiverse": MultiverseDetector, "sprint": SprintDetector})
 
 
 def get_detector(name: str, **kw: Any) -> Detector:

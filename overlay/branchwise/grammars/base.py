@@ -7,9 +7,14 @@ this detector kept: fed text plus joined reduce text, minus text dropped after a
 
 Modes (one detector per sequence):
   OBSERVE  watch a complete serial text; every phase/branch/close event, never pauses (parse, clients)
-  PARENT   serial stream; at a fork point emit PhaseOpened and pause until `join(reduce_text)`
+  PARENT   serial stream; at a fork point emit PhaseOpened and pause until `join(reduce text)`
   BRANCH   a branch's own stream, starting just after its header; emits BranchClosed at its close
            tag and stops; a nested phase inside it pauses/joins exactly like PARENT
+
+What the server side (branchwise.fork) uses: feed, join, finish, branch, and the read-only state
+text, pos, fmt, done (branch mode: own close tag seen) and deciding (a fork tag closed, the next
+character places the fork point). The pause between a fork and its join is the detector's own
+parsing state; the phase's lifecycle lives in branchwise.phases.
 """
 
 from __future__ import annotations
@@ -186,6 +191,12 @@ class Detector:
     def pos(self) -> int:
         return self._len
 
+    @property
+    def deciding(self) -> bool:
+        """A fork tag closed and the next character decides the fork point (a newline after the tag
+        belongs to the prefix): text already read may still be cut."""
+        return self._pending is not None
+
     def feed(self, text: str) -> list[Event]:
         """Consume generated text. Text fed while paused or done is dropped (the server drops it too)."""
         if self.error is not None:
@@ -196,7 +207,7 @@ class Detector:
         return self._run(self.lexer.push(text))
 
     def join(self, text: str) -> list[Event]:
-        """Resume after a fork with the reduce text (from phases.reduce_text). Validates it; only the
+        """Resume after a fork with the reduce text (phases.ParallelPhase.join). Validates it; only the
         joined phase's own PhaseClosed (SPRINT) is reported, the branches' events were theirs."""
         if self.error is not None:
             raise self.error

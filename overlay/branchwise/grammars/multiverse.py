@@ -41,7 +41,6 @@ from branchwise.grammars.base import (
     Node,
     PhaseClosed,
     PhaseOpened,
-    fill_text,
 )
 from branchwise.phases import ReduceFormat
 
@@ -197,17 +196,3 @@ class MultiverseDetector(Detector):
                 raise GrammarError(f"branch {n.label} ended without </{n.tag}>", self.pos)
             if n.tag == self.tags.parallel:
                 raise GrammarError(f"unclosed <{n.tag}> at end of stream (opened at {n.start})", self.pos)
-
-
-def parse(text: str, tags: MultiverseTags | None = None, **kw) -> Node:
-    """Whole-text parse (observe mode): the element tree, or GrammarError."""
-    det = MultiverseDetector(tags, mode=Mode.OBSERVE, **kw)
-    det.feed(text)
-    det.finish()
-    return fill_text(det.root, text)
-
-
-def events(text: str, tags: MultiverseTags | None = None, **kw) -> list:
-    """All events of a complete serial text (observe mode)."""
-    det = MultiverseDetector(tags, mode=Mode.OBSERVE, **kw)
-    return det.feed(text) + det.finish()

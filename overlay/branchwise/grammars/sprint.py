@@ -50,7 +50,6 @@ from branchwise.grammars.base import (
     Node,
     PhaseClosed,
     PhaseOpened,
-    fill_text,
 )
 from branchwise.phases import ReduceFormat
 
@@ -157,15 +156,3 @@ class SprintDetector(Detector):
             raise GrammarError(f"unclosed <{top.tag}> at end of stream (opened at {top.start})", self.pos)
         if self._done < len(self._round):
             raise GrammarError(f"stream ended after {self._done} of {len(self._round)} executions", self.pos)
-
-
-def parse(text: str, tags: SprintTags | None = None) -> Node:
-    det = SprintDetector(tags, mode=Mode.OBSERVE)
-    det.feed(text)
-    det.finish()
-    return fill_text(det.root, text)
-
-
-def events(text: str, tags: SprintTags | None = None) -> list:
-    det = SprintDetector(tags, mode=Mode.OBSERVE)
-    return det.feed(text) + det.finish()
