@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
+from typing import Any
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 REQ = "sglang.srt.managers.schedule_batch.Req"
@@ -25,7 +27,7 @@ SCHEDULE_BATCH = "sglang.srt.managers.schedule_batch.ScheduleBatch"
 RADIX_CACHE = "sglang.srt.mem_cache.radix_cache.RadixCache"
 UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCache"
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
-IO_STRUCT = "sglang.srt.managers.io_struct"
+GENERATE_REQ_INPUT = "sglang.srt.managers.io_struct.GenerateReqInput"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
 
 
@@ -36,135 +38,88 @@ def _flag_declared(name: str) -> bool:
     return name in Schedule.__struct_fields__
 
 
-def _async_output_hooks(HookType):
-    """Albireo async output (--async-output): result processing off the critical path."""
+def hook_table(HookType: Any, timer_mode: str | None) -> list[tuple[str, Callable[..., Any], Any]]:
+    """Every hook Branchwise installs, as (target, hook body, kind): one row each, grouped by
+    component; a body's name gives its kind (after_* or around_*). A row's first column says when it
+    is on: `serving` is Branchwise proper (off in the step timer's bench modes "stock" and
+    "albireo"), `albireo` is every mode but "stock" (Albireo's rows also need their flag declared by
+    the ServerArgs patch), `timer` is env BRANCHWISE_STEP_TIMER. Where several components need one
+    Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
+    from branchwise import deferral, fork, runtime
+    from branchwise import dp_dispatch as dp
+    from branchwise import scheduler_hook as sh
+    from branchwise import step_timer as t
+    from branchwise import validate as v
     from branchwise.albireo import async_output as ao
-
-    return [
-        (f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode,
-         HookType.AROUND),
-        (f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix, HookType.AROUND),
-        (f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state, HookType.AROUND),
-    ]
-
-
-def _forward_thread_hooks(HookType):
-    """Albireo forward thread (CPU, under --async-output): the overlap loop's forward-stream work on
-    a FIFO worker thread."""
     from branchwise.albireo import forward_thread as ft
-
-    return [
-        (f"{SCHEDULER}.run_batch", ft.around_run_batch, HookType.AROUND),
-        (f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs, HookType.AROUND),
-        (f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation, HookType.AROUND),
-        (f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload, HookType.AROUND),
-        (f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu, HookType.AROUND),
-        (f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
-        (f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint, HookType.AROUND),
-        (f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask, HookType.AROUND),
-    ]
-
-
-def _sampler_hooks(HookType):
-    """Albireo sequence-parallel sampling (--parallel-sampling)."""
     from branchwise.albireo import sp_sampler_hook as sp
 
-    return [
-        (f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch, HookType.AFTER),
-        (f"{MODEL_RUNNER}.sample", sp.around_sample, HookType.AROUND),
-        (f"{MODEL_RUNNER}.forward", sp.around_forward, HookType.AROUND),
-        (f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits, HookType.AROUND),
+    serving = timer_mode not in ("stock", "albireo")
+    albireo = timer_mode != "stock"
+    timer = timer_mode is not None
+    async_out = albireo and _flag_declared("async_output")  # the forward thread runs under it too
+    sampling = albireo and _flag_declared("parallel_sampling")
+    table = [
+        # runtime.py: builds and reports scheduler.branchwise; request creation runs taper, fork, dp in order
+        (True, f"{SCHEDULER}.__init__", runtime.after_scheduler_init),
+        (albireo, f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state),
+        (serving, f"{SCHEDULER}._create_generation_req", runtime.after_create_generation_req),
+        # taper: per-step branch admission (scheduler_hook.py); which token a deferred row's penalties
+        # cumulate (deferral.py; SGLang calls it only for batches with penalties)
+        (serving, f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch),
+        (serving, f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result),
+        (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens),
+        # fork.py: server-side fork/join (its per-token hook sits on each tracked Req instance)
+        (serving, f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests),
+        (serving, f"{SCHEDULER}.abort_request", fork.after_abort_request),
+        (serving, f"{SCHEDULER}.send_abort_output", fork.around_send_abort_output),
+        (serving, f"{SCHEDULER}.is_fully_idle", fork.after_is_fully_idle),
+        (serving, f"{STREAMER}.stream_output", fork.around_stream_output),
+        # dp_dispatch.py: phase-affine placement, in the DP controller process
+        (serving, f"{DP_CONTROLLER}.__init__", dp.after_controller_init),
+        (serving, f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace),
+        # validate.py: malformed requests end as HTTP 400 in the HTTP server process
+        (serving, f"{GENERATE_REQ_INPUT}.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments),
+        (serving, f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object),
+        (serving, f"{TOKENIZER_MANAGER}._validate_one_request", v.after_validate_one_request),
+        (serving, f"{TOKENIZER_MANAGER}.create_abort_task", v.around_create_abort_task),
+        # albireo/async_output.py (--async-output): result processing off the critical path
+        (async_out, f"{RESULT_PROCESSOR}.process_batch_result_decode", ao.around_process_batch_result_decode),
+        (async_out, f"{REQ}.check_match_stop_str_prefix", ao.around_check_match_stop_str_prefix),
+        (async_out, f"{SCHEDULER}.set_internal_state", ao.around_set_internal_state),
+        # albireo/forward_thread.py (CPU, under --async-output): forward-stream work on a worker thread
+        (async_out, f"{SCHEDULER}.run_batch", ft.around_run_batch),
+        (async_out, f"{OVERLAP_UTILS}.resolve_forward_inputs", ft.around_resolve_forward_inputs),
+        (async_out, f"{TP_WORKER}.forward_batch_generation", ft.around_forward_batch_generation),
+        (async_out, f"{SCHEDULER}._relay_forward_payload", ft.around_relay_forward_payload),
+        (async_out, f"{SCHEDULER}._copy_result_to_cpu", ft.around_copy_result_to_cpu),
+        (async_out, f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint),
+        (async_out, f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint),
+        (async_out, f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask),
+        # albireo/sp_sampler_hook.py (--parallel-sampling): sequence-parallel sampling
+        (sampling, f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch),
+        (sampling, f"{MODEL_RUNNER}.sample", sp.around_sample),
+        (sampling, f"{MODEL_RUNNER}.forward", sp.around_forward),
+        (sampling, f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits),
+        # step_timer.py: the bench's per-iteration time split; never on in normal serving. Its spans wrap
+        # (or sit inside) other hooks on the same targets: registration order moves only what a span counts
+        (timer, f"{SCHEDULER}.ingest_requests", t.around_ingest),
+        (timer, f"{SCHEDULER}.get_next_batch_to_run", t.around_get_next_batch),
+        (timer, f"{SCHEDULER}.run_batch", t.around_run_batch),
+        (timer, f"{SCHEDULER}.process_batch_result", t.around_process_batch_result),
+        (timer, f"{MODEL_RUNNER}.forward", t.around_forward),
+        (timer, f"{MODEL_RUNNER}.sample", t.around_sample),
+        (timer, f"{STREAMER}.stream_output", t.around_stream_output),
     ]
+    return [(target, fn, _kind(HookType, fn)) for on, target, fn in table if on]
 
 
-def _albireo_hooks(HookType):
-    """Albireo's features, where the ServerArgs patch declares their flags; each hook body passes
-    through unless its component is on for this server."""
-    hooks = []
-    if _flag_declared("async_output"):
-        hooks += _async_output_hooks(HookType) + _forward_thread_hooks(HookType)
-    if _flag_declared("parallel_sampling"):
-        hooks += _sampler_hooks(HookType)
-    return hooks
-
-
-def _step_timer_hooks(HookType):
-    """Bench-only instrument (env BRANCHWISE_STEP_TIMER); never registered in normal serving."""
-    from branchwise import step_timer as t
-
-    return [
-        (f"{SCHEDULER}.ingest_requests", t.around_ingest, HookType.AROUND),
-        (f"{SCHEDULER}.get_next_batch_to_run", t.around_get_next_batch, HookType.AROUND),
-        (f"{SCHEDULER}.run_batch", t.around_run_batch, HookType.AROUND),
-        (f"{SCHEDULER}.process_batch_result", t.around_process_batch_result, HookType.AROUND),
-        (f"{MODEL_RUNNER}.forward", t.around_forward, HookType.AROUND),
-        (f"{MODEL_RUNNER}.sample", t.around_sample, HookType.AROUND),
-        (f"{STREAMER}.stream_output", t.around_stream_output, HookType.AROUND),
-    ]
-
-
-def _fork_hooks(HookType):
-    """Server-side fork/join (fork.py); its request-creation step runs inside runtime's hook."""
-    from branchwise import fork
-
-    return [
-        (f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests, HookType.AFTER),
-        (f"{SCHEDULER}.abort_request", fork.after_abort_request, HookType.AFTER),
-        (f"{SCHEDULER}.send_abort_output", fork.around_send_abort_output, HookType.AROUND),
-        (f"{SCHEDULER}.is_fully_idle", fork.after_is_fully_idle, HookType.AFTER),
-        (f"{STREAMER}.stream_output", fork.around_stream_output, HookType.AROUND),
-    ]
-
-
-def _dp_hooks(HookType):
-    """Phase-affine DP dispatch (dp_dispatch.py), in the DP controller process; each scheduler's
-    part is built and reported by runtime.py."""
-    from branchwise import dp_dispatch as dp
-
-    return [
-        (f"{DP_CONTROLLER}.__init__", dp.after_controller_init, HookType.AFTER),
-        (f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace, HookType.AROUND),
-    ]
-
-
-def _runtime_hooks(HookType, timer_mode: str | None):
-    """The composition root (runtime.py): the only Scheduler.__init__ and get_internal_state hooks,
-    and request creation, whose steps (taper, fork, dp) it runs in a fixed order."""
-    from branchwise import runtime
-
-    hooks = [(f"{SCHEDULER}.__init__", runtime.after_scheduler_init, HookType.AFTER)]
-    if timer_mode != "stock":
-        hooks.append((f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state, HookType.AFTER))
-    if timer_mode not in ("stock", "albireo"):
-        hooks.append((f"{SCHEDULER}._create_generation_req", runtime.after_create_generation_req, HookType.AFTER))
-    return hooks
-
-
-def _taper_hooks(HookType):
-    """Per-step branch admission (scheduler_hook.py) and the deferred rows' penalties (deferral.py)."""
-    from branchwise import deferral
-    from branchwise import scheduler_hook as sh
-
-    return [
-        (f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch, HookType.AROUND),
-        (f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result, HookType.AFTER),
-        # runs only for batches with penalties: which token deferred rows cumulate (deferral.py)
-        (f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens,
-         HookType.AROUND),
-    ]
-
-
-def _validate_hooks(HookType):
-    """Malformed requests end as HTTP 400 in the HTTP server process (validate.py)."""
-    from branchwise import validate as v
-
-    return [
-        (f"{IO_STRUCT}.GenerateReqInput.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments,
-         HookType.AROUND),
-        (f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object, HookType.AROUND),
-        (f"{TOKENIZER_MANAGER}._validate_one_request", v.after_validate_one_request, HookType.AFTER),
-        (f"{TOKENIZER_MANAGER}.create_abort_task", v.around_create_abort_task, HookType.AROUND),
-    ]
+def _kind(HookType: Any, fn: Callable[..., Any]) -> Any:
+    """A hook body's name says its kind: `after_*` runs after the target, `around_*` wraps it."""
+    kind = fn.__name__.split("_", 1)[0]
+    if kind not in ("after", "around"):
+        raise ValueError(f"hook body {fn.__qualname__} must be named after_* or around_*")
+    return HookType.AFTER if kind == "after" else HookType.AROUND
 
 
 VERSION_NOTED_ENV = "BRANCHWISE_VERSION_NOTED"  # set once the mismatch line is written (children inherit it)
@@ -208,14 +163,5 @@ def register() -> None:
 
     from branchwise import step_timer
 
-    # bench modes: "stock" = SGLang + the timer only; "albireo" = + Albireo's hooks, no other Branchwise hook
-    timer_mode = step_timer.enabled()
-    hooks = _runtime_hooks(HookType, timer_mode)
-    if timer_mode not in ("stock", "albireo"):
-        hooks += _taper_hooks(HookType) + _fork_hooks(HookType) + _dp_hooks(HookType) + _validate_hooks(HookType)
-    if timer_mode != "stock":
-        hooks += _albireo_hooks(HookType)
-    if timer_mode:
-        hooks += _step_timer_hooks(HookType)
-    for target, fn, kind in hooks:
+    for target, fn, kind in hook_table(HookType, step_timer.enabled()):
         HookRegistry.register(target, fn, kind)
