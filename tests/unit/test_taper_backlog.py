@@ -47,9 +47,10 @@ def widths(rows: list[Row], active: list[int]) -> dict[str, int]:
 def test_rate_2_1_trap_taper_paper_admits_nothing_taper_admits(step_s, serial):
     """Protected rows alone exceed taper-paper's budget (0.8 x the per-gap slack left one step after
     the last token), with requests queued: the paper's rule runs one row per request and the phases
-    live on. 14 serial requests at 15 ms steps: the protected rows (12.2 ms) fit the SLO pace
-    (12.8 ms), every request ran a little ahead of its pace, and taper lends that bank to branch
-    rows. 24 serial requests at 18 ms steps (the trap's growing steps; protected rows 15.7 ms): every
+    live on. 14 serial requests at 15 ms steps: every request ran a little ahead of its pace, but
+    with a queue that bank stays its margin (per-gap slack, 1 ms); no deferral keeps the serial
+    requests within it, so they bound the step at their pace (12.8 ms), where the protected rows
+    (12.2 ms) leave room for a branch row. 24 serial requests at 18 ms steps (the trap's growing steps; protected rows 15.7 ms): every
     request is behind, no deferral saves any of them, and the late phases take the rows their own
     targets need."""
     paper = StepController(parse_policy("taper-paper", model=CPU))
@@ -80,6 +81,23 @@ def test_bank_is_not_lent_once_protected_rows_exceed_the_pace():
     active = taper.select(rows, now, waiting=5)
     assert taper.stats.admitted == 0 and len(active) == 32
     assert taper.stats.terms == {"per_gap": 1, "overload": 1}  # overload: serial requests at pace
+
+
+def test_bank_is_not_lent_while_requests_queue():
+    """14 serial requests at 10 ms steps, well ahead of their 16 ms pace; protected rows (12.2 ms)
+    fit the pace. Without a queue taper lends the bank (0.8 x 126 ms) and runs every branch row;
+    with one, the engine has no lighter steps ahead to win the bank back: serial slack is read per
+    gap and the budget is the SLO pace, 0.8 x 16 ms, room for one branch row."""
+    for waiting, admitted in ((0, 24), (5, 1)):
+        taper = StepController(parse_policy("taper", model=CPU))
+        rows, now = trapped(taper, serial=14, step_s=0.010)
+        taper.select(rows, now, waiting=waiting)
+        assert taper.stats.admitted == admitted
+        if waiting:
+            assert taper.stats.last_budget_s == pytest.approx(0.8 * SLO)
+            assert "per_gap" in taper.stats.terms
+        else:
+            assert taper.stats.last_budget_s == pytest.approx(0.8 * (21 * SLO - 0.210)) and not taper.stats.terms
 
 
 def test_overload_rule_bounds_late_requests_at_their_pace():

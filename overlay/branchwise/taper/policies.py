@@ -26,9 +26,13 @@ worth it only when the steps it moves to are less tight. `weighed_budget` holds 
   T <= rho * (slack + (w - 1) * slo), so deferring a late phase's rows never helps that phase. The
   budget is rho * min over requests of that bound at full width, and every phase gets as many rows
   (a floor, run whatever the budget) as its own bound needs at that budget. The bank is lent only
-  while the protected rows alone fit the SLO pace (rho * slo): beyond it the engine is overloaded,
-  the banked time is the stages' only margin against the steps the planner does not see (an
-  arrival's prefill), and serial slack is read per gap as in the paper (ArrayBatch.gap_slack_s).
+  while the engine has lighter steps ahead: no request waits for admission (ArrayBatch.waiting)
+  and the protected rows alone fit the SLO pace (rho * slo). A saturated engine (a queue, or
+  protected rows beyond the pace) has none: a slot that a finished phase frees is refilled at once,
+  so a stage cannot win back later what it spends now, and its bank is its only margin against
+  the steps the planner does not see (the prefills of the requests it admits). There serial slack
+  is read per gap as in the paper (ArrayBatch.gap_slack_s): a stage within slo at every gap meets
+  its mean too.
 * Overload rule (off: taper-no-overload). When the rows that must run already exceed the budget,
   deferral cannot save the tightest requests this step: their budget was lost before any
   opportunistic row was counted. Those requests stop setting the budget; each of them bounds the
@@ -148,8 +152,8 @@ class Policy:
         rho, slack, slo, model, terms = self.rho, a.slack_s, a.slo_s, self.model, self.terms
         assert rho is not None and slo is not None and model is not None
         notes: dict[str, float] = {}
-        if a.gap_slack_s is not None and floor_cost(a, model, None) > rho * float(slo.min()):
-            slack = a.gap_slack_s  # the protected rows alone exceed the pace: the bank stays a margin
+        if a.gap_slack_s is not None and (a.waiting > 0 or floor_cost(a, model, None) > rho * float(slo.min())):
+            slack = a.gap_slack_s  # saturated (a queue, or protected rows over the pace): the bank stays a margin
             notes["per_gap"] = 1.0
         extra = a.ready - 1
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
