@@ -314,20 +314,26 @@ class ForkManager:
     def reconcile(self) -> None:
         while self.forking:
             t = self.forking.pop(0)
-            self._park_and_spawn(t)
+            self._park(t)
+            if t.req.to_finish is not None:  # aborted between the fork and now: end it parked
+                t.req.finished_reason, t.req.to_finish = t.req.to_finish, None
+                self._finish_outside_batch(t)
+            else:
+                self._spawn(t)
         while self.closed:
             self._close(self.closed.pop(0))
 
-    def _park_and_spawn(self, t: Track) -> None:
+    def _park(self, t: Track) -> None:
+        """FORKING -> PARALLEL: the parent's prefix KV goes into the radix tree (pinned there), and
+        the Req leaves every batch and holds no KV row, like a retracted request."""
         from sglang.srt.mem_cache.common import release_kv_cache
 
         sched, req, ph = self.sched, t.req, t.phase
         assert ph is not None and ph.state is Stage.FORKING and not req.finished()
         _evict(sched, req)
         tree = sched.tree_cache
-        origin = len(req.origin_input_ids)
         if req.kv.holds_kv:
-            ph.shared = min(req.kv.kv_committed_len, origin + ph.keep)
+            ph.shared = min(req.kv.kv_committed_len, len(req.origin_input_ids) + ph.keep)
             req.full_untruncated_fill_ids = array("q")  # output_ids shrank: rebuild, not extend
             release_kv_cache(req, tree, checkpoint=True)
             if tree.supports_prefix_sharing() and req.last_node is not None:
@@ -335,12 +341,13 @@ class ForkManager:
         n_retract = req.retraction_count
         req.reset_for_retract()
         req.retraction_count = n_retract  # a park is not a retraction
-        ph.spawned()
+        ph.park()
         self.parked[t.rid] = t
-        if req.to_finish is not None:  # aborted between the fork and now: end it parked
-            req.finished_reason, req.to_finish = req.to_finish, None
-            self._finish_outside_batch(t)
-            return
+
+    def _spawn(self, t: Track) -> None:
+        """One Req per branch (input: the shared prefix and its own header) into the waiting queue."""
+        sched, req, ph = self.sched, t.req, t.phase
+        assert ph is not None
         prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: ph.keep])
         parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
         from branchwise.scheduler_hook import note_phase_requests

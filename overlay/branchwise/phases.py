@@ -9,9 +9,10 @@ branch schedule give the same output as one serial writer, and they are enforced
 
 Lifecycle of a server-side phase (`Stage`), driven by branchwise.fork:
 
-    FORKING   the parent's detector saw a fork; its output was cut at the fork point, and the
-              branches are spawned at the next scheduling point
-    PARALLEL  the parent is parked; its branches decode (`close_branch` records each one's output)
+    FORKING   the parent's detector saw a fork; its output was cut at the fork point; it is parked
+              and the branches are spawned at the next scheduling point
+    PARALLEL  the parent is parked (`park`); its branches decode (`close_branch` records each
+              one's output)
     REDUCE    every branch closed; the parent resumed with the reduce text (`join`) and decodes
               until its grammar closes the phase
     DONE      released (closed by the grammar, or dropped with its request)
@@ -121,9 +122,9 @@ class ParallelPhase:
         """Isolation: branch i reads the shared prefix and its own header ids, nothing of a sibling."""
         return prefix + array("q", self.header_ids[i])
 
-    def spawned(self) -> None:
-        """FORKING -> PARALLEL: the parent is parked and its branches are queued."""
-        self._expect(Stage.FORKING, "spawn")
+    def park(self) -> None:
+        """FORKING -> PARALLEL: the parent is parked (its branches are queued next)."""
+        self._expect(Stage.FORKING, "park")
         self.state = Stage.PARALLEL
 
     def close_branch(self, i: int, text: str = "", ids: list[int] | None = None, reason: str = "tag") -> bool:

@@ -242,7 +242,7 @@ def drive(name: str, text: str, rng: random.Random, **kw):
         f = start + ev.at
         ph = reg.open(rid, ev.headers, ev.labels, prefix_text=text[:f], header=ev.header, fmt=det.fmt,
                       header_ids=[ids(h) for h in ev.headers])
-        ph.spawned()
+        ph.park()
         assert ph.depth == ev.depth
         cursor, starts = f, []
         for i in range(ph.fanout):  # where branch i's continuation sits in the serial text

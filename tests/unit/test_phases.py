@@ -24,7 +24,7 @@ def open3(reg: PhaseRegistry, rid: str = "r", spawn: bool = True) -> ParallelPha
     ph = reg.open(rid, HDRS, ("1", "2", "3"), prefix_text="PREFIX</Goal>\n", prefix_len=7, fmt=MV,
                   header_ids=[[100 + i, 200 + i] for i in range(3)])
     if spawn:
-        ph.spawned()
+        ph.park()
     return ph
 
 
@@ -38,7 +38,7 @@ def test_open_derives_ids_and_indexes():
     got = reg.of_branch("r/p0/b1")
     assert got is not None and got[0] is ph and got[1].index == 1 and got[1].label == "2"
     assert reg.of_branch("nope") is None and reg.of_parent("r/p0/b0") is None
-    ph.spawned()
+    ph.park()
     assert ph.state is Stage.PARALLEL
 
 
@@ -85,9 +85,9 @@ def test_errors():
     ph = open3(reg, spawn=False)
     with pytest.raises(PhaseError, match="cannot close branch 0 in state forking"):
         ph.close_branch(0, "x")
-    ph.spawned()
-    with pytest.raises(PhaseError, match="cannot spawn in state parallel"):
-        ph.spawned()
+    ph.park()
+    with pytest.raises(PhaseError, match="cannot park in state parallel"):
+        ph.park()
     ph.close_branch(0, "x")
     with pytest.raises(PhaseError, match="closed twice"):
         ph.close_branch(0, "x")
