@@ -40,16 +40,6 @@ SKIPPED_PACKAGES = ("branchwise.cpu_compat",)
 # (module, name) -> why a mutable-looking global is allowed
 ALLOWED: dict[tuple[str, str], str] = {}
 
-# Globals known to hold state, owned by modules being reworked (issue 14); each entry leaves this
-# set when its module drops the global. The test fails if an entry is no longer an offender, so the
-# set only shrinks.
-KNOWN_OFFENDERS: set[tuple[str, str]] = {
-    ("branchwise.taper.policies", "_TERMS"),  # helper B
-    ("branchwise.taper.predictor", "_KEYS"),  # helper B
-    ("branchwise.taper.predictor", "_OPTIONAL"),  # helper B
-    ("branchwise.taper.predictor", "_UNITS"),  # helper B
-}
-
 _IMMUTABLE_TYPES = (type(None), bool, int, float, complex, str, bytes, range, type(Ellipsis),
                     re.Pattern, operator.attrgetter, operator.itemgetter, operator.methodcaller,
                     types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType,
@@ -148,14 +138,9 @@ def found() -> dict[tuple[str, str], str]:
 
 
 def test_no_module_level_mutable_state(found):
-    new = {k: v for k, v in found.items() if k not in ALLOWED and k not in KNOWN_OFFENDERS}
+    new = {k: v for k, v in found.items() if k not in ALLOWED}
     assert new == {}, "module-level mutable state (move it onto the runtime's per-scheduler object):\n" + \
         "\n".join(f"  {m}.{n}: {why}" for (m, n), why in sorted(new.items()))
-
-
-def test_known_offenders_are_still_offenders(found):
-    """An entry whose module dropped the global must leave KNOWN_OFFENDERS (the list only shrinks)."""
-    assert sorted(KNOWN_OFFENDERS - set(found)) == []
 
 
 def test_allowed_entries_exist(found):

@@ -60,6 +60,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import numpy as np
 
@@ -89,8 +90,9 @@ class Terms:
 
 
 PAPER = Terms()
-_TERMS = {"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
-          "taper-no-overload": Terms(True, False, True), "taper-no-backlog": Terms(True, True, False)}
+_TERMS = MappingProxyType({"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
+                          "taper-no-overload": Terms(True, False, True),
+                          "taper-no-backlog": Terms(True, True, False)})
 
 
 @dataclass(frozen=True, slots=True)

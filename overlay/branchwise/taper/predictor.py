@@ -17,6 +17,7 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from types import MappingProxyType
 from typing import Any, Protocol
 
 import numpy as np
@@ -144,9 +145,9 @@ def default_model() -> LinearLatencyModel:
     return LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1.0e-7, c_tok=4.0e-5)
 
 
-_UNITS = {"seconds": 1.0, "s": 1.0, "milliseconds": 1e-3, "ms": 1e-3}
-_KEYS = {"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)}
-_OPTIONAL = {"linear": ("c_tok",), "constant": ()}
+_UNITS = MappingProxyType({"seconds": 1.0, "s": 1.0, "milliseconds": 1e-3, "ms": 1e-3})
+_KEYS = MappingProxyType({"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)})
+_OPTIONAL = MappingProxyType({"linear": ("c_tok",), "constant": ()})
 MAX_INTERCEPT_S = 10.0  # a per-step floor above this is a unit mistake, not a measurement
 
 
