@@ -92,7 +92,7 @@ test: apply
 test-unit:
 	$(PY) -m pytest tests/unit -q
 
-# make bench: off/eager/taper at six loads from a probe of this machine (bench/README.md, "Replay"):
+# make bench: off/eager/taper at six loads from a probe of this machine (docs/benchmarks.md):
 # loads 0.1-1.0 of the fluid bound at the probed SLO, every policy at every load, one run (~20 min on
 # 2 cores). BENCH_ARGS adds or overrides flags of bench.sweep, e.g. BENCH_ARGS="--seed 1".
 bench: apply tiny-model

@@ -5,8 +5,8 @@ implementation for bench.profile (a T(S) file for `--latency-model`) and bench.r
 (the operating point of a run). At each grid point (b streams, ctx prompt tokens) it sends b concurrent
 streamed greedy requests and takes each one's decode step as (last chunk - first chunk) / (tokens - 1):
 serial streams only, so the probe means the same under every branch policy. Grid points take turns
-over `repeats` rounds and each keeps its median, so a passing burst of load on a shared box bends no
-single point. T(S) is fitted with non-negative least squares (monotone by construction) over rows and
+over `repeats` rounds and each keeps its fastest round: load from other processes on a shared box
+only adds time, so the minimum is the estimate of the machine that a burst of load bends least. T(S) is fitted with non-negative least squares (monotone by construction) over rows and
 context tokens (b x (ctx + tokens / 2)): a fit on short prompts alone under-predicts replay steps.
 
 Calibration (`calibrate`): the SLO is T(slo_rows rows of slo_context KV tokens), at least slo_floor x
@@ -103,7 +103,7 @@ async def probe(url: str, sizes: tuple[int, ...] = SIZES, contexts: tuple[int, .
                 seen[b, c].append(t := await step_time(url, session, b, c, tokens, salt=b, vocab=vocab))
                 if progress:
                     print(f"bs={b:4d} ctx={c:5d}  step={1e3 * t:8.3f} ms", flush=True)
-    step = {g: statistics.median(v) for g, v in seen.items()}
+    step = {g: min(v) for g, v in seen.items()}  # interference only adds time
     model = LinearLatencyModel.fit([(b, b * (c + tokens // 2), t) for (b, c), t in step.items()])
     return Probe(step, model, tokens)
 

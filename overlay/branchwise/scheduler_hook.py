@@ -195,7 +195,7 @@ def _pipeline_bubble(scheduler: Any) -> bool:
     (scheduler.last_batch, processed after this step's forward). When that batch is a prefill,
     the running rows get nothing from it: their next token arrives only after this step and the
     next one, so this step's plan must leave room for the next (the replay's TAPER misses were
-    marginal serial ones right after arrivals and joins; see bench/README.md)."""
+    marginal serial ones right after arrivals and joins)."""
     last = getattr(scheduler, "last_batch", None)
     if not getattr(scheduler, "enable_overlap", False) or last is None:
         return False
