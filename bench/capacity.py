@@ -45,9 +45,11 @@ import numpy as np
 
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import summarize
+from bench.programs import Scaling, scale_spec
+from bench.regimes import get_regime
 from bench.report import Col, blank, fmt, render, write_json
 from bench.workload import PRESETS, RequestSpec, compose, load_trace, stationary_schedule, workload_stats
-from branchwise.taper import LinearLatencyModel, default_model, load_model, parse_policy_name
+from branchwise.taper import LinearLatencyModel, load_model, parse_policy_name
 
 GRID = (0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15)  # x the fluid bound
 TARGET = 0.95  # attainment over all arrivals that counts as holding the SLO
@@ -110,6 +112,15 @@ class SimSetup:
     warmup_s: float = WARMUP_S
     window_s: float = WINDOW_S
     drain_s: float = DRAIN_S
+    scaling: Scaling | None = None  # the regime's program scaling (bench.regimes); None: trace lengths
+    drain_arrivals: bool = True  # False: arrivals stop when the window ends (live points)
+
+
+def sim_specs(trace: Any, rate: float, duration_s: float, seed: int, preset: str,
+              scaling: Scaling | None) -> list[RequestSpec]:
+    """A stationary point's requests, scaled as the regime's programs are."""
+    specs = compose(trace, stationary_schedule(trace, rate, duration_s, seed), preset, seed)
+    return [scale_spec(s, scaling) for s in specs] if scaling is not None else specs
 
 
 _TRACES: dict[str, Any] = {}
@@ -121,8 +132,8 @@ def sim_point(setup: SimSetup, policy: str, rate: float, seed: int) -> dict:
     if trace is None:
         trace = _TRACES[setup.trace] = load_trace(setup.trace)
     t_end = setup.warmup_s + setup.window_s + setup.drain_s
-    sched = stationary_schedule(trace, rate, t_end, seed)
-    specs = compose(trace, sched, setup.preset, seed)
+    arrivals_s = t_end if setup.drain_arrivals else setup.warmup_s + setup.window_s
+    specs = sim_specs(trace, rate, arrivals_s, seed, setup.preset, setup.scaling)
     model = LinearLatencyModel(*setup.model)
     ctl = build_controller(policy, model, setup.rho, setup.calibrated)
     res = Simulator(specs, ctl, model, setup.cfg, t_end, seed).run()
@@ -147,17 +158,19 @@ class _SimPoint:
 
 def sim_engine(a: CapacityOptions) -> Engine:
     trace = load_trace(a.trace)
-    model = load_model(a.latency_model) if a.latency_model else default_model()
+    reg = get_regime(a.regime)
+    model = load_model(a.latency_model) if a.latency_model else reg.model
     if not isinstance(model, LinearLatencyModel):
         raise ValueError("the simulator needs a linear latency model")
     slo_s = a.slo_tpot_ms / 1e3
     # the workload's means at a nominal rate (the grid rule and the SLO-sized cap use them)
-    ref = compose(trace, stationary_schedule(trace, 1.0, 3600.0, 0), a.preset, 0)
-    cfg = EngineConfig(slo_s=slo_s, max_running=resolve_max_running(a.max_running, model, slo_s, ref))
-    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(), bool(a.latency_model), cfg,
-                     WARMUP_S, WINDOW_S, DRAIN_S)
+    ref = sim_specs(trace, 1.0, 3600.0, 0, a.preset, reg.scaling)
+    cfg = reg.engine_for(slo_s, resolve_max_running(a.max_running, model, slo_s, ref))
+    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(),
+                     bool(a.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s, reg.drain_s,
+                     reg.scaling, reg.drain_arrivals)
     bound = fluid_bound(model, slo_s, ref)
-    conf = {"engine": "sim", "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
+    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
             "drain_s": setup.drain_s}
@@ -334,6 +347,7 @@ class CapacityOptions:
     model: str = "models/tiny"  # replay --launch servers
     server_threads: int = 1
     max_total_tokens: int = 65536
+    regime: str = "default"  # sim: bench.regimes (latency model, SLO, engine costs, program scale)
 
     @property
     def taper_rho(self) -> float:
@@ -344,7 +358,7 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
-    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: the regime's (50 ms by default)")
     ap.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target that attainment also requires")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", required=True)
@@ -359,11 +373,18 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     where.add_argument("--launch", action="store_true", help="replay: start a server per policy")
     where.add_argument("--url", help="replay: a running server")
     ap.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
+    ap.add_argument("--regime", default="default",
+                    help="sim: bench.regimes' setting (default, live-fast, live-slow): latency model, SLO, "
+                         "engine costs, program scale, point length")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
-    return CapacityOptions(a.trace, a.out, a.policies, a.slo_tpot_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
+    try:
+        slo_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * get_regime(a.regime).slo_s
+    except ValueError as e:
+        ap.error(str(e))
+    return CapacityOptions(a.trace, a.out, a.policies, slo_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
                            a.rho, a.max_running, a.latency_model, a.jobs, a.launch, a.url, a.server_args,
-                           not a.no_plot)
+                           not a.no_plot, regime=a.regime)
 
 
 def write(out: Path, res: dict, o: CapacityOptions, engine: Engine) -> Path:
