@@ -132,9 +132,10 @@ def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, c
     pol = parse_policy(policy, model=LinearLatencyModel(*model.coefs()), rho=rho, **kw)
     if pol.model is None:
         return StepController(pol)
+    learn = pol.terms.defer_cost  # the policy prices deferral: the refit learns its price
     if calibrated:
-        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True))
-    return StepController(pol, OnlineRefit(pol.model))
+        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True, deferral=learn))
+    return StepController(pol, OnlineRefit(pol.model, deferral=learn))
 
 
 class _Req:
@@ -441,14 +442,16 @@ class Simulator:
             return _BIG
         return max(rf.every - self._since, rf.min_samples - min(self._obs, rf.window), 1)
 
-    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int, first: float = 0.0) -> None:
+    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int, first: float = 0.0,
+                 deferred: int = 0) -> None:
         """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step;
-        the first one `first` longer)."""
+        the first one `first` longer), each with the rows it deferred. Straight to the refit, as
+        StepController.on_latency forwards them (which does not take the deferred rows yet)."""
         rf = self.ctl.refit
         if rf is None or self.static:
             return
         for j in range(k):
-            self.ctl.on_latency(rows, ctx + j * rows, (base + d * j + (first if j == 0 else 0.0)) * f)
+            rf.observe(rows, ctx + j * rows, (base + d * j + (first if j == 0 else 0.0)) * f, deferred=deferred)
             self._obs += 1
             self._since += 1
             if self._since >= rf.every and min(self._obs, rf.window) >= rf.min_samples:
@@ -676,7 +679,8 @@ class Simulator:
             if not self.static:
                 self.driver.delivered(self.phased, step.widths, self.serial, k, t, step.rows)
                 if step.chunk == 0:
-                    self._observe(step.rows, step.ctx, base, d, f, k, step.first_extra)
+                    self._observe(step.rows, step.ctx, base, d, f, k, step.first_extra,
+                                  step.eligible - step.admitted)
             self.kv += step.rows * k
             # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
             self._advance_serial(k, t)

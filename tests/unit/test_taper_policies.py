@@ -57,8 +57,8 @@ def test_parse_invalid_names_say_what_is_valid(name):
 
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
-                            "taper-no-backlog", "taper-paper", "taper-no-slack", "taper-no-replan",
-                            "taper-const-predictor")
+                            "taper-no-backlog", "taper-no-defer-cost", "taper-paper", "taper-no-slack",
+                            "taper-no-replan", "taper-const-predictor")
 
 
 def test_bad_rho_and_utility_are_rejected():
@@ -177,3 +177,62 @@ def test_a_policy_is_frozen_data():
         p.rho = 0.9  # type: ignore[misc]
     with pytest.raises(ValueError, match="needs a latency model"):
         Policy("taper", None, rho=0.8)
+
+
+# ---------------------------------------------------------------- the price of deferral
+def _phase_batch(rows: int, slack: float) -> ArrayBatch:
+    """One serial request and one phase of `rows` ready branches, short contexts."""
+    return ArrayBatch(["s", "p"], np.array([1, rows]), np.full(rows + 1, 100), np.full(2, slack),
+                      phase=np.array([False, True]), slo_s=np.full(2, 0.05))
+
+
+def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
+    """taper defers to fit its budget while deferral is free; with a price the deferring plan is
+    predicted at T(its rows) + the price, and where that is no shorter than running every row, every
+    row runs. taper-no-defer-cost plans as before."""
+    free = LinearLatencyModel(0.010, 1e-3, 0.0)
+    priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=2e-3, c_deferred=0.5e-3)
+    a = _phase_batch(8, slack=0.015)  # budget 12 ms: protected 12 ms, all 19 ms
+    assert parse_policy("taper", model=free).plan(a).widths.tolist() == [1, 1]
+    assert parse_policy("taper-no-defer-cost", model=priced).plan(a).widths.tolist() == [1, 1]
+    # deferring 7 rows: 12 + 2 + 3.5 = 17.5 ms < 19 ms: still shorter, so it defers
+    plan = parse_policy("taper", model=priced).plan(a)
+    assert plan.widths.tolist() == [1, 1] and plan.predicted_s == pytest.approx(0.0175)
+    dear = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=3e-3, c_deferred=0.7e-3)  # 12 + 3 + 4.9 > 19
+    plan = parse_policy("taper", model=dear).plan(a)
+    assert plan.widths.tolist() == [1, 8] and plan.notes.get("defer_cost") == 1.0
+    assert plan.predicted_s == pytest.approx(0.019)
+
+
+def test_a_priced_deferral_admits_rows_at_their_cost_less_the_price():
+    """Admitting a row saves its deferral price: with 0.5 ms per deferred row a 1 ms row costs the
+    budget 0.5 ms, and the plan that defers d rows is predicted at T + c_defer + d c_deferred."""
+    m = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.5e-3)
+    a = _phase_batch(9, slack=0.0175 / 0.8)  # budget 17.5 ms; all 20 ms
+    plan = parse_policy("taper", model=m).plan(a)
+    deferred = 10 - plan.rows
+    assert 0 < deferred < 8
+    assert plan.predicted_s == pytest.approx(m.predict(plan.rows, 100 * plan.rows) + 1e-3 + 0.5e-3 * deferred)
+    assert plan.predicted_s <= 0.0175 + 1e-12
+
+
+def test_refit_learns_the_price_of_deferral_apart_from_the_floor():
+    """Steps that deferred d rows took 0.6 ms + 0.05 ms x d longer: the refit learns that price and
+    keeps c0 at the floor of the steps that did not defer (a calibrated model: slopes fixed)."""
+    from branchwise.taper.predictor import OnlineRefit
+
+    true = LinearLatencyModel(2e-3, 0.1e-3, 0.0, c_defer=0.6e-3, c_deferred=0.05e-3)
+    m = LinearLatencyModel(1e-3, 0.1e-3, 0.0)
+    rf = OnlineRefit(m, window=64, every=16, slopes_fixed=True, deferral=True)
+    rng = np.random.default_rng(0)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        rf.observe(rows, 0, true.predict(rows, 0) + true.deferral_s(d), deferred=d)
+    assert m.c0 == pytest.approx(2e-3, rel=0.01)
+    assert m.c_defer == pytest.approx(0.6e-3, rel=0.02) and m.c_deferred == pytest.approx(0.05e-3, rel=0.05)
+    plain = OnlineRefit(LinearLatencyModel(1e-3, 0.1e-3, 0.0), window=64, every=16, slopes_fixed=True)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        plain.observe(rows, 0, true.predict(rows, 0) + true.deferral_s(d), deferred=d)
+    assert plain.model.deferral() == (0.0, 0.0)  # without it the price leaks into c0
+    assert plain.model.c0 - 2e-3 > 5 * abs(m.c0 - 2e-3)

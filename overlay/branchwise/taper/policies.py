@@ -7,7 +7,7 @@ A policy decides, for one decode step, how many ready rows of each request run (
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
   per gap. taper-no-slack (infinite budget) and taper-const-predictor (a constant T) are its
-  ablations. taper adds three terms (`Terms`, below), each with an ablation that turns it off.
+  ablations. taper adds four terms (`Terms`, below), each with an ablation that turns it off.
 * Pin rule (`replan`): taper-no-replan holds the width of a phase's first plan for the rest of the
   phase (capped by its ready rows), even when the budget later shrinks; the step controller keeps
   the pins. Every other policy replans every step.
@@ -16,7 +16,8 @@ taper weighs what a deferral costs later against the step time it saves now. Wit
 T = c0 + c_seq * rows + c_ctx * ctx, a deferred row still runs later at the same cost, so deferral
 only moves work: it lowers this step's T and pays for that with a longer phase (its slot held, its
 protected row in more steps, each of which pays c0 again, queued requests waiting). Moving work is
-worth it only when the steps it moves to are less tight. `weighed_budget` holds all three terms:
+worth it only when the steps it moves to are less tight. `weighed_budget` holds the first three
+terms, the planner the fourth:
 
 * SLO-matched budget (off: taper-no-mean). A serial stage is judged on its mean TPOT, so its slack
   is (tokens + 1) * slo - elapsed since the stage began (controller.SlackTracker, mean=True), like
@@ -49,6 +50,15 @@ worth it only when the steps it moves to are less tight. `weighed_budget` holds 
   never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less
   (the term binds only while some request is behind its pace).
   Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
+* Deferral price (off: taper-no-defer-cost). Deferring is itself work: a step that runs a subset
+  prepares its sub-batch and carries its deferred rows (on a CPU box ~0.5 ms + 0.05 ms a row, a
+  tenth of a 5 ms SLO, against ~0.13 ms saved per row). A plan is priced at what its step will
+  cost, T(its rows) + the model's deferral price (LinearLatencyModel.deferral: per step that
+  defers, per deferred row), so admitting a row saves its cost less the per-row price, and a plan
+  that defers runs only where it is predicted shorter than running every ready row; otherwise
+  every row runs (planner.plan_step, `deferral`). The price is measured, never set: the step
+  controller's refit learns it from realized steps and the rows they deferred (OnlineRefit with
+  deferral=True), so where deferral is free (the default simulator) the term is inert.
 
 With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
 The extra inputs are per-request SLOs (ArrayBatch.slo_s) and the queue length (ArrayBatch.waiting);
@@ -69,9 +79,10 @@ from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, defau
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
+                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
-                 "taper-no-backlog, taper-paper, taper-no-slack, taper-no-replan, taper-const-predictor"
+                 "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
+                 "taper-const-predictor"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
@@ -84,15 +95,17 @@ class Terms:
     mean: bool = False  # SLO-matched budget: stage-mean serial slack, phases credited for own rows
     overload: bool = False  # requests the forced rows already push past their bound: bounded at pace
     backlog: bool = False  # with a queue, the budget never drops below the SLO pace
+    defer_cost: bool = False  # a plan is priced with the model's deferral price; it defers only if shorter
 
     def any(self) -> bool:
         return self.mean or self.overload or self.backlog
 
 
 PAPER = Terms()
-_TERMS = MappingProxyType({"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
-                          "taper-no-overload": Terms(True, False, True),
-                          "taper-no-backlog": Terms(True, True, False)})
+_TERMS = MappingProxyType({"taper": Terms(True, True, True, True), "taper-no-mean": Terms(False, True, True, True),
+                          "taper-no-overload": Terms(True, False, True, True),
+                          "taper-no-backlog": Terms(True, True, False, True),
+                          "taper-no-defer-cost": Terms(True, True, True, False)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,8 +146,9 @@ class Policy:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
         budget, floor, notes = self.budget(a)
+        deferral = self.model.deferral() if self.terms.defer_cost and hasattr(self.model, "deferral") else None
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
-                         floor=floor)
+                         floor=floor, deferral=deferral)
         plan.notes.update(notes)
         return plan
 
