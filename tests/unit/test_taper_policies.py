@@ -187,33 +187,41 @@ def _phase_batch(rows: int, slack: float) -> ArrayBatch:
 
 
 def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
-    """taper defers to fit its budget while deferral is free; with a price the deferring plan is
-    predicted at T(its rows) + the price, and where that is no shorter than running every row, every
-    row runs. taper-no-defer-cost plans as before."""
-    free = LinearLatencyModel(0.010, 1e-3, 0.0)
-    priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=2e-3, c_deferred=0.5e-3)
-    a = _phase_batch(8, slack=0.015)  # budget 12 ms: protected 12 ms, all 19 ms
-    assert parse_policy("taper", model=free).plan(a).widths.tolist() == [1, 1]
-    assert parse_policy("taper-no-defer-cost", model=priced).plan(a).widths.tolist() == [1, 1]
-    # deferring 7 rows: 12 + 2 + 3.5 = 17.5 ms < 19 ms: still shorter, so it defers
-    plan = parse_policy("taper", model=priced).plan(a)
+    """With a price, a deferring plan is predicted at T(its rows) + the price, and where that is no
+    shorter than running every row, every row runs; without one the planner defers as before."""
+    from branchwise.taper.planner import plan_step
+
+    m = LinearLatencyModel(0.010, 1e-3, 0.0)
+    a = _phase_batch(8, slack=0.015)  # protected 12 ms, all 19 ms
+    assert plan_step(a, m, 0.012).widths.tolist() == [1, 1]
+    plan = plan_step(a, m, 0.012, deferral=(2e-3, 0.5e-3))  # 12 + 2 + 7 x 0.5 = 17.5 < 19: defers
     assert plan.widths.tolist() == [1, 1] and plan.predicted_s == pytest.approx(0.0175)
-    dear = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=3e-3, c_deferred=0.7e-3)  # 12 + 3 + 4.9 > 19
-    plan = parse_policy("taper", model=dear).plan(a)
+    plan = plan_step(a, m, 0.012, deferral=(3e-3, 0.7e-3))  # 12 + 3 + 4.9 > 19: all run
     assert plan.widths.tolist() == [1, 8] and plan.notes.get("defer_cost") == 1.0
     assert plan.predicted_s == pytest.approx(0.019)
-
-
-def test_a_priced_deferral_admits_rows_at_their_cost_less_the_price():
-    """Admitting a row saves its deferral price: with 0.5 ms per deferred row a 1 ms row costs the
-    budget 0.5 ms, and the plan that defers d rows is predicted at T + c_defer + d c_deferred."""
-    m = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.5e-3)
-    a = _phase_batch(9, slack=0.0175 / 0.8)  # budget 17.5 ms; all 20 ms
-    plan = parse_policy("taper", model=m).plan(a)
-    deferred = 10 - plan.rows
-    assert 0 < deferred < 8
+    # admitting a row saves its cost less the per-row price: 1 ms rows cost the budget 0.5 ms
+    plan = plan_step(a, m, 0.0175, deferral=(1e-3, 0.5e-3))  # room 1 ms: two rows at 0.5 ms
+    deferred = 9 - plan.rows
+    assert deferred == 5
     assert plan.predicted_s == pytest.approx(m.predict(plan.rows, 100 * plan.rows) + 1e-3 + 0.5e-3 * deferred)
     assert plan.predicted_s <= 0.0175 + 1e-12
+
+
+def test_taper_prices_a_deferral_over_the_steps_it_is_held():
+    """taper holds a deferral for (opportunistic rows' cost / room above the forced rows) steps,
+    at least one, and prices it per step held: with no room above the protected rows any measured
+    price makes it run every row; with room for all of them the price counts once. taper-no-defer-cost
+    and a free deferral plan as before."""
+    priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.1e-3)
+    free = LinearLatencyModel(0.010, 1e-3, 0.0)
+    tight = _phase_batch(8, slack=0.012 / 0.8)  # budget 12 ms = the protected rows: no room
+    assert parse_policy("taper", model=free).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper-no-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 8]
+    roomy = _phase_batch(8, slack=0.0185 / 0.8)  # budget 18.5 ms: room 6.5 ms, opportunistic rows 7 ms
+    pol = parse_policy("taper", model=priced)
+    budget, floor, _ = pol.budget(roomy)
+    assert pol.held_price(roomy, budget, floor) == pytest.approx((1e-3 * 7 / 6.5, 0.1e-3 * 7 / 6.5))
 
 
 def test_refit_learns_the_price_of_deferral_apart_from_the_floor():
@@ -236,3 +244,16 @@ def test_refit_learns_the_price_of_deferral_apart_from_the_floor():
         plain.observe(rows, 0, true.predict(rows, 0) + true.deferral_s(d), deferred=d)
     assert plain.model.deferral() == (0.0, 0.0)  # without it the price leaks into c0
     assert plain.model.c0 - 2e-3 > 5 * abs(m.c0 - 2e-3)
+
+
+def test_refit_sees_no_price_in_noise():
+    """Where deferring steps cost no more than the others (2% noise on both) the learned price is 0."""
+    from branchwise.taper.predictor import OnlineRefit
+
+    m = LinearLatencyModel(2e-3, 0.1e-3, 0.0)
+    rf = OnlineRefit(m, window=64, every=16, slopes_fixed=True, deferral=True)
+    rng = np.random.default_rng(1)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        rf.observe(rows, 0, (2e-3 + 0.1e-3 * rows) * rng.lognormal(0.0, 0.02), deferred=d)
+    assert m.deferral() == pytest.approx((0.0, 0.0), abs=2e-6)

@@ -52,13 +52,17 @@ terms, the planner the fourth:
   Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
 * Deferral price (off: taper-no-defer-cost). Deferring is itself work: a step that runs a subset
   prepares its sub-batch and carries its deferred rows (on a CPU box ~0.5 ms + 0.05 ms a row, a
-  tenth of a 5 ms SLO, against ~0.13 ms saved per row). A plan is priced at what its step will
-  cost, T(its rows) + the model's deferral price (LinearLatencyModel.deferral: per step that
-  defers, per deferred row), so admitting a row saves its cost less the per-row price, and a plan
-  that defers runs only where it is predicted shorter than running every ready row; otherwise
-  every row runs (planner.plan_step, `deferral`). The price is measured, never set: the step
-  controller's refit learns it from realized steps and the rows they deferred (OnlineRefit with
-  deferral=True), so where deferral is free (the default simulator) the term is inert.
+  tenth of a 5 ms SLO, against ~0.13 ms saved per row), and it pays that in every step until the
+  rows run. A deferred row runs once a step has room for it: the budget left above the forced
+  rows (`room`) is the most deferred work a later step like this one can take back, so the
+  deferral is held for (the opportunistic rows' cost / room) steps, at least one; with no room,
+  indefinitely. A plan is priced at what it will cost: T(its rows) + the model's deferral price
+  (LinearLatencyModel.deferral: per step that defers, per deferred row) times the steps it is held;
+  admitting a row saves its cost less that, and a plan that defers runs only where it is predicted
+  shorter than running every ready row; otherwise every row runs (planner.plan_step, `deferral`).
+  The price is measured, never set: the step controller's refit learns it from realized steps and
+  the rows they deferred (OnlineRefit with deferral=True), and a price the refit cannot tell from
+  the steps' noise is 0, so where deferral is free (the default simulator) the term is inert.
 
 With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
 The extra inputs are per-request SLOs (ArrayBatch.slo_s) and the queue length (ArrayBatch.waiting);
@@ -86,6 +90,7 @@ VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, tape
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
+_HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,11 +151,23 @@ class Policy:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
         budget, floor, notes = self.budget(a)
-        deferral = self.model.deferral() if self.terms.defer_cost and hasattr(self.model, "deferral") else None
+        deferral = self.held_price(a, budget, floor) if self.terms.defer_cost else None
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
                          floor=floor, deferral=deferral)
         plan.notes.update(notes)
         return plan
+
+    def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
+        """The deferral price over the steps a deferral is held (module docstring), or None (free)."""
+        model = self.model
+        price = model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
+        if not any(price):
+            return None
+        room = budget - floor_cost(a, model, floor)
+        starts = a.ready.cumsum() - a.ready
+        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[starts]).sum())
+        held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
+        return price[0] * held, price[1] * held
 
     def budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
         """The budget rule: (budget, per-request row floor or None, notes on the terms that applied)."""

@@ -290,6 +290,12 @@ def _fit_deferral(excess: np.ndarray, deferred: np.ndarray) -> tuple[float, floa
     return float(x[0] / scale[0]), float(x[1] / scale[1])
 
 
+def _stands_out(defer: np.ndarray, full: np.ndarray) -> bool:
+    """Deferring steps' excess over T is above the others' by more than three standard errors."""
+    se = math.sqrt(float(np.var(defer, ddof=1)) / len(defer) + float(np.var(full, ddof=1)) / len(full))
+    return float(np.mean(defer) - np.mean(full)) > 3.0 * se
+
+
 def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
     pred = m.c0 + m.c_seq * n + m.c_ctx * ctx + np.where(d > 0, m.c_defer + m.c_deferred * d, 0.0)
     return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
@@ -314,8 +320,11 @@ class OnlineRefit:
     `deferral`: also learn the price of deferring (module docstring) from steps observed with their
     deferred rows: once the window holds MIN_SPLIT steps that deferred and MIN_SPLIT that did not,
     c0 comes from the ones that did not and (c_defer, c_deferred) from the others' excess over T
-    (NNLS, blended like the rest). Otherwise the learned price is kept and taken out of every
-    deferring step before the fit, so it does not leak into c0.
+    (NNLS, blended like the rest), but only where that excess stands out of the window's noise
+    (its mean more than three standard errors of the difference of means above zero: the refit
+    tests every `every` steps, so a looser test would find a price in noise now and then); an excess
+    the window cannot tell from noise is no price (0). Otherwise the learned price is kept and taken
+    out of every deferring step before the fit, so it does not leak into c0.
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
 
@@ -383,10 +392,10 @@ class OnlineRefit:
                                         zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok,
                                       c_defer=m.c_defer, c_deferred=m.c_deferred)
         if split:
-            cand.c_defer, cand.c_deferred = (
-                (1 - b) * old + b * fit for old, fit in
-                zip(m.deferral(), _fit_deferral(lat[defers] - cand.c0 - cand.c_seq * n[defers] - cand.c_ctx * ctx[defers],
-                                                d[defers]), strict=True))
+            excess = lat - cand.c0 - cand.c_seq * n - cand.c_ctx * ctx
+            fit = _fit_deferral(excess[defers], d[defers]) if _stands_out(excess[defers], excess[~defers]) \
+                else (0.0, 0.0)
+            cand.c_defer, cand.c_deferred = ((1 - b) * old + b * f for old, f in zip(m.deferral(), fit, strict=True))
         if cand.coefs() == m.coefs() and cand.deferral() == m.deferral():
             return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
         if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:  # worse beyond rounding
