@@ -279,21 +279,49 @@ def _fit(n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> 
 MIN_SPLIT = 8  # steps that deferred, and steps that did not, before the deferral price is refit
 
 
-def _fit_deferral(excess: np.ndarray, deferred: np.ndarray) -> tuple[float, float]:
-    """(c_defer, c_deferred) >= 0 from deferring steps' excess over T: NNLS on [1, deferred rows]
-    (the per-row term only when the deferred counts vary)."""
-    if np.ptp(deferred) == 0:
-        return max(0.0, float(np.mean(excess))), 0.0
-    a = np.stack([np.ones_like(deferred), deferred], axis=1)
-    scale = a.max(axis=0)
-    x, _ = nnls(a / scale, excess)
-    return float(x[0] / scale[0]), float(x[1] / scale[1])
+@dataclass(slots=True)
+class DeferralEvidence:
+    """What deferring steps took beyond T, over every refit window so far: each deferring step's
+    excess over T less the mean excess of its window's steps that did not defer (so the box's drift
+    cancels). The price is a property of the box and the code, not of the moment, so the evidence
+    accumulates; it is believed only where its mean stands out of the noise by three standard
+    errors (a refit tests every `every` steps: a looser test would find a price in noise now and
+    then), and it is then (c_defer, c_deferred) >= 0, a least-squares line on the deferred rows."""
 
+    n: int = 0
+    s_e: float = 0.0
+    s_ee: float = 0.0
+    s_d: float = 0.0
+    s_dd: float = 0.0
+    s_de: float = 0.0
+    base_var: float = 0.0  # sum over windows of (its deferring steps)^2 x the variance of its baseline
 
-def _stands_out(defer: np.ndarray, full: np.ndarray) -> bool:
-    """Deferring steps' excess over T is above the others' by more than three standard errors."""
-    se = math.sqrt(float(np.var(defer, ddof=1)) / len(defer) + float(np.var(full, ddof=1)) / len(full))
-    return float(np.mean(defer) - np.mean(full)) > 3.0 * se
+    def add(self, excess: np.ndarray, deferred: np.ndarray, baseline_var: float) -> None:
+        k = len(excess)
+        self.n += k
+        self.s_e += float(excess.sum())
+        self.s_ee += float(excess @ excess)
+        self.s_d += float(deferred.sum())
+        self.s_dd += float(deferred @ deferred)
+        self.s_de += float(deferred @ excess)
+        self.base_var += k * k * baseline_var
+
+    def price(self) -> tuple[float, float]:
+        n = self.n
+        if n < MIN_SPLIT:
+            return 0.0, 0.0
+        mean = self.s_e / n
+        var = max(self.s_ee - n * mean * mean, 0.0) / (n - 1)
+        if mean <= 3.0 * math.sqrt(var / n + self.base_var / (n * n)):
+            return 0.0, 0.0
+        dbar = self.s_d / n
+        sdd, sde = self.s_dd - n * dbar * dbar, self.s_de - n * dbar * mean
+        slope = sde / sdd if sdd > 0 else 0.0
+        if slope <= 0:
+            return mean, 0.0
+        if mean - slope * dbar < 0:
+            return 0.0, self.s_de / self.s_dd
+        return mean - slope * dbar, slope
 
 
 def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
@@ -318,13 +346,9 @@ class OnlineRefit:
     `slopes_fixed`: only ever correct the intercept (a model calibrated offline, e.g. --latency-model,
     keeps its measured shape; the box's speed drift is still tracked).
     `deferral`: also learn the price of deferring (module docstring) from steps observed with their
-    deferred rows: once the window holds MIN_SPLIT steps that deferred and MIN_SPLIT that did not,
-    c0 comes from the ones that did not and (c_defer, c_deferred) from the others' excess over T
-    (NNLS, blended like the rest), but only where that excess stands out of the window's noise
-    (its mean more than three standard errors of the difference of means above zero: the refit
-    tests every `every` steps, so a looser test would find a price in noise now and then); an excess
-    the window cannot tell from noise is no price (0). Otherwise the learned price is kept and taken
-    out of every deferring step before the fit, so it does not leak into c0.
+    deferred rows (DeferralEvidence, over all windows). While the window holds MIN_SPLIT steps that
+    did not defer, c0 comes from them; otherwise from every step with the price taken out, so the
+    price does not leak into c0.
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
 
@@ -341,7 +365,9 @@ class OnlineRefit:
     last_skip: str = field(default="", init=False)
     _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
     _deferred: deque[int] = field(init=False, repr=False)  # rows each buffered step deferred
+    evidence: DeferralEvidence = field(default_factory=DeferralEvidence, init=False)
     _since: int = field(default=0, init=False, repr=False)
+    _fresh: int = field(default=0, init=False, repr=False)  # observations since the last refit
 
     def __post_init__(self) -> None:
         if not 0.0 < self.blend <= 1.0:
@@ -357,6 +383,7 @@ class OnlineRefit:
             return False
         self._buf.append((n_seqs, ctx_tokens, latency_s))
         self._deferred.append(max(int(deferred), 0))
+        self._fresh += 1
         self._since += 1
         if self._since < self.every or len(self._buf) < self.min_samples:
             return False
@@ -377,26 +404,30 @@ class OnlineRefit:
         b = self.blend
         d = np.fromiter(self._deferred, np.float64, len(self._deferred))
         defers = d > 0
-        split = self.deferral and min(int(defers.sum()), int((~defers).sum())) >= MIN_SPLIT
-        # T's part of each step: the learned deferral price taken out (0 until it is learned)
-        plain = lat - np.where(defers, m.c_defer + m.c_deferred * d, 0.0)
+        fresh, self._fresh = min(self._fresh, len(d)), 0
+        split = self.deferral and int((~defers).sum()) >= MIN_SPLIT
+        price = m.deferral()
+        if split:  # the new deferring steps' excess over the window's steps that did not defer
+            rest = lat - m.c_seq * n - m.c_ctx * ctx
+            base = rest[~defers]
+            new = np.zeros(len(d), bool)
+            new[len(d) - fresh:] = True
+            new &= defers
+            self.evidence.add(rest[new] - float(base.mean()), d[new], float(base.var(ddof=1)) / len(base))
+            price = self.evidence.price()
+        # T's part of each step: the deferral price taken out
+        plain = lat - np.where(defers, price[0] + price[1] * d, 0.0)
         why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
         if why:
             pick = ~defers if split else slice(None)
             c0_fit = max(0.0, float(np.mean((plain - m.c_seq * n - m.c_ctx * ctx)[pick])))
-            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok,
-                                      m.c_defer, m.c_deferred)
+            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok, *price)
         else:
-            new = _fit(n, ctx, plain, np.zeros_like(n))
-            cand = LinearLatencyModel(*((1 - b) * old + b * fit for old, fit in
-                                        zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok,
-                                      c_defer=m.c_defer, c_deferred=m.c_deferred)
-        if split:
-            excess = lat - cand.c0 - cand.c_seq * n - cand.c_ctx * ctx
-            fit = _fit_deferral(excess[defers], d[defers]) if _stands_out(excess[defers], excess[~defers]) \
-                else (0.0, 0.0)
-            cand.c_defer, cand.c_deferred = ((1 - b) * old + b * f for old, f in zip(m.deferral(), fit, strict=True))
-        if cand.coefs() == m.coefs() and cand.deferral() == m.deferral():
+            fit = _fit(n, ctx, plain, np.zeros_like(n))
+            cand = LinearLatencyModel(*((1 - b) * old + b * f for old, f in
+                                        zip(m.coefs()[:3], fit.coefs()[:3], strict=True)), m.c_tok, *price)
+        m.c_defer, m.c_deferred = price  # from all the evidence, not from this window alone
+        if cand.coefs() == m.coefs():
             return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
         if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:  # worse beyond rounding
             return self._skip(f"{why}; intercept update would fit the window worse" if why
