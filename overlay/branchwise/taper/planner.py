@@ -187,6 +187,10 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
         base = t0 + deferral[0] + deferral[1] * considered
         cost = np.maximum(cost - deferral[1], 0.0)
         cost[forced] = 0.0
+        if float(cost.sum()) <= deferral[0]:  # no plan that defers beats running every row: no greedy pass
+            notes["defer_cost"] = 1.0
+            return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+                            considered=considered, notes=notes)
 
     # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
     price = cost
