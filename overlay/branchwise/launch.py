@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def has_gpu() -> bool:
@@ -68,6 +68,9 @@ class _Process:
     def ready(self) -> bool:
         raise NotImplementedError
 
+    def start(self) -> Self:
+        raise NotImplementedError
+
     def _spawn(self, env: dict[str, str], timeout_s: float, what: str) -> None:
         self.port = self.port or free_port()
         if self.log_path is None:
@@ -108,7 +111,7 @@ class _Process:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def __enter__(self):  # -> the subclass
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
