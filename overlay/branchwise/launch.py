@@ -239,7 +239,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [rep[key] for rep in reports if rep.get(key) is not None]
         out[key] = None if not vals else vals[0] if key in KEPT else _merge_values(vals)
     if {"admitted", "candidates", "admission_rate"} <= out.keys():
-        out["admission_rate"] = out["admitted"] / out["candidates"] if out["candidates"] else 0.0
+        out["admission_rate"] = out["admitted"] / out["candidates"] if out["candidates"] else 1.0  # as StepStats
     return out
 
 

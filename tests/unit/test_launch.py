@@ -27,6 +27,8 @@ def test_merge_sums_counts_joins_lists_and_keeps_settings():
     assert m["taper"]["policy"] == "taper" and m["enabled"] is True and m["disabled_reason"] == "why"
     assert m["recent"] == [{"parent": "a"}, {"parent": "b"}] and m["phase_rows"] == {"p": 5, "q": 2}
     assert merge_reports([a]) == a and merge_reports([{"pid": None}]) == {"pid": None}
+    idle = {"admitted": 0, "candidates": 0, "admission_rate": 1.0}  # nothing offered: nothing refused
+    assert merge_reports([idle, idle]) == idle
 
 
 def test_makefile_serve_cluster_uses_the_router_flags_of_launch():
