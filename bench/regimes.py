@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from types import MappingProxyType
+from typing import Any
 
 from bench.engine import Cost, EngineConfig, HostCosts
-from bench.programs import Scaling
+from bench.programs import Scaling, scale_spec
+from bench.workload import RequestSpec, compose, stationary_schedule
 from branchwise.taper import LinearLatencyModel, default_model
 
 
@@ -78,6 +80,13 @@ REGIMES = MappingProxyType({
     # a fresh clone on a quiet box (the issue's make bench): its probe, the accounting's host costs
     "live-fast": _live("live-fast", 1.15e-3, 0.089e-3, 0.109e-6, 4.89e-3, LIVE_HOST),
 })
+
+
+def regime_specs(trace: Any, rate: float, duration_s: float, seed: int, preset: str,
+                 scaling: Scaling | None) -> list[RequestSpec]:
+    """A stationary point's requests, scaled as the regime's programs are (None: trace lengths)."""
+    specs = compose(trace, stationary_schedule(trace, rate, duration_s, seed), preset, seed)
+    return [scale_spec(s, scaling) for s in specs] if scaling is not None else specs
 
 
 def get_regime(name: str) -> SimRegime:

@@ -3,11 +3,12 @@
     python -m bench.sim_sweep --regime live-fast --policies off,eager,taper --seeds 0,1,2 \
         [--loads 0.1,0.16,0.25,0.4,0.63,1.0] [--reference-rps R] [--without TERMS] [--out FILE]
 
-The grid is bench.sweep's (load 1.0 = the fluid bound of the regime's T(S) at its SLO, over the mean
-output tokens of the sweep's programs) unless --reference-rps pins load 1.0 to a live run's req/s.
+The grid is bench.sweep's (load 1.0 = the live fluid bound of the regime's T(S) at its SLO over the
+sweep's programs, bench.live.live_bound_rps) unless --reference-rps pins load 1.0 to a live run's
+req/s.
 Each point is the regime's (bench.regimes: a live point is 40 s of arrivals and 20 s of drain from an
 idle server). Per load it prints each policy's attainment, mean over the seeds and per seed; per
-policy its capacity by bench.sweep's rule in every seed; and per point the engine's tallies (decode
+policy its capacity by bench.sweep's rule (the last load up to which every load holds 95%) in every seed; and per point the engine's tallies (decode
 steps, mean step, rows run and deferred per step, prefill forwards) to set against a live run's
 step accounting (bench.step_account). `--without` drops parts of the regime, to see which of them
 decide the ranking: `plan`, `subset` (both deferring-step costs), `step`, `prefill` (HostCosts
@@ -25,13 +26,13 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
-from bench.capacity import sim_specs
 from bench.engine import HostCosts, Simulator, build_controller
+from bench.live import live_bound_rps
 from bench.metrics import summarize
 from bench.point import PointSetup
 from bench.probe import Probe
-from bench.regimes import SimRegime, get_regime
-from bench.sweep import LOADS, capacity, load_grid, mean_program_tokens
+from bench.regimes import SimRegime, get_regime, regime_specs
+from bench.sweep import LOADS
 from bench.workload import DEFAULT_TRACE, load_trace
 from branchwise.taper import parse_policy_name
 
@@ -52,11 +53,21 @@ def without(reg: SimRegime, terms: set[str]) -> SimRegime:
                    scaling=None if "scaling" in terms else reg.scaling)
 
 
+def capacity(points: list[dict[str, Any]], hold: float = 0.95) -> float | None:
+    """The last load up to which every load keeps `hold` attainment (None if the first does not)."""
+    best = None
+    for pt in sorted(points, key=lambda x: x["load"]):
+        if pt["attainment"] < hold:
+            break
+        best = pt["load"]
+    return best
+
+
 def point(reg: SimRegime, trace: Any, policy: str, rate: float, seed: int) -> dict[str, Any]:
     """One simulated point of the regime: attainment, finished fraction and the engine's tallies."""
     t_end = reg.warmup_s + reg.window_s + reg.drain_s
     arrivals_s = t_end if reg.drain_arrivals else reg.warmup_s + reg.window_s
-    specs = sim_specs(trace, rate, arrivals_s, seed, "multiverse", reg.scaling)
+    specs = regime_specs(trace, rate, arrivals_s, seed, "multiverse", reg.scaling)
     cfg, model = reg.engine_for(), reg.model
     res = Simulator(specs, build_controller(policy, model, 0.8, reg.calibrated), model, cfg, t_end, seed).run()
     m = summarize(res.records, cfg.slo_s, (reg.warmup_s, reg.warmup_s + reg.window_s), steps=res.steps,
@@ -74,9 +85,8 @@ def run(reg: SimRegime, trace_path: str, policies: list[str], seeds: list[int], 
     trace = load_trace(trace_path)
     ref = reference_rps
     if ref is None:
-        base = PointSetup(trace, 1.0, reg.scaling) if reg.scaling else PointSetup(trace, 1.0)
-        ref = load_grid(Probe({}, reg.model), mean_program_tokens(trace, base, 0), loads,
-                        1e3 * reg.slo_s).reference_rate
+        setup = PointSetup(trace, 1e3 * reg.slo_s, reg.scaling) if reg.scaling else PointSetup(trace, 1e3 * reg.slo_s)
+        ref = live_bound_rps(Probe({}, reg.model), setup)
     rows = []
     for load in loads:
         rate = load * ref
@@ -99,7 +109,7 @@ def table(doc: dict[str, Any], policies: list[str]) -> str:
             cells.append(f"{statistics.fmean(att):.1f} ({' / '.join(f'{a:.0f}' for a in att)})")
         lines.append(f"| {r['load']:g} | {r['rate']:.2f} | " + " | ".join(cells) + " |")
     lines.append("capacity (load) per seed: " + "; ".join(
-        f"{p} " + " / ".join(str(c["load"]) for c in doc["capacity"][p].values()) for p in policies))
+        f"{p} " + " / ".join(str(c) for c in doc["capacity"][p].values()) for p in policies))
     return "\n".join(lines)
 
 

@@ -246,10 +246,9 @@ def test_simulator_drives_the_controller_as_the_scheduler_hook_does(policy: str,
 
 # ------------------------------------------------------------------ the live regime's engine terms
 def _live_specs(n: int = 60, seed: int = 3):
-    from bench.capacity import sim_specs
-    from bench.regimes import LIVE_SCALING
+    from bench.regimes import LIVE_SCALING, regime_specs
 
-    return sim_specs(load_trace(AZURE), 3.0, n / 3.0, seed, "multiverse", LIVE_SCALING)
+    return regime_specs(load_trace(AZURE), 3.0, n / 3.0, seed, "multiverse", LIVE_SCALING)
 
 
 @pytest.mark.parametrize("policy", ["off", "eager", "taper"])
