@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from branchwise import deferral, request_meta
+from branchwise import deferral, request_meta, step_timer
 from branchwise.config import BranchwiseConfig
 from branchwise.metrics import BranchwiseMetrics
 from branchwise.taper.controller import Row, StepController
@@ -230,23 +230,41 @@ def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
 
 def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     st = state_of(self)
-    if (st is None or st.controller is None or batch.is_empty() or not _has_phase_rows(st, batch.reqs)
-            or deferral.batch_needs_full_step(batch)):
+    if st is None or st.controller is None or not st.phases_seen or batch.is_empty():
+        return orig(self, batch)  # no phase request yet: nothing to defer
+    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    step_timer.enter(t, "taper_rows")
+    if not _has_phase_rows(st, batch.reqs) or deferral.batch_needs_full_step(batch):
+        step_timer.leave(t)
         return orig(self, batch)  # serial rows only: one row per request, nothing to defer
+    if t is not None:
+        t.tag("phase_rows")
     finishing = self._reqs_finishing_inflight(batch)
     excluded = set(finishing)
     live = [r for r in batch.reqs if r not in excluded and not r.finished()]
     keys = [_key(r) for r in live]
     if len(set(keys)) == len(keys):  # one row per request: nothing to defer (rank-invariant test)
+        step_timer.leave(t)
         return orig(self, batch)
-    active = _decide(st, self, [_row(r, st.config) for r in live])
+    rows = [_row(r, st.config) for r in live]
+    step_timer.leave(t)
+    step_timer.enter(t, "taper_plan")
+    planner_s = st.controller.stats.planner_s
+    active = _decide(st, self, rows)
+    if t is not None:
+        t.carve("taper_planner", st.controller.stats.planner_s - planner_s)
+    step_timer.leave(t)
     if len(active) == len(live):
         return orig(self, batch)
+    step_timer.enter(t, "taper_subset")
     sub = deferral.run_subset(self, batch, {live[i] for i in active}, finishing)
+    step_timer.leave(t)
     if sub is None:  # the subset does not fit: SGLang's own retract path over the full batch
         st.bump("fallback_retract")
         return orig(self, batch)
     st.bump("subset_steps")
+    if t is not None:
+        t.tag("deferred", len(live) - len(active))
     return sub
 
 
@@ -302,6 +320,19 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
     if st.controller is None or st.tp_rank != 0 or not batch.forward_mode.is_decode():
         st.last_step = None
         return result
+    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    if t is None:
+        _after_decode(st, self, batch)
+        return result
+    step_timer.enter(t, "taper_deliver")
+    try:
+        _after_decode(st, self, batch)
+    finally:
+        step_timer.leave(t)
+    return result
+
+
+def _after_decode(st: BranchwiseState, self: Any, batch: Any) -> None:
     now = time.monotonic()
     ctl = st.controller
     reqs = batch.reqs
@@ -332,4 +363,3 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
                     "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, s.steps,
                     s.planned_steps, s.rows_deferred, 100 * s.admission_rate, 1e3 * s.last_budget_s,
                     1e3 * s.last_predicted_s, 1e3 * s.planner_s / max(s.planned_steps, 1))
-    return result
