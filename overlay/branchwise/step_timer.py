@@ -44,14 +44,15 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
 # Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT): the TAPER rows
 # (batch -> Rows), the plan (controller.select; its policy.plan part is `taper_planner`), the subset
 # preparation (deferral.run_subset) and the deliveries (after process_batch_result).
 TAPER_SPANS = ("taper_rows", "taper_plan", "taper_planner", "taper_subset", "taper_deliver")
-PARENT = {"taper_rows": "sched", "taper_plan": "sched", "taper_planner": "sched", "taper_subset": "sched",
-          "taper_deliver": "result"}
+PARENT = MappingProxyType({"taper_rows": "sched", "taper_plan": "sched", "taper_planner": "sched",
+                          "taper_subset": "sched", "taper_deliver": "result"})
 SPANS = ("recv", "sched", "prep", "forward", "sample", "result", "stream", *TAPER_SPANS)
 ENV = "BRANCHWISE_STEP_TIMER"
 FILE_ENV = "BRANCHWISE_STEP_TIMER_FILE"
@@ -201,15 +202,25 @@ class StepTimer:
             self.buf.clear()
 
 
-def enter(t: StepTimer | None, name: str) -> None:
-    """Open span `name` (a no-op without a timer or outside an iteration); close it with `leave`."""
-    if t is not None and t.t0:
+# Module-level helpers for Branchwise's own code: each is a no-op without a timer (normal serving).
+def switch(t: StepTimer | None, name: str | None) -> None:
+    """Close the TAPER span open on top of the stack (if any) and open `name` (None: only close)."""
+    if t is None or not t.t0:
+        return
+    if t.stack and t.stack[-1][0] in TAPER_SPANS:
+        t.exit()
+    if name is not None:
         t.enter(name)
 
 
-def leave(t: StepTimer | None) -> None:
-    if t is not None and t.t0 and t.stack:
-        t.exit()
+def carve(t: StepTimer | None, name: str, dt: float) -> None:
+    if t is not None:
+        t.carve(name, dt)
+
+
+def tag(t: StepTimer | None, name: str, n: int = 1) -> None:
+    if t is not None:
+        t.tag(name, n)
 
 
 def _timed(t: StepTimer | None, name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:

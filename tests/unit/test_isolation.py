@@ -9,7 +9,7 @@ from types import SimpleNamespace
 from branchwise import fork, request_meta
 from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
-from branchwise.taper.controller import StepController
+from branchwise.taper.controller import Delivery, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
 
@@ -85,7 +85,7 @@ def test_deliveries_use_the_same_keys_and_bounds():
     st = sh.BranchwiseState(CFG)
     reqs = [req("victim"), req("h/0", "victim", 0, slo_ms=0.001), req("h/1", "victim", 1, slo_ms=0.001)]
     delivered, ctx = sh._deliveries(st, reqs)
-    assert delivered == {"rid:victim": (1, 0.05, False), "phase:victim": (2, 0.025, True)}
+    assert delivered == {"rid:victim": Delivery(1, 0.05, False), "phase:victim": Delivery(2, 0.025, True)}
     assert ctx == 300
     assert set(delivered) == {sh._row(r, CFG).key for r in reqs}
 
