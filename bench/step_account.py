@@ -77,26 +77,38 @@ def account(counted: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_ms": 1e3 * statistics.fmean(r["cpu"]["wall"] for r in counted)}
 
 
-def non_forward_by_rows(counted: list[dict[str, Any]]) -> dict[int, list[float]]:
-    by: dict[int, list[float]] = defaultdict(list)
+def non_forward_by_rows(counted: list[dict[str, Any]]) -> dict[int, list[tuple[float, float, float]]]:
+    """Steady steps by rows run: (wall - forward, the same in scheduler-thread CPU time, runq), ms."""
+    by: dict[int, list[tuple[float, float, float]]] = defaultdict(list)
     for r in counted:
         if r["res"] and r["res"][0] == "decode":
-            by[r["run"][1]].append(1e3 * (r["wall"] - r["forward"]))
+            cpu = r["cpu"]
+            by[r["run"][1]].append((1e3 * (r["wall"] - r["forward"]), 1e3 * (cpu["wall"] - cpu["forward"]),
+                                    1e3 * r["runq"]))
     return by
 
 
 def equal_rows(a: list[dict[str, Any]], b: list[dict[str, Any]]) -> dict[str, Any]:
-    """Median non-forward ms of policy a and b at each rows-run count both ran MIN_STEPS times,
-    and the difference a - b averaged over those counts (weighted by the fewer steps)."""
+    """Median non-forward ms of policy a and b at each rows-run count both ran MIN_STEPS times, in
+    wall and CPU time, and the differences a - b averaged over those counts (weighted by the fewer
+    steps); `runq_diff_ms`: the same for the mean run-queue wait (time other processes took)."""
     ba, bb = non_forward_by_rows(a), non_forward_by_rows(b)
     points = []
     for n in sorted(set(ba) & set(bb)):
         if len(ba[n]) >= MIN_STEPS and len(bb[n]) >= MIN_STEPS:
-            points.append({"rows": n, "steps": [len(ba[n]), len(bb[n])],
-                           "ms": [statistics.median(ba[n]), statistics.median(bb[n])]})
+            med = [[statistics.median(x[i] for x in side) for side in (ba[n], bb[n])] for i in (0, 1)]
+            runq = [statistics.fmean(x[2] for x in side) for side in (ba[n], bb[n])]
+            points.append({"rows": n, "steps": [len(ba[n]), len(bb[n])], "ms": med[0], "cpu_ms": med[1],
+                           "runq_ms": runq})
     w = [min(p["steps"]) for p in points]
-    diff = sum(wi * (p["ms"][0] - p["ms"][1]) for wi, p in zip(w, points, strict=True)) / sum(w) if w else None
-    return {"points": points, "mean_diff_ms": diff}
+
+    def diff(field: str) -> float | None:
+        if not w:
+            return None
+        return sum(wi * (p[field][0] - p[field][1]) for wi, p in zip(w, points, strict=True)) / sum(w)
+
+    return {"points": points, "mean_diff_ms": diff("ms"), "cpu_diff_ms": diff("cpu_ms"),
+            "runq_diff_ms": diff("runq_ms")}
 
 
 def table(acc: dict[str, dict[str, Any]]) -> str:
@@ -136,10 +148,10 @@ def main(argv: list[str] | None = None) -> int:
                 continue
             eq = doc["equal_rows"][p] = equal_rows(counted[p], counted[a.against])
             pts = ", ".join(f"{x['rows']}: {x['ms'][0]:.3f}/{x['ms'][1]:.3f}" for x in eq["points"])
-            diff = eq["mean_diff_ms"]
-            print(f"\nnon-forward ms, {p} / {a.against}, median at equal rows run: {pts or 'no common counts'}"
-                  + (f"\n  {p} - {a.against}: {diff:+.3f} ms per step (mean over those counts)" if diff is not None
-                     else ""))
+            print(f"\nnon-forward ms, {p} / {a.against}, median at equal rows run: {pts or 'no common counts'}")
+            if eq["mean_diff_ms"] is not None:
+                print(f"  {p} - {a.against} per step (mean over those counts): wall {eq['mean_diff_ms']:+.3f} ms, "
+                      f"scheduler-thread CPU {eq['cpu_diff_ms']:+.3f} ms, run-queue wait {eq['runq_diff_ms']:+.3f} ms")
     if a.out:
         write_json(Path(a.out), doc, indent=1)
     return 0
