@@ -16,7 +16,7 @@ STAMP := $(VENV)/.branchwise-installed
 CPU_ENV := SGLANG_USE_CPU_ENGINE=1 TORCHDYNAMO_DISABLE=1
 SERVE_ARGS := --model-path $(MODEL) --host $(HOST) --port $(PORT) --branch-policy $(POLICY)
 
-.PHONY: install apply revert check-apply tiny-model serve serve-cluster demo test test-unit bench lint clean
+.PHONY: install apply revert check-apply tiny-model serve serve-cluster demo test test-unit bench bench-seeds lint clean
 
 install: $(STAMP)
 
@@ -93,11 +93,17 @@ test-unit:
 	$(PY) -m pytest tests/unit -q
 
 # make bench: off/eager/taper at six loads from a probe of this machine (docs/benchmarks.md):
-# loads 0.1-1.0 of the fluid bound at the probed SLO, every policy at every load, one run (~20 min on
-# 2 cores). BENCH_ARGS adds or overrides flags of bench.sweep, e.g. BENCH_ARGS="--seed 1".
+# loads 0.1-1.0 of the fluid bound at the probed SLO, every policy at every load, capacity, latency
+# and the two-axis verdict (~20 min on 2 cores). make bench-seeds: the same loads over seeds 0,1,2,
+# each seed's verdict and the verdict on the means (~1 h). BENCH_ARGS adds or overrides bench.sweep
+# flags, e.g. BENCH_ARGS="--slo-scale 0.7 --out runs/bench-slo0.7".
 bench: apply tiny-model
 	$(PY) -m bench.sweep --launch --model $(MODEL) --policies off,eager,taper --out runs/bench --no-progress \
 		$(BENCH_ARGS)
+
+bench-seeds: apply tiny-model
+	$(PY) -m bench.sweep --launch --model $(MODEL) --policies off,eager,taper --seeds 0,1,2 \
+		--out runs/bench-seeds --no-progress $(BENCH_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check overlay bench frontends tests
