@@ -25,6 +25,7 @@ from branchwise.launch import branchwise_report, get_json, post_json
 from branchwise.request_meta import KEY
 from branchwise.taper.predictor import LinearLatencyModel
 from branchwise.validate import MAX_N
+from tests.integration.test_albireo import stream
 
 COMMON = ("--parallel-sampling", "--random-seed", "0")
 PROMPTS = [f"sample {i}: the plan then" for i in range(6)]
@@ -138,22 +139,10 @@ def test_a_stamped_request_keeps_its_phase_on_every_sample(runs):
     assert rows["own-phase"] == 2 and "own_0" not in rows
 
 
-def stream_chunks(url: str, body: dict) -> list[dict]:
-    req = urllib.request.Request(url + "/generate", data=json.dumps(body | {"stream": True}).encode(),
-                                 headers={"Content-Type": "application/json"})
-    chunks = []
-    with urllib.request.urlopen(req, timeout=120) as r:
-        for raw in r:
-            line = raw.decode().strip()
-            if line.startswith("data:") and line != "data: [DONE]":
-                chunks.append(json.loads(line[5:]))
-    return chunks
-
-
 def test_streaming_keeps_sglangs_index_per_choice(runs):
     url = runs["taper"].url
     whole = generate(url, {"text": PROMPTS[2], "sampling_params": GREEDY | {"n": 3}, "rid": "whole"})
-    chunks = stream_chunks(url, {"text": PROMPTS[2], "sampling_params": GREEDY | {"n": 3}, "rid": "str"})
+    chunks = stream(url, {"text": PROMPTS[2], "sampling_params": GREEDY | {"n": 3}, "rid": "str"})
     last = {c["index"]: c for c in chunks}
     assert sorted(last) == [0, 1, 2] and len(chunks) > 3
     assert [last[i]["meta_info"]["id"] for i in range(3)] == [f"str_0/b{i}/0" for i in range(3)]
