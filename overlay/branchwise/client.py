@@ -124,11 +124,13 @@ def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dic
     return body
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, url: str, gen: Generation) -> None:
-    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]"). Split on event boundaries
-    ourselves: a chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
-    last: dict[str, Any] = {}
-    seen, buf = 0, b""  # tokens so far (meta_info.completion_tokens is cumulative); unparsed bytes
+async def _read_stream(resp: aiohttp.ClientResponse, url: str, gens: list[Generation]) -> None:
+    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]") into gens, one per sample
+    (a chunk's `index` says whose; n = 1 chunks carry none). Split on event boundaries ourselves: a
+    chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
+    last: list[dict[str, Any]] = [{} for _ in gens]
+    seen = [0] * len(gens)  # tokens so far (meta_info.completion_tokens is cumulative)
+    buf = b""  # unparsed bytes
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
         *events, buf = (buf + piece).split(b"\n\n")
@@ -140,15 +142,17 @@ async def _read_stream(resp: aiohttp.ClientResponse, url: str, gen: Generation) 
             if "error" in chunk:  # SGLang streams errors as a chunk inside an HTTP 200
                 err = chunk["error"]
                 raise GenerateError(url, int(err.get("code", 400)), str(err.get("message", err)))
-            n = int(chunk.get("meta_info", {}).get("completion_tokens", seen))
-            gen.chunk_times.append(now)
-            gen.chunk_tokens.append(n - seen)
-            seen, last = n, chunk
-    gen.text, gen.meta_info = last.get("text", ""), last.get("meta_info", {})
-    gen.output_ids = list(last.get("output_ids", []))  # cumulative in every chunk
-    fr = gen.finish_reason
-    if fr.get("type") == "abort" and fr.get("status_code"):  # rejected (e.g. a bad stamp): HTTP 200 here
-        raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
+            i = int(chunk.get("index", 0))
+            n = int(chunk.get("meta_info", {}).get("completion_tokens", seen[i]))
+            gens[i].chunk_times.append(now)
+            gens[i].chunk_tokens.append(n - seen[i])
+            seen[i], last[i] = n, chunk
+    for gen, chunk in zip(gens, last, strict=True):
+        gen.text, gen.meta_info = chunk.get("text", ""), chunk.get("meta_info", {})
+        gen.output_ids = list(chunk.get("output_ids", []))  # cumulative in every chunk
+        fr = gen.finish_reason
+        if fr.get("type") == "abort" and fr.get("status_code"):  # rejected (e.g. a bad stamp): HTTP 200 here
+            raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
 
 
 async def generate(url: str, text: str | None = None, sampling_params: dict | None = None,
@@ -158,29 +162,51 @@ async def generate(url: str, text: str | None = None, sampling_params: dict | No
     """POST url/generate. Raises ConnectionError (naming the url) if nothing listens, GenerateError on
     an error answer. Pass a shared `session` when sending many requests (its own timeout then
     applies); check=False sends custom_params unvalidated (to test the server's own checks)."""
-    url = url.rstrip("/")
     body = _payload(text, input_ids, sampling_params, rid, stream, check)
+    return (await _post(url, body, 1, rid, session, timeout_s))[0]
+
+
+async def generate_samples(url: str, text: str | None = None, sampling_params: dict | None = None,
+                           rid: str | None = None, *, input_ids: list[int] | None = None,
+                           session: aiohttp.ClientSession | None = None,
+                           timeout_s: float | None = 600) -> list[Generation]:
+    """One streamed request for `sampling_params["n"]` samples of one prompt (SGLang's n > 1; the
+    server stamps them as one phase): one Generation per sample, in sample order."""
+    n = (sampling_params or {}).get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+    body = _payload(text, input_ids, sampling_params, rid, True, True)
+    return await _post(url, body, n, rid, session, timeout_s)
+
+
+async def _post(url: str, body: dict[str, Any], n: int, rid: str | None, session: aiohttp.ClientSession | None,
+                timeout_s: float | None) -> list[Generation]:
+    url = url.rstrip("/")
     own = session is None
     session = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
-    gen = Generation("", [], {}, rid, start=time.perf_counter())
+    start = time.perf_counter()
+    gens = [Generation("", [], {}, rid, start=start) for _ in range(n)]
     try:
         async with session.post(url + "/generate", json=body) as resp:
             if resp.status != 200:
                 raise GenerateError(url, resp.status, _error_message(await resp.text()))
-            if stream:
-                await _read_stream(resp, url, gen)
+            if body["stream"]:
+                await _read_stream(resp, url, gens)
             else:
                 out = await resp.json()
-                gen.text, gen.meta_info = out["text"], out["meta_info"]
-                gen.output_ids = list(out.get("output_ids", []))
+                for gen, o in zip(gens, out if isinstance(out, list) else [out], strict=True):
+                    gen.text, gen.meta_info = o["text"], o["meta_info"]
+                    gen.output_ids = list(o.get("output_ids", []))
     except (TimeoutError, aiohttp.ClientConnectionError) as e:
         raise ConnectionError(f"SGLang server at {url} unreachable or timed out: {e!r}") from e
     finally:
         if own:
             await session.close()
-    gen.end = time.perf_counter()
-    gen.rid = gen.meta_info.get("id", rid)
-    return gen
+    end = time.perf_counter()
+    for gen in gens:
+        gen.end = end
+        gen.rid = gen.meta_info.get("id", rid)
+    return gens
 
 
 def generate_sync(url: str, text: str | None = None, sampling_params: dict | None = None,
