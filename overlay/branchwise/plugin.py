@@ -148,7 +148,7 @@ def _version_mismatch() -> str | None:
     if got == SGLANG_VERSION:
         return None
     return (f"Branchwise: installed sglang is {got}, Branchwise supports sglang=={SGLANG_VERSION} only; "
-            "no Branchwise hooks installed (branch policy off: SGLang serves unchanged)")
+            "no Branchwise hooks installed: SGLang serves unchanged")
 
 
 def _note_once(line: str) -> None:
