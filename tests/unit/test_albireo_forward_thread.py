@@ -165,9 +165,17 @@ def test_host_event_is_a_copy_done_drop_in():
 
 
 def test_drain_with_nothing_submitted_returns():
+    """drain() before any job returns at once (there is nothing to wait for), leaves the worker
+    running, and the executor still takes and runs the next job; close() stops the worker."""
     ex = _Recording()
+    assert ex.last is None and not ex.busy()
+    ex.drain()  # would block on a job that never comes if it waited for one (the suite's timeout ends it)
+    assert ex.order == [] and ex.thread.is_alive()
+    ex.submit(_job(7))
     ex.drain()
+    assert ex.order == [7] and not ex.busy()
     ex.close()
+    assert not ex.thread.is_alive()
 
 
 def test_forward_thread_spans_do_not_touch_the_scheduler_threads_span_stack(tmp_path):
