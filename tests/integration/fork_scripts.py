@@ -138,8 +138,9 @@ POINTS: dict[str, Callable[[Any, Any, str], bool]] = {
     "running": lambda ctx, mgr, rid: _in(ph := _phase(mgr, rid), Stage.PARALLEL) and _running(ctx, ph),
     "some_closed": lambda ctx, mgr, rid: _in(ph := _phase(mgr, rid), Stage.PARALLEL)
     and 0 < len(ph.open_branches) < ph.fanout,
-    # every branch closed; the join runs at this iteration's scheduling point
-    "join_ready": lambda ctx, mgr, rid: _in(ph := _phase(mgr, rid), Stage.PARALLEL) and ph.all_closed,
+    # every branch ended (none left in a queue or batch); the join runs at this iteration's scheduling point
+    "join_ready": lambda ctx, mgr, rid: _in(ph := _phase(mgr, rid), Stage.PARALLEL)
+    and all(r is None or r.finished() for r in _branch_reqs(ctx, ph)),
     # the parent was joined and re-queued
     "joined": lambda ctx, mgr, rid: _in(_phase(mgr, rid), Stage.REDUCE),
     # a branch's own fork, seen while the parent is parked
