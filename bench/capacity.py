@@ -1,41 +1,41 @@
-"""SLO capacity per policy: goodput and attainment over a grid of stationary loads, and the largest
-rate at which each policy keeps >= 95% attainment over all arrivals (bisection, per seed).
+"""SLO capacity and latency per policy over a grid of stationary loads, and taper's two-axis verdict.
 
     python -m bench.capacity --trace CSV --policies off,cap:2,cap:5,eager,taper-paper,taper \
         --slo-tpot-ms 50 --seeds 0,1,2 --out DIR [--preset multiverse|sprint] [--max-running sglang|slo|N]
-        [--slo-ttft-s S] [--engine sim|replay (--launch | --url URL)]
+        [--slo-ttft-s S] [--rates R1,R2,...] [--engine sim|replay (--launch | --url URL)]
 
 Every point is one policy at one stationary rate (`workload.stationary_schedule`: the trace's burst
 pattern at a constant mean rate from a seed-chosen place in the trace; the seed also draws the
-requests' branch structure and the latency noise). Metrics are bench.metrics' over every request
-that arrived in the measured window: unfinished or failed requests are misses.
+requests' branch structure and the latency noise), scored by bench.metrics over every request that
+arrived in the measured window (unfinished or failed requests are misses).
 
 The rules, fixed before any result was seen:
-* grid: the fluid bound L* (bench.capacity.fluid_bound: the arrival rate whose mean demand fills
-  steps of exactly the SLO, prefill included, at the workload's mean context) times
-  GRID = 0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15; the same rates for every policy and seed;
-* capacity of one seed: the lowest grid rate below 95% bounds it from above and the grid rate under
-  it from below (every grid rate up to it passes); BISECT_STEPS halvings of that bracket (a point
-  >= 95% moves the lower end up); the lower end is the capacity. A policy that holds 95% at every
-  grid rate reports the top rate (a lower bound, flagged); one below 95% at the lowest reports 0 or
-  the bisection below it;
-* capacity_rps is the mean over seeds, capacity_spread their max - min.
+* grid: the fluid bound (bench.bound) times GRID, the same rates for every policy and seed
+  (`--rates` replaces the grid and skips the bisection);
+* capacity of one seed: the lowest grid rate below TARGET attainment bounds it from above and the
+  grid rate under it from below; BISECT_STEPS halvings of that bracket; the lower end is the
+  capacity. capacity_rps is the mean over seeds, capacity_spread their max - min;
+* the verdict (`verdict`): (a) taper's capacity >= every other policy's; (b) at each grid rate the
+  frontier is the lowest decomposable P50 end to end among the policies holding TARGET, and
+  wherever a fixed-width policy (off, cap:K, eager) holds, taper holds too and is within
+  FRONTIER_SLACK of the frontier. Judged on the means over seeds and on each seed.
 Simulator windows: WARMUP_S of load before the measured window, WINDOW_S measured (arrivals
 counted), arrivals go on for DRAIN_S after it, and whatever has not finished then is a miss.
 
 Engines: `sim` (bench.engine's simulator and the server's own controller, default) and `replay`
-(live servers: `bench.sweep.capacity_engine(options) -> Engine`, points from bench.point's
-`run_point`). An Engine runs points; `point(policy, rate, seed) -> dict` with the keys of POINT_KEYS.
+(live servers, bench.live). An Engine runs points: `point(policy, rate, seed)` -> bench.metrics'
+load_point figures. bench.sweep (`make bench`) is this instrument on live servers at fixed loads.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import math
 import os
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,20 +43,23 @@ from typing import Any
 
 import numpy as np
 
+from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
-from bench.metrics import summarize
-from bench.report import Col, blank, fmt, render, write_json
-from bench.workload import PRESETS, RequestSpec, compose, load_trace, stationary_schedule, workload_stats
+from bench.metrics import POINT_KEYS, load_point, summarize
+from bench.report import Col, blank, fmt, num, render, write_json
+from bench.workload import PRESETS, compose, load_trace, stationary_schedule, workload_stats
 from branchwise.taper import LinearLatencyModel, default_model, load_model, parse_policy_name
 
 GRID = (0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15)  # x the fluid bound
 TARGET = 0.95  # attainment over all arrivals that counts as holding the SLO
+FRONTIER_SLACK = 1.05  # taper's decomposable P50 end to end may be this much above the frontier
+LATENCY = "decomp_e2e_p50_s"  # the latency axis
 BISECT_STEPS = 3
 WARMUP_S, WINDOW_S, DRAIN_S = 180.0, 600.0, 300.0
-POINT_KEYS = ("rate", "goodput_tok_s", "attainment", "finished_frac", "p99_ttft_s")  # capacity.json
 FIXED = ("off", "eager")  # with cap:K: the fixed-width policies taper is compared against
 
 PointFn = Callable[[str, float, int], dict]
+Job = tuple[str, float, int]  # (policy, rate, seed)
 
 
 @dataclass(slots=True)
@@ -64,13 +67,14 @@ class Engine:
     """What bench.capacity needs from an engine: points, and the rate its grid is built on."""
 
     name: str
-    point: PointFn  # (policy, rate, seed) -> {rate, goodput_tok_s, attainment, finished_frac, p99_ttft_s, ...}
-    base_rps: float  # the grid's 1.0 (the fluid bound for the simulator)
-    workers: int = 1  # points it may run at once (the simulator: processes; a live server: 1)
+    point: PointFn  # (policy, rate, seed) -> bench.metrics.load_point figures (and more)
+    fluid_bound_rps: float  # the grid's 1.0
+    workers: int = 1  # points it may run at once (the simulator: processes; live servers: 1)
     config: dict = field(default_factory=dict)
+    on_close: Callable[[], None] | None = None
     _pool: ProcessPoolExecutor | None = None
 
-    def run(self, jobs: Sequence[tuple[str, float, int]]) -> list[dict]:
+    def run(self, jobs: Sequence[Job]) -> list[dict]:
         if self.workers <= 1 or len(jobs) <= 1:
             return [self.point(*j) for j in jobs]
         if self._pool is None:
@@ -84,19 +88,11 @@ class Engine:
         if self._pool is not None:
             self._pool.shutdown()
             self._pool = None
+        if self.on_close is not None:
+            self.on_close()
 
 
 # ------------------------------------------------------------------------------------- sim engine
-def fluid_bound(model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> float:
-    """Arrival rate (req/s) whose mean demand fills steps of exactly the SLO: per second of engine
-    time, decode rows at the mean context plus the prompts' prefill fill 1 / slo steps, i.e.
-    L * (out * per_row + prompt * c_tok) = (slo - c0) / slo, per_row = c_seq + c_ctx * (prompt + out / 2)."""
-    out = float(np.mean([s.output_tokens for s in specs]))
-    prompt = float(np.mean([s.prompt_tokens for s in specs]))
-    per_row = model.c_seq + model.c_ctx * (prompt + out / 2)
-    return (slo_s - model.c0) / (slo_s * (out * per_row + prompt * model.c_tok))
-
-
 @dataclass(frozen=True, slots=True)
 class SimSetup:
     trace: str
@@ -112,27 +108,10 @@ class SimSetup:
     drain_s: float = DRAIN_S
 
 
-_TRACES: dict[str, Any] = {}
-
-
-def sim_point(setup: SimSetup, policy: str, rate: float, seed: int) -> dict:
-    """One simulated point: metrics over the requests that arrived in the measured window."""
-    trace = _TRACES.get(setup.trace)
-    if trace is None:
-        trace = _TRACES[setup.trace] = load_trace(setup.trace)
-    t_end = setup.warmup_s + setup.window_s + setup.drain_s
-    sched = stationary_schedule(trace, rate, t_end, seed)
-    specs = compose(trace, sched, setup.preset, seed)
-    model = LinearLatencyModel(*setup.model)
-    ctl = build_controller(policy, model, setup.rho, setup.calibrated)
-    res = Simulator(specs, ctl, model, setup.cfg, t_end, seed).run()
-    window = (setup.warmup_s, setup.warmup_s + setup.window_s)
-    m = summarize(res.records, setup.slo_s, window, steps=res.steps, slo_ttft_s=setup.slo_ttft_s, horizon_s=t_end)
-    return {"rate": rate, "goodput_tok_s": m["goodput_tok_s"], "attainment": m["slo_attainment"],
-            "finished_frac": m["finished_frac"], "p99_ttft_s": m["ttft_p99_s"], "requests": m["requests"],
-            "raw_throughput_tok_s": m["raw_throughput_tok_s"], "slo_attainment_gap": m["slo_attainment_gap"],
-            "ttft_p50_s": m["ttft_p50_s"], "step_latency_mean_ms": m.get("step_latency_mean_ms"),
-            "admission_rate": m.get("admission_rate"), "cpu_s": res.stats["cpu_s"]}
+@functools.cache
+def _trace(path: str) -> Any:
+    """The trace, read once per process (a pool's worker runs many points)."""
+    return load_trace(path)
 
 
 class _SimPoint:
@@ -142,7 +121,18 @@ class _SimPoint:
         self.setup = setup
 
     def __call__(self, policy: str, rate: float, seed: int) -> dict:
-        return sim_point(self.setup, policy, rate, seed)
+        s = self.setup
+        trace = _trace(s.trace)
+        t_end = s.warmup_s + s.window_s + s.drain_s
+        specs = compose(trace, stationary_schedule(trace, rate, t_end, seed), s.preset, seed)
+        model = LinearLatencyModel(*s.model)
+        ctl = build_controller(policy, model, s.rho, s.calibrated)
+        res = Simulator(specs, ctl, model, s.cfg, t_end, seed).run()
+        window = (s.warmup_s, s.warmup_s + s.window_s)
+        m = summarize(res.records, s.slo_s, window, steps=res.steps, slo_ttft_s=s.slo_ttft_s, horizon_s=t_end)
+        extra = ("requests", "raw_throughput_tok_s", "slo_attainment_gap", "ttft_p50_s", "step_latency_mean_ms",
+                 "admission_rate", "decomp_decode_p50_s", "serial_decode_p50_s")
+        return load_point(rate, m) | {k: m.get(k) for k in extra} | {"cpu_s": res.stats["cpu_s"]}
 
 
 def sim_engine(a: CapacityOptions) -> Engine:
@@ -151,12 +141,11 @@ def sim_engine(a: CapacityOptions) -> Engine:
     if not isinstance(model, LinearLatencyModel):
         raise ValueError("the simulator needs a linear latency model")
     slo_s = a.slo_tpot_ms / 1e3
-    # the workload's means at a nominal rate (the grid rule and the SLO-sized cap use them)
+    # the workload's means at a nominal rate (the bound and the SLO-sized cap use them)
     ref = compose(trace, stationary_schedule(trace, 1.0, 3600.0, 0), a.preset, 0)
     cfg = EngineConfig(slo_s=slo_s, max_running=resolve_max_running(a.max_running, model, slo_s, ref))
-    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(), bool(a.latency_model), cfg,
-                     WARMUP_S, WINDOW_S, DRAIN_S)
-    bound = fluid_bound(model, slo_s, ref)
+    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(), bool(a.latency_model), cfg)
+    bound = fluid_bound_rps(model, slo_s, ref)
     conf = {"engine": "sim", "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
@@ -165,22 +154,47 @@ def sim_engine(a: CapacityOptions) -> Engine:
 
 
 def replay_engine(a: CapacityOptions) -> Engine:
-    """Live servers (bench.sweep builds the engine: probe, grid, servers)."""
+    """Live servers (bench.live): one server per policy (--launch) or one running server (--url), the
+    grid's 1.0 at the live fluid bound of a probe of the first non-taper server."""
+    from bench.live import LivePoints, Servers, ServerSettings, calibrate
+    from bench.point import PointSetup
+    from bench.programs import Scaling
+
+    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
     if not (a.launch or a.url):
         raise ValueError("--engine replay needs --launch or --url")
-    from bench.sweep import capacity_engine
-
-    return capacity_engine(a)
+    if a.url and len(policies) != 1:
+        raise ValueError("--engine replay --url: a running server has one policy; pass it alone in --policies "
+                         "(or use --launch)")
+    settings = ServerSettings(a.model, a.rho, a.server_threads, a.max_total_tokens, a.server_args)
+    servers = (Servers(settings, slo_ms=a.slo_tpot_ms) if a.launch
+               else Servers(urls={policies[0]: a.url}))
+    base = PointSetup(load_trace(a.trace), a.slo_tpot_ms, Scaling(1.0, 256), preset=a.preset,
+                      slo_ttft_s=a.slo_ttft_s)
+    try:
+        op = calibrate(servers, policies, base, Path(a.out), slo_ms=a.slo_tpot_ms)
+    except BaseException:
+        servers.close()
+        raise
+    points = LivePoints(servers, op.setup, op.fluid_bound_rps, Path(a.out))
+    conf = {"engine": "replay", "fluid_bound_rps": op.fluid_bound_rps, "probe": op.probe.as_dict(),
+            "duration_s": op.setup.duration_s, "drain_s": op.setup.drain_s, "scaling": asdict(op.setup.scaling),
+            "server": "launch" if a.launch else a.url}
+    return Engine("replay", points, op.fluid_bound_rps, 1, conf, on_close=servers.close)
 
 
 # ----------------------------------------------------------------------------------- the instrument
-def grid(base_rps: float) -> list[float]:
-    return [round(g * base_rps, 6) for g in GRID]
+def grid(bound_rps: float) -> list[float]:
+    return [round(g * bound_rps, 6) for g in GRID]
 
 
 def _mean(points: list[dict], key: str) -> float | None:
     v = [p[key] for p in points if p.get(key) is not None and math.isfinite(p[key])]
     return float(np.mean(v)) if v else None
+
+
+def holds(point: Mapping[str, Any]) -> bool:
+    return point.get("attainment") is not None and point["attainment"] >= TARGET
 
 
 def bracket(rates: list[float], att: list[float | None]) -> tuple[float, float | None]:
@@ -194,126 +208,221 @@ def bracket(rates: list[float], att: list[float | None]) -> tuple[float, float |
     return lo, None
 
 
-def measure(engine: Engine, policies: list[str], seeds: list[int], log: Callable[[str], None] = print) -> dict:
-    """Grid points for every (policy, seed), then the bisection rounds; capacity.json's document
-    plus per-seed details."""
-    rates = grid(engine.base_rps)
-    jobs = [(p, r, s) for p in policies for s in seeds for r in rates]
+def _rotated(policies: list[str], i: int) -> list[str]:
+    k = i % len(policies)
+    return policies[k:] + policies[:k]
+
+
+def _document(bound: float, policies: list[str], rates: list[float], caps: dict[str, list[float]],
+              got: dict[Job, dict], seeds: list[int]) -> dict[str, Any]:
+    """capacity.json's document over `seeds`: capacities (mean, spread) and points averaged over seeds."""
+    doc: dict[str, Any] = {"fluid_bound_rps": bound, "policies": {}}
+    for p in policies:
+        c = caps[p]
+        points = [{"rate": r} | {k: _mean([got[(p, r, s)] for s in seeds], k) for k in POINT_KEYS[1:]} for r in rates]
+        mean = float(np.mean(c))
+        doc["policies"][p] = {"capacity_rps": mean, "capacity_spread": float(max(c) - min(c)),
+                              "capacity_of_bound": mean / bound if bound > 0 else None, "points": points}
+    return doc
+
+
+def measure(engine: Engine, policies: list[str], seeds: list[int], log: Callable[[str], None] = print,
+            rates: list[float] | None = None, bisect_steps: int | None = None) -> dict:
+    """Grid points for every (policy, seed) (per seed in ascending rates, the policies' order rotated
+    per rate so a drift of a live machine does not always hit the same one), then the bisection
+    rounds. {"capacity": capacity.json's document (means over seeds), "per_seed": {seed: the same
+    for one seed}, "detail": per policy capacities per seed and every point, "wall_s"}."""
+    rates = rates or grid(engine.fluid_bound_rps)
+    steps = BISECT_STEPS if bisect_steps is None else bisect_steps
+    jobs = [(p, r, s) for s in seeds for i, r in enumerate(rates) for p in _rotated(policies, i)]
     t0 = time.perf_counter()
     got = dict(zip(jobs, engine.run(jobs), strict=True))
     log(f"grid: {len(jobs)} points in {time.perf_counter() - t0:.0f} s")
-    brackets = {}
-    for p in policies:
-        for s in seeds:
-            brackets[(p, s)] = bracket(rates, [got[(p, r, s)]["attainment"] for r in rates])
-    for step in range(BISECT_STEPS):
+    brackets = {(p, s): bracket(rates, [got[(p, r, s)]["attainment"] for r in rates]) for p in policies for s in seeds}
+    for step in range(steps):
         todo = {k: (lo + hi) / 2 for k, (lo, hi) in brackets.items() if hi is not None}
         if not todo:
             break
         res = engine.run([(p, mid, s) for (p, s), mid in todo.items()])
         for ((p, s), mid), pt in zip(todo.items(), res, strict=True):
             lo, hi = brackets[(p, s)]
-            ok = pt["attainment"] is not None and pt["attainment"] >= TARGET
-            brackets[(p, s)] = (mid, hi) if ok else (lo, mid)
+            brackets[(p, s)] = (mid, hi) if holds(pt) else (lo, mid)
             got[(p, mid, s)] = pt
-        log(f"bisection {step + 1}/{BISECT_STEPS}: {len(todo)} points, {time.perf_counter() - t0:.0f} s")
-    doc: dict[str, Any] = {"policies": {}}
-    detail: dict[str, Any] = {}
-    for p in policies:
-        caps = [brackets[(p, s)][0] for s in seeds]
-        points = []
-        for r in rates:
-            per_seed = [got[(p, r, s)] for s in seeds]
-            points.append({"rate": r} | {k: _mean(per_seed, k) for k in POINT_KEYS[1:]})
-        doc["policies"][p] = {"capacity_rps": float(np.mean(caps)), "capacity_spread": float(max(caps) - min(caps)),
-                              "points": points}
-        detail[p] = {"capacity_per_seed": dict(zip(map(str, seeds), caps, strict=True)),
-                     "holds_whole_grid": [brackets[(p, s)][1] is None for s in seeds],
-                     "points": [got[k] | {"seed": k[2]} for k in sorted(got) if k[0] == p]}
-    return {"capacity": doc, "detail": detail, "wall_s": time.perf_counter() - t0}
+        log(f"bisection {step + 1}/{steps}: {len(todo)} points, {time.perf_counter() - t0:.0f} s")
+    bound = engine.fluid_bound_rps
+    caps = {p: [brackets[(p, s)][0] for s in seeds] for p in policies}
+    per_seed = {s: _document(bound, policies, rates, {p: [brackets[(p, s)][0]] for p in policies}, got, [s])
+                for s in seeds}
+    detail = {p: {"capacity_per_seed": dict(zip(map(str, seeds), caps[p], strict=True)),
+                  "holds_whole_grid": [brackets[(p, s)][1] is None for s in seeds],
+                  "points": [got[k] | {"seed": k[2]} for k in sorted(got) if k[0] == p]} for p in policies}
+    return {"capacity": _document(bound, policies, rates, caps, got, seeds), "per_seed": per_seed,
+            "detail": detail, "wall_s": time.perf_counter() - t0}
 
 
+# ------------------------------------------------------------------------------------- the verdict
 def is_fixed(policy: str) -> bool:
     return policy in FIXED or policy.startswith("cap:")
 
 
-def verdict(doc: dict, policy: str = "taper", ratio: float = 0.97) -> list[str]:
-    """The acceptance checks, as lines: `policy`'s capacity against every other policy's, and its
-    goodput against the best fixed-width policy's at every grid point."""
+@dataclass(frozen=True, slots=True)
+class LatencyCheck:
+    """Check (b) at one rate: the frontier, and whether taper holds and stays within FRONTIER_SLACK."""
+
+    rate: float
+    frontier: str | None  # the policy with the lowest decomposable P50 end to end among those holding
+    frontier_s: float | None
+    mine_s: float | None
+    mine_attainment: float | None
+    applies: bool  # some fixed-width policy holds here
+    ok: bool
+
+    def line(self, focus: str) -> str:
+        head = f"rate {self.rate:.3f}: "
+        if not self.applies:
+            return head + "no fixed-width policy holds 95% (n/a)"
+        ratio = self.mine_s / self.frontier_s if self.mine_s is not None and self.frontier_s else None
+        return (head + f"{focus} {fmt(self.mine_attainment, True)} att, decomposable P50 e2e "
+                f"{fmt(self.mine_s, nd=1)} s vs frontier {self.frontier} {fmt(self.frontier_s, nd=1)} s "
+                f"({fmt(ratio, nd=2)}x) {'PASS' if self.ok else 'FAIL'}")
+
+
+def latency_check(rate: float, points: Mapping[str, Mapping[str, Any]], focus: str = "taper") -> LatencyCheck:
+    """(b) over {policy: point} at one rate (module docstring)."""
+    holding = {k: v[LATENCY] for k, v in points.items() if holds(v) and v.get(LATENCY) is not None}
+    frontier = min(holding, key=lambda k: holding[k], default=None)
+    me = points.get(focus, {})
+    applies = any(is_fixed(k) and holds(v) for k, v in points.items())
+    mine = me.get(LATENCY)
+    ok = (not applies) or (holds(me) and mine is not None and frontier is not None
+                           and mine <= FRONTIER_SLACK * holding[frontier] + 1e-12)
+    return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine, me.get("attainment"),
+                        applies, ok)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    focus: str
+    capacity_rps: float
+    above: tuple[str, ...]  # (a) fails against these
+    latency: tuple[LatencyCheck, ...]  # (b) per grid rate
+    over_bound: tuple[str, ...]  # policies whose capacity exceeds the fluid bound (the bound is wrong)
+    spans: bool  # the grid runs from a rate every policy holds to one none holds
+
+    @property
+    def passed(self) -> bool:
+        return not self.above and all(c.ok for c in self.latency)
+
+    def lines(self, bound: float) -> list[str]:
+        f = self.focus
+        out = [f"(a) capacity: {f} {self.capacity_rps:.3f} req/s ({fmt(self.capacity_rps / bound if bound else None, nd=3)}"
+               f" of the fluid bound {bound:.3f}) "
+               + ("PASS (>= every other)" if not self.above else f"FAIL (below {', '.join(self.above)})")]
+        out += [f"(b) {c.line(f)}" for c in self.latency]
+        if self.over_bound:
+            out.append(f"note: capacity above the fluid bound: {', '.join(self.over_bound)}")
+        if not self.spans:
+            out.append("note: the grid does not run from a rate every policy holds to one none holds")
+        out.append(f"verdict ({f}: capacity highest, and at every rate a fixed policy holds, holding and "
+                   f"within {FRONTIER_SLACK:g}x the latency frontier): {'PASS' if self.passed else 'FAIL'}")
+        return out
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"passed": self.passed, "capacity_highest": not self.above, "above": list(self.above),
+                "latency": [asdict(c) for c in self.latency], "over_bound": list(self.over_bound),
+                "grid_spans_hold_to_fail": self.spans}
+
+
+def verdict(doc: dict, focus: str = "taper") -> Verdict | None:
+    """taper's two-axis verdict on a capacity document (module docstring); None without `focus`."""
     pols = doc["policies"]
-    if policy not in pols:
-        return []
-    me = pols[policy]
-    lines = []
-    others = {k: v["capacity_rps"] for k, v in pols.items() if k != policy}
-    worse = [k for k, c in others.items() if c > me["capacity_rps"] + 1e-12]
-    lines.append(f"capacity: {policy} {me['capacity_rps']:.3f} req/s "
-                 + ("PASS (>= every other)" if not worse else f"FAIL (below {', '.join(worse)})"))
-    fixed = [k for k in pols if is_fixed(k)]
-    for i, pt in enumerate(me["points"]):
-        best_k = max(fixed, key=lambda k: pols[k]["points"][i]["goodput_tok_s"] or 0.0, default=None)
-        if best_k is None:
-            continue
-        best = pols[best_k]["points"][i]["goodput_tok_s"] or 0.0
-        mine = pt["goodput_tok_s"] or 0.0
-        ok = mine >= ratio * best
-        lines.append(f"rate {pt['rate']:.3f}: {policy} goodput {mine:.1f} vs best fixed {best_k} {best:.1f} "
-                     f"({mine / best if best else float('nan'):.3f}x) {'PASS' if ok else 'FAIL'}")
-    return lines
+    if focus not in pols:
+        return None
+    me = pols[focus]["capacity_rps"]
+    above = tuple(k for k, v in pols.items() if k != focus and v["capacity_rps"] > me + 1e-12)
+    rates = [p["rate"] for p in pols[focus]["points"]]
+    checks = tuple(latency_check(r, {k: v["points"][i] for k, v in pols.items()}, focus) for i, r in enumerate(rates))
+    bound = doc.get("fluid_bound_rps") or math.inf
+    over = tuple(k for k, v in pols.items() if v["capacity_rps"] > bound * (1 + 1e-9))
+    first = [v["points"][0] for v in pols.values()]
+    last = [v["points"][-1] for v in pols.values()]
+    spans = all(holds(p) for p in first) and not any(holds(p) for p in last)
+    return Verdict(focus, me, above, checks, over, spans)
 
 
-def table(doc: dict) -> str:
-    """Capacity and spread per policy, then goodput, attainment, finished fraction and P99 TTFT per rate."""
+# ------------------------------------------------------------------------------------------ output
+def _rate_cols(rates: list[float], cell: Callable[[dict], str], sub: str, width: int) -> list[Col]:
+    return [Col(f"{r:.3f}", width, lambda _k, v, i=i: cell(v["points"][i]), sub=sub) for i, r in enumerate(rates)]
+
+
+def tables(doc: dict) -> str:
+    """Two tables, policy by rate: the SLO axis (attainment, finished, goodput) with each capacity
+    (also as a fraction of the fluid bound), and the latency axis (decomposable P50 / P99 end to end
+    and finished share, serial P50 end to end; seconds)."""
     pols = doc["policies"]
     rates = [p["rate"] for p in next(iter(pols.values()))["points"]]
 
-    def at(i: int) -> Col:
-        def cell(_k: str, v: dict) -> str:
-            p = v["points"][i]
-            ttft = p["p99_ttft_s"]
-            return (f"{fmt(p['goodput_tok_s'], nd=0)} {fmt(p['attainment'], True, 0)} "
-                    f"{fmt(p['finished_frac'], True, 0)} {fmt(ttft, nd=1 if (ttft or 0) < 100 else 0)}")
+    def slo(p: dict) -> str:
+        return f"{fmt(p['attainment'], True, 0)} {fmt(p['finished_frac'], True, 0)} {fmt(p['goodput_tok_s'], nd=0)}"
 
-        return Col(f"{rates[i]:.3f}", 22, cell, sub="good att fin TTFT99")
+    def lat(p: dict) -> str:
+        return (f"{fmt(p['decomp_e2e_p50_s'], nd=1)} {num(p['decomp_e2e_p99_s'])} "
+                f"{fmt(p['decomp_finished_frac'], True, 0)} {fmt(p['serial_e2e_p50_s'], nd=1)}")
 
-    cols = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),
-            Col("spread", 8, lambda _k, v: f"{v['capacity_spread']:.3f}"), blank(2), *map(at, range(len(rates)))]
-    return render(pols, cols, name_width=14)
-
-
-def plot(doc: dict, base_rps: float, out: Path, slo_tpot_ms: float) -> Path:
-    """Goodput and attainment against offered load, with each policy's capacity marked."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_g, ax_a) = plt.subplots(1, 2, figsize=(13, 5))
-    for k, v in doc["policies"].items():
-        r = [p["rate"] for p in v["points"]]
-        line, = ax_g.plot(r, [p["goodput_tok_s"] or 0.0 for p in v["points"]], marker="o", label=k)
-        ax_a.plot(r, [100 * (p["attainment"] or 0.0) for p in v["points"]], marker="o", color=line.get_color())
-        ax_a.axvline(v["capacity_rps"], color=line.get_color(), ls=":", lw=1)
-    for ax in (ax_g, ax_a):
-        ax.axvline(base_rps, color="grey", ls="--", lw=0.8)
-        ax.set_xlabel("offered load (req/s)")
-    ax_a.axhline(100 * TARGET, color="grey", lw=0.8)
-    ax_g.set_ylabel("goodput (tok/s)")
-    ax_a.set_ylabel("attainment over all arrivals (%)")
-    ax_g.set_title(f"goodput (TPOT SLO {slo_tpot_ms:g} ms; dashed: fluid bound)")
-    ax_a.set_title("attainment (dotted: each policy's SLO capacity)")
-    ax_g.legend(fontsize=8)
-    fig.tight_layout()
-    path = out / "capacity.png"
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    caps = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),
+            Col("x bound", 8, lambda _k, v: fmt(v.get("capacity_of_bound"), nd=3)),
+            Col("spread", 8, lambda _k, v: fmt(v["capacity_spread"], nd=3)), blank(2)]
+    return "\n\n".join([
+        "SLO axis: attainment, finished, goodput (tok/s) per offered rate (req/s)",
+        render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 17)], name_width=14),
+        "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, serial P50 end to end (s)",
+        render(pols, _rate_cols(rates, lat, "dP50 dP99 dfin sP50", 22), name_width=14)])
 
 
+def report(res: dict, focus: str = "taper") -> str:
+    """The tables, the verdict on the means and each seed's verdict in one line."""
+    doc = res["capacity"]
+    parts = [tables(doc)]
+    v = verdict(doc, focus)
+    if v is not None:
+        parts.append("\n".join(v.lines(doc["fluid_bound_rps"])))
+        per = res.get("per_seed") or {}
+        if len(per) > 1:
+            parts.append("per seed: " + "; ".join(_seed_line(s, d, focus) for s, d in per.items()))
+    return "\n\n".join(parts)
+
+
+def _seed_line(seed: int, doc: dict, focus: str) -> str:
+    v = verdict(doc, focus)
+    assert v is not None
+    caps = ", ".join(f"{k} {x['capacity_rps']:.3f}" for k, x in doc["policies"].items())
+    why = [] if not v.above else [f"capacity below {', '.join(v.above)}"]
+    why += [f"latency at {c.rate:.3f}" for c in v.latency if not c.ok]
+    return f"seed {seed}: {caps} -> {'PASS' if v.passed else 'FAIL (' + '; '.join(why) + ')'}"
+
+
+def plot(doc: dict, out: Path, title: str) -> Path:
+    from bench.plots import plot_capacity
+
+    return plot_capacity(doc, out / "capacity.png", title, TARGET, LATENCY)
+
+
+def write(out: Path, res: dict, config: dict, focus: str = "taper") -> Path:
+    """capacity.json (the capacity document) and capacity_detail.json (config, per-seed documents and
+    points, verdicts): the one writer of both, for the simulator, the replay engine and bench.sweep."""
+    verdicts = {"means": verdict(res["capacity"], focus)} | {str(s): verdict(d, focus) for s, d in res["per_seed"].items()}
+    detail = {"config": config | {"grid": list(GRID), "target": TARGET, "frontier_slack": FRONTIER_SLACK},
+              "verdict": {k: v.as_dict() for k, v in verdicts.items() if v is not None},
+              "per_seed": {str(s): d for s, d in res["per_seed"].items()}, "policies": res["detail"],
+              "wall_s": res["wall_s"]}
+    write_json(out / "capacity_detail.json", detail, indent=1, default=str)
+    return write_json(out / "capacity.json", res["capacity"], indent=1)
+
+
+# --------------------------------------------------------------------------------------------- CLI
 @dataclass(slots=True)
 class CapacityOptions:
-    """One `python -m bench.capacity` run (its flags, parsed). The replay engine (bench.sweep) reads the
-    same names, and the launched servers' settings below."""
+    """One `python -m bench.capacity` run (its flags, parsed)."""
 
     trace: str
     out: str
@@ -334,10 +443,17 @@ class CapacityOptions:
     model: str = "models/tiny"  # replay --launch servers
     server_threads: int = 1
     max_total_tokens: int = 65536
+    rates: str = ""  # comma-separated req/s instead of the grid (no bisection)
 
-    @property
-    def taper_rho(self) -> float:
-        return self.rho
+
+def _rates(text: str) -> list[float]:
+    try:
+        vals = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"--rates takes numbers separated by commas, got {text!r}") from None
+    if any(not v > 0 for v in vals) or vals != sorted(vals):
+        raise ValueError(f"--rates must be > 0 and ascending, got {text!r}")
+    return vals
 
 
 def parse_args(argv: list[str] | None) -> CapacityOptions:
@@ -355,6 +471,7 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
                     help="sim: running-request limit, sglang (SGLang's default for the pool), slo (sensitivity) or N")
     ap.add_argument("--latency-model", help="sim: JSON latency model; default: branchwise's default model")
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="sim: worker processes")
+    ap.add_argument("--rates", default="", help="these rates (req/s, ascending) instead of the grid; no bisection")
     where = ap.add_mutually_exclusive_group()
     where.add_argument("--launch", action="store_true", help="replay: start a server per policy")
     where.add_argument("--url", help="replay: a running server")
@@ -363,15 +480,7 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     a = ap.parse_args(argv)
     return CapacityOptions(a.trace, a.out, a.policies, a.slo_tpot_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
                            a.rho, a.max_running, a.latency_model, a.jobs, a.launch, a.url, a.server_args,
-                           not a.no_plot)
-
-
-def write(out: Path, res: dict, o: CapacityOptions, engine: Engine) -> Path:
-    """capacity.json (the capacity document) and capacity_detail.json (config, per-seed points)."""
-    config = asdict(o) | engine.config | {"grid": list(GRID), "target": TARGET, "bisect_steps": BISECT_STEPS}
-    write_json(out / "capacity_detail.json", {"config": config, "policies": res["detail"], "wall_s": res["wall_s"]},
-               indent=1, default=str)
-    return write_json(out / "capacity.json", res["capacity"], indent=1)
+                           not a.no_plot, rates=a.rates)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -379,25 +488,26 @@ def main(argv: list[str] | None = None) -> int:
     try:
         policies = [parse_policy_name(p) for p in o.policies.split(",") if p.strip()]
         seeds = [int(s) for s in o.seeds.split(",") if s.strip()]
+        rates = _rates(o.rates) if o.rates else None
         if not policies or not seeds:
             raise ValueError("need at least one policy and one seed")
         engine = sim_engine(o) if o.engine == "sim" else replay_engine(o)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(f"{engine.name}: grid {', '.join(f'{r:.3f}' for r in grid(engine.base_rps))} req/s "
-          f"(x {engine.base_rps:.3f} req/s), seeds {seeds}, policies {', '.join(policies)}")
+    shown = rates or grid(engine.fluid_bound_rps)
+    print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in shown)}"
+          f" req/s; seeds {seeds}; policies {', '.join(policies)}")
     try:
-        res = measure(engine, policies, seeds)
+        res = measure(engine, policies, seeds, rates=rates, bisect_steps=0 if rates else None)
     finally:
         engine.close()
     out = Path(o.out)
-    path = write(out, res, o, engine)
-    print(table(res["capacity"]))
-    for line in verdict(res["capacity"]):
-        print(line)
+    path = write(out, res, asdict(o) | engine.config)
+    print(report(res))
     if o.plot:
-        plot(res["capacity"], engine.base_rps, out, o.slo_tpot_ms)
+        plot(res["capacity"], out, f"{Path(o.trace).stem}, {o.preset}, TPOT SLO {o.slo_tpot_ms:g} ms, "
+             f"max running {o.max_running}, seeds {o.seeds}")
     print(f"wall {res['wall_s']:.0f} s -> {path}")
     return 0
 

@@ -32,7 +32,7 @@ from bench.programs import SEP_ID, branch_head, prompt_ids
 from bench.workload import RequestSpec
 from branchwise import client as bw
 from branchwise.client import GenerateError, Generation
-from branchwise.launch import branchwise_report
+from branchwise.launch import branchwise_report, metrics_url
 
 GenerateFn = Callable[..., Awaitable[Generation]]
 
@@ -189,9 +189,10 @@ def parse_step_series(text: str) -> dict[str, float] | None:
 async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
     """Turn /metrics deltas into StepLog rows: steps, mean realized latency, offered/admitted branch rows."""
     prev, t_prev = None, 0.0
+    url = await asyncio.to_thread(metrics_url, url)  # a router's: every worker's series
     while True:
         try:
-            async with session.get(url + "/metrics") as r:
+            async with session.get(url) as r:
                 cur = parse_step_series(await r.text()) if r.status == 200 else None
         except (aiohttp.ClientError, TimeoutError):
             cur = None  # no series (no --enable-metrics) or no server: the step log just stays empty

@@ -25,7 +25,7 @@ from typing import Any
 from bench import fork_oracle
 from bench.cli import add_server_source
 from bench.structure_driver import request, spec
-from branchwise.launch import LocalServer, get_json, post_json
+from branchwise.launch import LocalServer, get_json, merged_state, post_json
 
 KINDS = ("serial", "client-fork", "multiverse", "sprint")
 PROMPT_WORDS = "the plan is to check the cache prefix and then".split()
@@ -81,7 +81,7 @@ class Program:
 
 def deferred(url: str) -> Any:
     """Branch rows the policy kept out of decode steps so far (0 would make the check vacuous)."""
-    state = get_json(url + "/server_info")["internal_states"][0]
+    state = merged_state(url)
     rep, forks = state.get("branchwise", {}), state.get("branchwise_fork", {})
     return {"rows_deferred": (rep.get("taper") or {}).get("rows_deferred"),
             "server_forks": (forks.get("counters") or {}).get("forks")}
@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.url:
         info = get_json(a.url + "/server_info")
         tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
-        policy = info["internal_states"][0].get("branchwise", {}).get("config", {}).get("branch_policy")
+        policy = merged_state(a.url).get("branchwise", {}).get("config", {}).get("branch_policy")
         print(f"server {a.url} (policy {policy}): runs concurrent and serial")
         runs["concurrent"] = run_all(a.url, tok, progs, True)
         runs["one-at-a-time"] = run_all(a.url, tok, progs, False)

@@ -12,8 +12,14 @@ requests):
   request that did not finish (still queued, running or failed) is a miss. `finished_frac` is the
   finished share of those arrivals; `slo_attainment_finished` is the paper's share among finished
   requests only (reported, never the headline).
-* Raw throughput: output tokens delivered in the window per second. Goodput: the same, counting only
-  tokens of requests that meet the SLO.
+* Goodput (`goodput_tok_s`): the output tokens of the requests that arrived in the window and met
+  the SLO, wherever they were delivered, per second of window: equal attainment gives equal goodput.
+  `goodput_delivered_tok_s` counts the SLO-meeting tokens delivered inside the window instead (it
+  moves with when long requests happen to deliver); raw throughput is every token delivered in it.
+* Latency: a request's end to end is arrival to its last token (of any branch), its decode time
+  first to last token. Per class (`decomp_*`: requests with a parallel phase, `serial_*`: the rest)
+  P50 / P90 / P99 end to end and the P50 decode time are over the class's finished arrivals (None
+  where none finished), `*_finished_frac` beside them.
 * TTFT percentiles are over every arrival in the window; a request that never got its first token
   counts with its wait up to the end of observation (`horizon_s`), a lower bound on its TTFT.
 * Per-gap TPOT, a second figure: a request's largest interval between two consecutive deliveries
@@ -62,6 +68,11 @@ class RequestRecord:
     def output_tokens(self) -> int:
         started = self.first_token_s == self.first_token_s
         return int(started) + sum(s.tokens for s in self.stages)
+
+    @property
+    def last_token_s(self) -> float:
+        """Delivery of the last token of any branch (nan: never got its first token)."""
+        return max((s.end_s for s in self.stages), default=self.first_token_s)
 
     @property
     def max_tpot_s(self) -> float:
@@ -119,7 +130,10 @@ class _Flat:
 
     arrival: np.ndarray
     first: np.ndarray
+    last: np.ndarray  # last token of any branch
     finished: np.ndarray
+    decomp: np.ndarray  # has a parallel phase
+    out_tok: np.ndarray  # output tokens delivered so far
     good: np.ndarray  # met the SLO (stage-mean TPOT, and TTFT when a TTFT target is set)
     good_gap: np.ndarray  # the same under the per-gap TPOT reading
     gap: np.ndarray  # max_gap_s per request (nan: unknown)
@@ -138,7 +152,10 @@ class _Flat:
         a = np.array(st, float).reshape(-1, 5)
         arrival = np.array([r.arrival_s for r in recs], float)
         first = np.array([r.first_token_s for r in recs], float)
+        last = np.array([r.last_token_s for r in recs], float)
         finished = np.array([r.finished for r in recs], bool)
+        decomp = np.array([r.decomposable for r in recs], bool)
+        out_tok = np.array([r.output_tokens for r in recs], float)
         gap = np.array([r.max_gap_s for r in recs], float)
         on_time = finished.copy()
         if slo_ttft_s is not None:
@@ -149,7 +166,7 @@ class _Flat:
             seen = [arrival, first[np.isfinite(first)], a[:, 3]]
             horizon_s = float(max((x.max() for x in seen if len(x)), default=0.0))
         return cls(
-            arrival, first, finished, good, good_gap, gap, horizon_s,
+            arrival, first, last, finished, decomp, out_tok, good, good_gap, gap, horizon_s,
             a[:, 0].astype(int), a[:, 1] > 0, a[:, 2], a[:, 3], a[:, 4],
         )
 
@@ -203,6 +220,24 @@ def _share(x: np.ndarray) -> float | None:
     return float(x.mean()) if len(x) else None
 
 
+LATENCY_CLASSES = (("decomp", True), ("serial", False))
+
+
+def latency_metrics(flat: _Flat, arrived: np.ndarray) -> dict[str, float | int | None]:
+    """End-to-end and decode-time percentiles per class over its finished arrivals (module docstring)."""
+    out: dict[str, float | int | None] = {}
+    for name, decomp in LATENCY_CLASSES:
+        cls = arrived & (flat.decomp == decomp)
+        done = cls & flat.finished
+        e2e = flat.last[done] - flat.arrival[done]
+        for q in (50, 90, 99):
+            out[f"{name}_e2e_p{q}_s"] = _pct(e2e, q)
+        out[f"{name}_decode_p50_s"] = _pct(flat.last[done] - flat.first[done], 50)
+        out[f"{name}_finished_frac"] = _share(flat.finished[cls])
+        out[f"{name}_requests"] = int(cls.sum())
+    return out
+
+
 def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, t1: float) -> dict:
     dur = max(t1 - t0, 1e-9)
     arrived = (flat.arrival >= t0) & (flat.arrival < t1)
@@ -213,7 +248,8 @@ def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, 
     gap = flat.gap[done]
     gap = gap[np.isfinite(gap)]
     out = {
-        "goodput_tok_s": flat.tokens_in(t0, t1, True) / dur,
+        "goodput_tok_s": float(flat.out_tok[arrived & flat.good].sum()) / dur,
+        "goodput_delivered_tok_s": flat.tokens_in(t0, t1, True) / dur,
         "raw_throughput_tok_s": flat.tokens_in(t0, t1, False) / dur,
         "slo_attainment": _share(flat.good[arrived]),
         "finished_frac": _share(flat.finished[arrived]),
@@ -228,7 +264,7 @@ def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, 
         "ttft_mean_s": float(ttft.mean()) if len(ttft) else None,
         "ttft_p50_s": _pct(ttft, 50),
         "ttft_p99_s": _pct(ttft, 99),
-    }
+    } | latency_metrics(flat, arrived)
     if steps is not None:
         m = (steps["t_s"] >= t0) & (steps["t_s"] < t1)
         n, elig = steps["count"][m].sum(), steps["eligible"][m].sum()
@@ -266,7 +302,7 @@ def timeseries(
     nb = len(edges)
     bounds = np.append(edges, edges[-1] + bin_s if nb else window[0])
     out: dict[str, np.ndarray] = {"t_s": edges}
-    for key, only_good in (("raw_throughput_tok_s", False), ("goodput_tok_s", True)):
+    for key, only_good in (("raw_throughput_tok_s", False), ("goodput_delivered_tok_s", True)):
         out[key] = np.diff(f.delivered_by(bounds, only_good)) / bin_s
 
     def per_bin(t: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
@@ -276,6 +312,7 @@ def timeseries(
 
     arrived = per_bin(f.arrival)
     done = per_bin(f.arrival[f.finished])
+    out["goodput_tok_s"] = per_bin(f.arrival[f.good], f.out_tok[f.good]) / bin_s  # by arrival, as window_metrics
     with np.errstate(invalid="ignore", divide="ignore"):
         out["slo_attainment"] = per_bin(f.arrival[f.good]) / arrived
         out["slo_attainment_finished"] = per_bin(f.arrival[f.good]) / done
@@ -304,3 +341,19 @@ def timeseries(
             out["admission_rate"] = per_bin(st["t_s"], st["admitted"]) / per_bin(st["t_s"], st["eligible"])
         out["steps"] = n.astype(float)
     return out
+
+
+# A load point's figures (capacity.json, sweep.json): (name in the point, name in window_metrics)
+POINT_FIGURES = (
+    ("goodput_tok_s", "goodput_tok_s"), ("attainment", "slo_attainment"), ("finished_frac", "finished_frac"),
+    ("p99_ttft_s", "ttft_p99_s"), ("decomp_e2e_p50_s", "decomp_e2e_p50_s"), ("decomp_e2e_p90_s", "decomp_e2e_p90_s"),
+    ("decomp_e2e_p99_s", "decomp_e2e_p99_s"), ("decomp_finished_frac", "decomp_finished_frac"),
+    ("serial_e2e_p50_s", "serial_e2e_p50_s"), ("serial_e2e_p99_s", "serial_e2e_p99_s"),
+    ("serial_finished_frac", "serial_finished_frac"), ("goodput_delivered_tok_s", "goodput_delivered_tok_s"),
+)
+POINT_KEYS = ("rate", *(k for k, _ in POINT_FIGURES))
+
+
+def load_point(rate: float, m: dict) -> dict:
+    """One load point's figures from a window's metrics (missing ones None)."""
+    return {"rate": rate} | {k: m.get(src) for k, src in POINT_FIGURES}

@@ -63,7 +63,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from bench.cli import add_server_source
 from bench.report import write_json
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
-from branchwise.launch import LocalServer, get_json, post_json  # noqa: E402
+from branchwise.launch import LocalServer, merged_state, post_json  # noqa: E402
 from branchwise.step_timer import records_path  # noqa: E402
 
 STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
@@ -350,7 +350,7 @@ def run_ab(o: Options) -> list[Row]:
             srv.start()
             rows += measure_ab(srv.url, records_path(srv.port), overlap, o.batch_sizes, o.steps, o.rounds,
                                o.stream, o.extra, o.quantile, o.arrivals, o.arrival_gap_s)
-            ft = get_json(srv.url + "/server_info")["internal_states"][0].get("branchwise_forward_thread")
+            ft = merged_state(srv.url).get("branchwise_forward_thread")
             if ft is not None:  # where the forward-thread arm's batches ran
                 print(f"  forward thread: jobs by mode {ft['modes']}, inline {ft['inline']} {ft['reasons']}")
         finally:

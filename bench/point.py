@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.client import GenerateFn, Outcome, Run, Target, abort_all, execute, flush_cache
+from bench.metrics import load_point
 from bench.programs import Scaling, build_programs, mean_demand_tok_s
 from bench.results import summarize_run
 from bench.workload import RequestSpec, Schedule, stationary_schedule
@@ -42,18 +43,17 @@ class PointSetup:
         return schedule, build_programs(self.trace, schedule, self.preset, seed, self.scaling)
 
 
-POINT_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
+EXTRA_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms", "p99_tpot_parallel_ms",
               "max_gap_p99_ms", "ttft_p50_s", "step_latency_mean_ms", "admission_rate")
 
 
 def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec], duration_s: float) -> dict[str, Any]:
-    """bench.capacity's point keys first (rate, goodput, attainment over all arrivals, finished
-    fraction, P99 TTFT), then the rest of the run's metrics and its bookkeeping."""
+    """A load point's figures (bench.metrics.load_point), then the rest of the run's metrics and its
+    bookkeeping."""
     run = res.get("run", {})
-    return {"rate": rate, "goodput_tok_s": res.get("goodput_tok_s"), "attainment": res.get("slo_attainment"),
-            "finished_frac": res.get("finished_frac"), "p99_ttft_s": res.get("ttft_p99_s"),
-            "requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)} | {
-        k: res.get(k) for k in POINT_KEYS} | {
+    return load_point(rate, res) | {
+        "requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)} | {
+        k: res.get(k) for k in EXTRA_KEYS} | {
         "error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
         "client_stalls": run.get("client_stalls")}
 

@@ -2,7 +2,8 @@
 
 A table is a list of `Col`s over a {name: metrics dict} mapping: a left-aligned name column, then
 right-aligned cells, a dashed rule under the header. Every table puts attainment over all arrivals,
-finished fraction and P99 TTFT side by side (`HEADLINE`). Result files are written atomically, so
+finished fraction and P99 TTFT side by side (`HEADLINE`), and end-to-end latency per request class
+(`LATENCY_COLS`). Result files are written atomically, so
 an interrupted run never leaves a truncated file.
 """
 
@@ -51,6 +52,14 @@ HEADLINE = (
     Col("attain", 8, key("slo_attainment", True)),
     Col("finished", 9, key("finished_frac", True)),
     Col("P99 TTFT", 9, lambda _k, r: fmt(r.get("ttft_p99_s"), nd=2 if (r.get("ttft_p99_s") or 0) < 100 else 0)),
+)
+
+
+LATENCY_COLS = (  # seconds, over finished requests of the class; decomposable: with a parallel phase
+    Col("dP50 e2e", 9, key("decomp_e2e_p50_s")),
+    Col("dP99 e2e", 9, lambda _k, r: num(r.get("decomp_e2e_p99_s"))),
+    Col("d fin", 7, key("decomp_finished_frac", True, 0)),
+    Col("sP50 e2e", 9, key("serial_e2e_p50_s")),
 )
 
 

@@ -15,7 +15,7 @@ import numpy as np
 
 from bench.client import Outcome, Run
 from bench.metrics import summarize
-from bench.report import HEADLINE, Col, fmt, key, render, write_json
+from bench.report import HEADLINE, LATENCY_COLS, Col, fmt, key, render, write_json
 from bench.workload import Schedule
 
 SERVER_COUNTERS = ("steps", "planned_steps", "rows_run", "rows_deferred", "candidates", "admitted")
@@ -132,7 +132,7 @@ def comparison_table(results: dict[str, dict]) -> str:
             Col("x eager", 8, _ratio_to(results.get("eager"))), Col("raw tok/s", 10, key("raw_throughput_tok_s")),
             *HEADLINE, Col("P99 ser", 8, key("p99_tpot_serial_ms")), Col("P99 par", 8, key("p99_tpot_parallel_ms")),
             Col("step ms", 8, key("step_latency_mean_ms")), Col("admit", 7, key("admission_rate", True, 0)),
-            Col("done", 9, done), Col("probe ms", 9, probe_ms)]
+            Col("done", 9, done), Col("probe ms", 9, probe_ms), *LATENCY_COLS]
     return render(results, cols)
 
 

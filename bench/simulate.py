@@ -20,9 +20,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from bench.capacity import latency_check
 from bench.engine import EngineConfig, SimResult, Simulator, build_controller, resolve_max_running
-from bench.metrics import summarize
-from bench.report import HEADLINE, Col, fmt, key, num, render, write_json
+from bench.metrics import load_point, summarize
+from bench.report import HEADLINE, LATENCY_COLS, Col, fmt, key, num, render, write_json
 from bench.workload import PRESETS, RequestSpec, Schedule, build_schedule, compose, load_trace, workload_stats
 from branchwise.taper import POLICY_NAMES, LinearLatencyModel, default_model, load_model, parse_policy
 
@@ -86,8 +87,24 @@ def comparison_table(results: dict[str, dict], baseline: str = "off") -> str:
             Col("P99 ser", 9, lambda _k, r: num(r["p99_tpot_serial_ms"])),
             Col("P99 par", 9, lambda _k, r: num(r["p99_tpot_parallel_ms"])),
             Col("P99 gap", 9, lambda _k, r: num(r.get("max_gap_p99_ms"))),
-            Col("step ms", 8, key("step_latency_mean_ms")), Col("admit", 7, key("admission_rate", True, 0))]
+            Col("step ms", 8, key("step_latency_mean_ms")), Col("admit", 7, key("admission_rate", True, 0)),
+            *LATENCY_COLS]
     return render(results, cols, name_width=24)
+
+
+def latency_lines(results: dict[str, dict], focus: str = "taper") -> list[str]:
+    """bench.capacity's latency check (b) over the whole run and each regime: wherever a fixed-width
+    policy holds 95%, taper holds and is within 1.05x the lowest decomposable P50 end to end."""
+    if focus not in results:
+        return []
+    out = []
+    windows = {"run": dict(results)}
+    for g in dict.fromkeys(g for r in results.values() for g in r.get("per_regime", {})):
+        windows[g] = {k: r["per_regime"].get(g, {}) for k, r in results.items()}
+    for name, per in windows.items():
+        c = latency_check(0.0, {k: load_point(0.0, m) for k, m in per.items()}, focus)
+        out.append(f"latency check ({name}): " + c.line(focus).split(": ", 1)[1])
+    return out
 
 
 def regime_table(results: dict[str, dict]) -> str:
@@ -244,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
     print(comparison_table(doc["policies"]))
     print()
     print(regime_table(doc["policies"]))
+    print("\n".join(["", *latency_lines(doc["policies"])]))
     print(f"\n{len(s.specs)} requests, {s.schedule.duration_s / 60:.0f} min simulated, "
           f"wall {time.perf_counter() - t0:.1f}s -> {path}")
     return 0

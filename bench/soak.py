@@ -62,7 +62,7 @@ from bench.cli import add_server_source
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
 from branchwise import client
-from branchwise.launch import LocalServer, get_json
+from branchwise.launch import LocalServer, merged_state
 from branchwise.tiny_model import WORDS
 
 SERVER_ARGS = ["--branch-policy", "taper", "--enable-custom-logit-processor", "--max-running-requests", "12"]
@@ -602,7 +602,7 @@ async def watch(s: Soak, w: Watch, stop: asyncio.Event) -> None:
 
 
 def reports(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    st = get_json(url + "/server_info")["internal_states"][0]
+    st = merged_state(url)
     return st["branchwise"], st.get("branchwise_fork") or {}
 
 

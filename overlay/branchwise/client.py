@@ -10,6 +10,10 @@ when it creates the request. Rids are structured so that SGLang's abort-by-prefi
 
 SGLang frontend programs (`s.fork(n)`) get the same stamps from branchwise.frontend_hook, which
 they import themselves.
+
+Behind an smg router (README "Scale-out") a request goes to the worker of its `X-SMG-Routing-Key`
+header: generate() sends a stamped request's phase (its root: a nested phase follows its parent) as
+that key, or the `routing_key` it is given, so every request of a phase reaches one worker.
 """
 
 from __future__ import annotations
@@ -24,6 +28,10 @@ from typing import Any
 import aiohttp
 
 from branchwise import request_meta
+from branchwise.dp_dispatch import affinity_key
+
+ROUTING_HEADER = "X-SMG-Routing-Key"
+MAX_ROUTING_KEY_BYTES = 128  # smg ignores a longer key (and routes by the prompt instead)
 
 
 # ---- stamps and rids ----------------------------------------------------------------------------
@@ -54,6 +62,16 @@ def stamp_serial(sampling_params: dict | None, slo_tpot_ms: float | None = None,
                  weight: float | None = None, grammar: str | None = None) -> dict:
     """sampling_params of a serial request, with its SLO/weight and optional server-side grammar."""
     return request_meta.stamp(sampling_params, slo_tpot_ms=slo_tpot_ms, weight=weight, grammar=grammar)
+
+
+def routing_headers(sampling_params: dict | None, routing_key: str | None = None) -> dict[str, str]:
+    """The router header of a request: `routing_key`, else its stamp's phase, each up to its first
+    "/" (dp_dispatch.affinity_key: the key a DP server places it by too); {} for neither."""
+    cp = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
+    key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(cp)
+    if key is None:
+        return {}
+    return {ROUTING_HEADER: key.encode()[:MAX_ROUTING_KEY_BYTES].decode(errors="ignore")}
 
 
 # ---- HTTP client ----------------------------------------------------------------------------------
@@ -154,17 +172,19 @@ async def _read_stream(resp: aiohttp.ClientResponse, url: str, gen: Generation) 
 async def generate(url: str, text: str | None = None, sampling_params: dict | None = None,
                    rid: str | None = None, stream: bool = False, *, input_ids: list[int] | None = None,
                    session: aiohttp.ClientSession | None = None, timeout_s: float | None = 600,
-                   check: bool = True) -> Generation:
+                   check: bool = True, routing_key: str | None = None) -> Generation:
     """POST url/generate. Raises ConnectionError (naming the url) if nothing listens, GenerateError on
     an error answer. Pass a shared `session` when sending many requests (its own timeout then
-    applies); check=False sends custom_params unvalidated (to test the server's own checks)."""
+    applies); check=False sends custom_params unvalidated (to test the server's own checks);
+    `routing_key` keeps the request with others of that key behind a router (routing_headers)."""
     url = url.rstrip("/")
     body = _payload(text, input_ids, sampling_params, rid, stream, check)
     own = session is None
     session = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
     gen = Generation("", [], {}, rid, start=time.perf_counter())
     try:
-        async with session.post(url + "/generate", json=body) as resp:
+        async with session.post(url + "/generate", json=body,
+                                headers=routing_headers(sampling_params, routing_key)) as resp:
             if resp.status != 200:
                 raise GenerateError(url, resp.status, _error_message(await resp.text()))
             if stream:

@@ -12,6 +12,9 @@ patches SGLang's frontend in this process:
   (branchwise.client.branch_rid). A fork inside a branch is a nested phase under the branch's rid.
 - The fork-point prefix request carries SGLang's `routing_key` = the fork's phase id, so under data
   parallelism it lands on the DP rank its branches go to (branchwise.dp_dispatch).
+- Every /generate of a program carries the program's key as the `X-SMG-Routing-Key` header (a fork's
+  children inherit it), so behind an smg router the whole program (serial requests, fork prefix,
+  branches) runs on one worker; a server ignores the header.
 
 SGLang's plugin entry point runs only in server processes and the frontend never calls
 `load_plugins()`, so client programs opt in by importing this module. The patch is lazy: when
@@ -41,6 +44,7 @@ INTERPRETER = "sglang.lang.interpreter"
 ENDPOINT = "sglang.lang.backend.runtime_endpoint"
 MODULES = (INTERPRETER, ENDPOINT)
 EXTRA = ("slo_tpot_ms", "weight")  # fields install() may add to every branch stamp
+ROUTE = "_branchwise_route"  # body field that carries the program's router key to http_request
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,11 +72,22 @@ def _tag_children(group: str, exes: list[Any]) -> None:
         exe._bw_tag, exe._bw_turn = BranchTag(group, i, len(exes)), 0
 
 
+def _route(s: Any) -> str:
+    """The router key of executor `s`'s program: made at its first request, inherited at fork()."""
+    route = getattr(s, "_bw_route", None)
+    if route is None:
+        from branchwise.client import new_group
+
+        route = s._bw_route = new_group("prog")
+    return route
+
+
 def _stamp_body(s: Any, data: Any) -> None:
     """Complete a /generate body in place: the stamp the executor's generate call queued, and the
     routing_key of a fork's prefix hint (set on the parent executor while fork() sends it)."""
     if not isinstance(data, dict):
         return
+    data[ROUTE] = _route(s)  # taken out again by the http_request wrapper: it becomes the header
     if (group := getattr(s, "_bw_prefix_group", None)) is not None:
         data["routing_key"] = group
     pending = getattr(s, "_bw_stamp", None)
@@ -154,6 +169,8 @@ class FrontendHook(importlib.abc.MetaPathFinder):
                 exes = orig(s, size, position_ids_offset)
             finally:
                 group, s._bw_prefix_group = s._bw_prefix_group, None
+            for exe in exes:
+                exe._bw_route = _route(s)
             if len(exes) > 1:
                 _tag_children(group, exes)
             return exes
@@ -200,6 +217,30 @@ class FrontendHook(importlib.abc.MetaPathFinder):
         self._set(cls, "generate", generate)
         self._set(cls, "generate_stream", generate_stream)
         self._set(cls, "_add_images", _add_images)
+        self._set(mod, "http_request", _routed(mod.http_request))
+
+
+def _routed(http_request: Any) -> Any:
+    """The endpoint module's http_request, sending a body's ROUTE as the router header (requests'
+    Response has the status_code/json()/iter_lines() that RuntimeEndpoint reads from either kind)."""
+
+    @functools.wraps(http_request)
+    def send(url: str, json: Any = None, stream: bool = False, api_key: Any = None, verify: Any = None,
+             method: Any = None) -> Any:
+        route = json.pop(ROUTE, None) if isinstance(json, dict) else None
+        if route is None:
+            return http_request(url, json=json, stream=stream, api_key=api_key, verify=verify, method=method)
+        import requests
+
+        from branchwise.client import routing_headers
+
+        headers = {"Content-Type": "application/json; charset=utf-8", **routing_headers(None, route)}
+        if api_key is not None:
+            headers["Authorization"] = f"Bearer {api_key}"
+        return requests.post(url, json=json, stream=stream, headers=headers,
+                             verify=verify if verify is not None else True)
+
+    return send
 
 
 def _current() -> FrontendHook | None:

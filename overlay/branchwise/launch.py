@@ -1,7 +1,11 @@
-"""Start and stop a real SGLang server with Branchwise (used by tests, bench and the demo).
+"""Start and stop a real SGLang server with Branchwise, or an smg router in front of several (used
+by tests, bench and the demo), and read their schedulers' Branchwise reports.
 
-On a machine without an NVIDIA GPU it adds the CPU settings from cpu-sglang.md: the CPU engine
-gate, torch_native attention, fp32 and --sleep-on-idle (else the idle scheduler spins a core).
+On a machine without an NVIDIA GPU a server gets the CPU settings from cpu-sglang.md: the CPU
+engine gate, torch_native attention, fp32 and --sleep-on-idle (else the idle scheduler spins a core).
+
+A URL may name one server or an smg router (README "Scale-out"): `scheduler_states` reads every
+scheduler behind it (each DP rank of each worker), and `branchwise_report` merges their reports.
 """
 
 from __future__ import annotations
@@ -18,7 +22,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Self
 
 
 def has_gpu() -> bool:
@@ -46,14 +50,11 @@ class ServerError(RuntimeError):
     pass
 
 
-@dataclass
-class LocalServer:
-    model: str
-    args: list[str] = field(default_factory=list)
-    env: dict[str, str] = field(default_factory=dict)
+@dataclass(kw_only=True)
+class _Process:
+    """A child process group with a log file, ready once `ready()` says so (server or router)."""
+
     port: int = 0
-    max_total_tokens: int = 16384
-    tp: int = 1
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
 
@@ -62,20 +63,18 @@ class LocalServer:
         return f"http://127.0.0.1:{self.port}"
 
     def command(self) -> list[str]:
-        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model,
-               "--host", "127.0.0.1", "--port", str(self.port)]
-        if not has_gpu():
-            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
-                    "--max-total-tokens", str(self.max_total_tokens), "--sleep-on-idle"]
-        if self.tp > 1:
-            cmd += ["--tp", str(self.tp)] + (["--disable-custom-all-reduce"] if not has_gpu() else [])
-        return cmd + self.args
+        raise NotImplementedError
 
-    def start(self, timeout_s: float = 240.0) -> LocalServer:
+    def ready(self) -> bool:
+        raise NotImplementedError
+
+    def start(self) -> Self:
+        raise NotImplementedError
+
+    def _spawn(self, env: dict[str, str], timeout_s: float, what: str) -> None:
         self.port = self.port or free_port()
-        env = os.environ.copy() | ({} if has_gpu() else cpu_env(self.tp)) | self.env
         if self.log_path is None:
-            fd, name = tempfile.mkstemp(prefix="branchwise-server-", suffix=".log")
+            fd, name = tempfile.mkstemp(prefix=f"branchwise-{what}-", suffix=".log")
             os.close(fd)
             self.log_path = Path(name)
         log = open(self.log_path, "wb")
@@ -85,15 +84,15 @@ class LocalServer:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise ServerError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+                raise ServerError(f"{what} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
-                if get_json(self.url + "/health", timeout=2) is not None:
-                    return self
-            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                if self.ready():
+                    return
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
                 pass
             time.sleep(0.5)
         self.stop()
-        raise ServerError(f"server not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerError(f"{what} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -112,11 +111,75 @@ class LocalServer:
             return ""
         return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
 
-    def __enter__(self) -> LocalServer:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+@dataclass
+class LocalServer(_Process):
+    model: str
+    args: list[str] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    max_total_tokens: int = 16384
+    tp: int = 1
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "sglang.launch_server", "--model-path", self.model,
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if not has_gpu():
+            cmd += ["--device", "cpu", "--attention-backend", "torch_native", "--dtype", "float32",
+                    "--max-total-tokens", str(self.max_total_tokens), "--sleep-on-idle"]
+        if self.tp > 1:
+            cmd += ["--tp", str(self.tp)] + (["--disable-custom-all-reduce"] if not has_gpu() else [])
+        return cmd + self.args
+
+    def ready(self) -> bool:
+        return get_json(self.url + "/health", timeout=2) is not None
+
+    def start(self, timeout_s: float = 240.0) -> LocalServer:
+        env = os.environ.copy() | ({} if has_gpu() else cpu_env(self.tp)) | self.env
+        self._spawn(env, timeout_s, "server")
+        return self
+
+
+# smg in front of Branchwise servers (README "Scale-out"; the Makefile's ROUTER_ARGS are the same).
+# prefix_hash sends a request that carries an X-SMG-Routing-Key header to its key's worker, any other
+# by a hash of its prompt's first 256 tokens (1024 characters). The load factor and the overload veto
+# are what would move a request off its key's worker: both off, so a phase never splits. No tokenizer
+# autoload (it would fetch one from a hub); registration checked every second, not every 30 s.
+ROUTER_ARGS = ("--policy", "prefix_hash", "--prefix-hash-load-factor", "1000000",
+               "--disable-worker-overload-protection", "--disable-tokenizer-autoload",
+               "--worker-startup-check-interval", "1")
+
+
+@dataclass
+class LocalRouter(_Process):
+    """`smg launch` in front of `workers` (server URLs); ready once every worker is registered.
+
+    smg answers /health before it has registered its workers, and a request in between gets HTTP
+    404 model_not_found, so readiness is its /workers list holding every worker as ready."""
+
+    workers: list[str]
+    args: list[str] = field(default_factory=list)
+    metrics_port: int = 0
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
+                "--prometheus-host", "127.0.0.1", "--prometheus-port", str(self.metrics_port),
+                "--log-level", "warn", *ROUTER_ARGS, *self.args, "--worker-urls", *self.workers]
+
+    def ready(self) -> bool:
+        ready = {w["url"] for w in get_json(self.url + "/workers", timeout=2)["workers"]
+                 if w.get("is_healthy") and w.get("status") == "ready"}
+        return ready >= set(self.workers)
+
+    def start(self, timeout_s: float = 60.0) -> LocalRouter:
+        self.metrics_port = self.metrics_port or free_port()
+        self._spawn(os.environ.copy(), timeout_s, "router")
+        return self
 
 
 def get_json(url: str, timeout: float = 30) -> Any:
@@ -133,15 +196,85 @@ def post_json(url: str, payload: dict, timeout: float = 120) -> Any:
         return json.loads(body) if body.strip() else {}
 
 
+def router_workers(url: str) -> list[str] | None:
+    """The worker URLs of the smg router at `url`, or None when `url` is a server (no /workers)."""
+    try:
+        body = get_json(url.rstrip("/") + "/workers", timeout=10)
+    except urllib.error.HTTPError:
+        return None
+    workers = body.get("workers") if isinstance(body, dict) else None
+    return [w["url"] for w in workers] if isinstance(workers, list) else None
+
+
+def metrics_url(url: str) -> str:
+    """Where the Prometheus series of the schedulers behind `url` are: a server's /metrics, or an smg
+    router's /engine_metrics (every worker's /metrics, each series with a `worker_addr` label)."""
+    url = url.rstrip("/")
+    try:
+        return url + ("/engine_metrics" if router_workers(url) is not None else "/metrics")
+    except (OSError, ValueError):  # nothing answers (yet): a server's place
+        return url + "/metrics"
+
+
+def scheduler_states(url: str) -> list[dict[str, Any]]:
+    """Every scheduler's /server_info internal state behind `url` (each DP rank of the server, or of
+    every worker of a router), each with "worker": its server's URL; in worker, then DP rank order."""
+    states = []
+    for worker in router_workers(url) or [url.rstrip("/")]:
+        for st in get_json(worker + "/server_info")["internal_states"]:
+            states.append(st | {"worker": worker})
+    return sorted(states, key=lambda st: (st["worker"], (st.get("branchwise") or {}).get("dp_rank", 0)))
+
+
+# merge_reports keeps these from the first scheduler: settings, identities and fitted models, not counts
+KEPT = frozenset({"config", "limits", "model", "dp_rank", "pid", "proctitle", "tp_size", "worker"})
+
+
+def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
+    """Several schedulers' reports as one: counts (ints) summed, levels (floats) averaged, lists
+    joined, dicts merged key by key; a ratio `admission_rate` is recomputed from the summed
+    `admitted`/`candidates`; anything else (and every KEPT key) is the first scheduler's value."""
+    out: dict[str, Any] = {}
+    for key in dict.fromkeys(k for rep in reports for k in rep):
+        vals = [rep[key] for rep in reports if rep.get(key) is not None]
+        out[key] = None if not vals else vals[0] if key in KEPT else _merge_values(vals)
+    if {"admitted", "candidates", "admission_rate"} <= out.keys():
+        out["admission_rate"] = out["admitted"] / out["candidates"] if out["candidates"] else 1.0  # as StepStats
+    return out
+
+
+def _merge_values(vals: list[Any]) -> Any:
+    if all(isinstance(v, dict) for v in vals):
+        return merge_reports(vals)
+    if all(isinstance(v, list) for v in vals):
+        return [x for v in vals for x in v]
+    if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+        return sum(vals)
+    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+        return sum(vals) / len(vals)
+    return vals[0]
+
+
+def merged_state(url: str) -> dict[str, Any]:
+    """Every scheduler's internal state behind `url` merged (merge_reports): one server's, one
+    server with --dp-size N, or a router's workers. A component's report is one key of it."""
+    return merge_reports(scheduler_states(url))
+
+
+def branchwise_report(url: str) -> dict[str, Any]:
+    """The Branchwise report (config, counters, taper stats) of every scheduler behind `url`,
+    merged; "ranks" lists each one's worker, dp_rank and pid. KeyError: no scheduler reports one."""
+    states = [st for st in scheduler_states(url) if "branchwise" in st]
+    if not states:
+        raise KeyError(f"no Branchwise report at {url}/server_info")
+    rep = merge_reports([st["branchwise"] for st in states])
+    rep["ranks"] = [{"worker": st["worker"], "dp_rank": st["branchwise"].get("dp_rank", 0),
+                     "pid": st["branchwise"].get("pid")} for st in states]
+    return rep
+
+
 def branchwise_reports(url: str) -> dict[int, dict[str, Any]]:
-    """Every scheduler's Branchwise report (config, pid, process title, counters, taper stats), by
-    DP rank. /server_info lists one internal state per DP rank, in no order a caller should rely
-    on, so each report is keyed by the dp_rank it carries."""
-    states = get_json(url + "/server_info")["internal_states"]
-    reports = [st["branchwise"] for st in states if "branchwise" in st]
+    """One server's per-scheduler Branchwise reports, by DP rank (the order of /server_info's
+    internal_states is not one a caller should rely on)."""
+    reports = [st["branchwise"] for st in get_json(url + "/server_info")["internal_states"] if "branchwise" in st]
     return {rep.get("dp_rank", 0): rep for rep in reports}
-
-
-def branchwise_report(url: str, dp_rank: int = 0) -> dict[str, Any]:
-    """The Branchwise report of DP rank `dp_rank`'s scheduler (the only one without --dp-size)."""
-    return branchwise_reports(url)[dp_rank]

@@ -7,6 +7,7 @@ served by the HTTP server's /metrics like SGLang's own scheduler metrics. Every 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +37,7 @@ class BranchwiseMetrics:
         self.admitted = labeled(Counter, "branchwise:admitted_branches", "Opportunistic branch rows admitted")
         self.deferred = labeled(Counter, "branchwise:deferred_branches", "Branch rows deferred")
         self.candidates = labeled(Counter, "branchwise:candidate_branches", "Opportunistic branch rows ready")
+        self.branch_requests = labeled(Counter, "branchwise:branch_requests", "Branch (phase) requests created")
         self.admission_rate = labeled(Gauge, "branchwise:admission_rate", "Admitted / ready opportunistic rows",
                                       multiprocess_mode="mostrecent")
         self.budget = labeled(Gauge, "branchwise:slack_budget_seconds", "Last step's slack budget",
@@ -50,12 +52,14 @@ class BranchwiseMetrics:
         self.orphans = labeled(Counter, "branchwise:orphans_freed",
                                "Parked server-side fork parents the idle leak check found orphaned and freed")
 
-    def observe_step(self, latency_s: float, stats: Any) -> None:
+    def observe_step(self, latency_s: float, stats: Any, counters: Mapping[str, int] | None = None) -> None:
+        """After a decode step: TAPER's cumulative `stats` and the scheduler's `counters` (as series)."""
+        values = {name: float(getattr(stats, name)) for name in ("admitted", "rows_deferred", "candidates")}
+        values["branch_requests"] = float((counters or {}).get("branch_requests", 0))
         for name, counter in (("admitted", self.admitted), ("rows_deferred", self.deferred),
-                              ("candidates", self.candidates)):
-            value = float(getattr(stats, name))
-            counter.inc(value - self._last.get(name, 0.0))
-            self._last[name] = value
+                              ("candidates", self.candidates), ("branch_requests", self.branch_requests)):
+            counter.inc(values[name] - self._last.get(name, 0.0))
+            self._last[name] = values[name]
         self.admission_rate.set(stats.admission_rate)
         if stats.last_budget_s != float("inf"):
             self.budget.set(stats.last_budget_s)

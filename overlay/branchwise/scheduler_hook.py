@@ -323,7 +323,7 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
         latency = ts - prev.launch_ts
         ctl.on_latency(prev.rows, prev.ctx, latency)
         if st.metrics:
-            st.metrics.observe_step(latency, ctl.stats)
+            st.metrics.observe_step(latency, ctl.stats, st.counters)
     st.last_step = LastStep(fi, ts, len(reqs), ctx) if fi is not None and ts is not None else None
     if now - st.last_summary >= SUMMARY_EVERY_S:
         st.last_summary = now

@@ -34,7 +34,7 @@ import pytest
 
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
-from branchwise.launch import get_json, post_json
+from branchwise.launch import get_json, merged_state, post_json
 
 PROMPTS = [f"request {i}: the plan is to" for i in range(6)]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
@@ -101,7 +101,7 @@ def wait_idle(url: str, timeout_s: float = 30.0) -> dict:
 
 
 def internal(url: str) -> dict:
-    return get_json(url + "/server_info")["internal_states"][0]
+    return merged_state(url)
 
 
 def ft_stats(url: str) -> dict | None:

@@ -18,7 +18,7 @@ from transformers import AutoTokenizer
 from bench import fork_oracle
 from bench.structure_driver import request, spec
 from branchwise.grammars import parse
-from branchwise.launch import get_json, post_json
+from branchwise.launch import get_json, merged_state, post_json
 
 ARGS = ("--branch-policy", "off", "--enable-custom-logit-processor")
 PROMPT = "the plan is"
@@ -40,7 +40,7 @@ def gen(url: str, payload: dict) -> dict:
 
 
 def fork_report(url: str) -> dict:
-    return get_json(url + "/server_info")["internal_states"][0]["branchwise_fork"]
+    return merged_state(url)["branchwise_fork"]
 
 
 def phases_of(url: str, rid: str) -> list[dict]:

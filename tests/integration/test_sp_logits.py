@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from branchwise.launch import get_json, post_json
+from branchwise.launch import merged_state, post_json
 
 # eager pins which token a penalised row cumulates each step (deferral._pinned_cumulate): under overlap
 # SGLang's own rule takes output_ids[-1], whose lag shifts when a prefill step lands between decode
@@ -53,7 +53,7 @@ def ids(res: Any) -> list[list[int]]:
 
 
 def sp_report(url: str) -> dict[str, Any]:
-    return get_json(url + "/server_info")["internal_states"][0]["branchwise_parallel_sampling"]
+    return merged_state(url)["branchwise_parallel_sampling"]
 
 
 def workload(url: str, stock_greedy: bool) -> dict[str, Any]:

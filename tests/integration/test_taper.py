@@ -8,7 +8,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
-from branchwise.launch import branchwise_report, get_json, post_json
+from branchwise.launch import branchwise_report, get_json, merged_state, post_json
 from branchwise.request_meta import stamp
 from branchwise.taper.predictor import LinearLatencyModel
 
@@ -187,7 +187,7 @@ def test_deferral_and_grammar_rows_on_the_forward_thread_match_eager(servers):
     fast = servers.get(*TIGHT, "--async-output", env={"BRANCHWISE_FORWARD_THREAD": "1"})
     assert run(fast.url) == ref
     assert branchwise_report(fast.url)["taper"]["rows_deferred"] > 0
-    ft = get_json(fast.url + "/server_info")["internal_states"][0]["branchwise_forward_thread"]
+    ft = merged_state(fast.url)["branchwise_forward_thread"]
     assert ft["modes"].get("decode", 0) > 20 and ft["features"].get("decode: grammar", 0) > 0, ft
     assert ft["samples"] > 0 and ft["inline"] == 0 and ft["reasons"] == {}, ft
 

@@ -75,6 +75,7 @@ class Fake:
 
     def __init__(self) -> None:
         self.bodies: list[dict] = []
+        self.routes: list[str | None] = []  # each request's router header
         self.port = free_port()
         self.loop = asyncio.new_event_loop()
         self.ready = threading.Event()
@@ -91,6 +92,7 @@ class Fake:
     async def generate(self, req: web.Request) -> web.StreamResponse:
         body = await req.json()
         self.bodies.append(body)
+        self.routes.append(req.headers.get(client.ROUTING_HEADER))
         n = int(body.get("sampling_params", {}).get("max_new_tokens", 4))
         if body.get("text") == "bad":
             return web.json_response({"error": {"message": "Branchwise: nope"}}, status=400)
@@ -164,6 +166,19 @@ def test_fork_sends_stamped_siblings(fake):
     assert [g.rid for g in gens] == ["grp/b0/0", "grp/b1/0", "grp/b2/0"]
     stamps = sorted((b["text"], b["sampling_params"]["custom_params"]["branchwise"]) for b in fake.bodies)
     assert stamps == [(t, {"phase": "grp", "branch": i, "fanout": 3}) for i, t in enumerate("abc")]
+    assert fake.routes == ["grp"] * 3  # behind a router the phase goes to one worker
+
+
+def test_routing_header_is_the_phase_root_or_the_given_key(fake):
+    nested = client.stamp_branch({}, "g/b1/f0", 0, 2)
+    assert client.routing_headers(nested) == {client.ROUTING_HEADER: "g"}  # follows its parent phase
+    assert client.routing_headers(nested, routing_key="conv-7") == {client.ROUTING_HEADER: "conv-7"}
+    assert client.routing_headers({"max_new_tokens": 1}) == {} and client.routing_headers(None) == {}
+    long = client.routing_headers(None, "k" * 300)[client.ROUTING_HEADER]
+    assert long == "k" * client.MAX_ROUTING_KEY_BYTES  # smg would ignore a longer key
+    client.generate_sync(fake.url, "hi", {"max_new_tokens": 1}, routing_key="conv-7")
+    client.generate_sync(fake.url, "hi", {"max_new_tokens": 1})
+    assert fake.routes == ["conv-7", None]
 
 
 # ---- the frontend hook on an unchanged SGLang program ----------------------------------------------
@@ -219,6 +234,12 @@ def test_hook_stamps_branches_and_commits_the_prefix_first(fake, stream):
     assert not any("routing_key" in b for b in bodies if b["sampling_params"] != {"max_new_tokens": 0})
     tail = bodies[-1]
     assert tail["text"].startswith("questionxxx") and "custom_params" not in tail["sampling_params"]
+    # one router key for every request of the program (children inherit it), never in a body
+    assert len(set(fake.routes)) == 1 and fake.routes[0].startswith("prog-")
+    assert not any(frontend_hook.ROUTE in b for b in bodies)
+    n = len(bodies)
+    assert _program().run(backend=sgl.RuntimeEndpoint(fake.url)).error() is None
+    assert len(set(fake.routes[n:])) == 1 and fake.routes[n] != fake.routes[0]  # another program
 
 
 def test_uninstall_restores_stock_sglang(fake):

@@ -45,6 +45,32 @@ def test_attainment_and_goodput() -> None:
     assert m["finished_frac"] == 1.0
 
 
+def test_goodput_counts_what_the_window_s_arrivals_got_wherever_delivered() -> None:
+    """Equal attainment gives equal goodput: a long request that arrived in the window counts all
+    its tokens, though most arrive after the window; one that arrived before counts none."""
+    long = _rec("long", 1.0, [(False, 1.1, 9.1, 160)])  # 50 ms/token, mostly delivered after t = 4
+    early = _rec("early", -2.0, [(False, -1.9, 2.1, 80)])  # arrived before the window
+    m = summarize([long, early], SLO, (0.0, 4.0))
+    assert m["goodput_tok_s"] == pytest.approx(161 / 4.0)
+    assert m["goodput_delivered_tok_s"] == pytest.approx((160 * 2.9 / 8 + 1 + 80 * 2.1 / 4) / 4.0)
+
+
+def test_end_to_end_and_decode_latency_per_class() -> None:
+    """End to end runs from arrival to the last token of any branch, decode time from the first token;
+    percentiles are over the class's finished arrivals, with the finished share beside them."""
+    decomp = [RequestRecord.from_token_times(f"d{i}", float(i), [(False, [i + 0.5, i + 1.0]),
+                                                                  (True, [i + 3.0 + i, i + 2.0])])
+              for i in range(3)]  # e2e 3, 4, 5 s (the later branch), decode 2.5, 3.5, 4.5 s
+    serial = [_rec("s", 0.0, [(False, 0.1, 0.5, 10)]), _rec("u", 0.0, [(False, 0.1, 0.9, 10)], finished=False)]
+    m = summarize(decomp + serial, SLO, (0.0, 10.0))
+    assert m["decomp_e2e_p50_s"] == pytest.approx(4.0) and m["decomp_e2e_p99_s"] == pytest.approx(4.98)
+    assert m["decomp_decode_p50_s"] == pytest.approx(3.5) and m["decomp_finished_frac"] == 1.0
+    assert m["serial_e2e_p50_s"] == pytest.approx(0.5) and m["serial_finished_frac"] == 0.5
+    assert m["decomp_requests"] == 3 and m["serial_requests"] == 2
+    none = summarize(serial[1:], SLO, (0.0, 10.0))
+    assert none["serial_e2e_p50_s"] is None and none["decomp_e2e_p50_s"] is None
+
+
 def test_slo_boundary_is_inclusive() -> None:
     exact = _rec("e", 0.0, [(False, 0.1, 0.6, 10)])  # exactly 50 ms
     assert summarize([exact], SLO, (0.0, 1.0))["slo_attainment"] == 1.0

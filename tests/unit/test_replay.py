@@ -21,6 +21,8 @@ from bench.workload import (
     Regime,
     RequestSpec,
     Schedule,
+    load_trace,
+    stationary_schedule,
     synthetic_trace,
     workload_stats,
     write_trace,
@@ -134,6 +136,25 @@ def test_program_is_serial_then_stamped_fork_then_join_in_branch_order():
     assert [(p, len(t)) for p, t in o.stages] == [(False, 3), (True, 7), (False, 2)]
     rec = o.record()
     assert rec.finished and rec.decomposable and rec.output_tokens == 12
+
+
+def test_live_fluid_bound_prices_the_contexts_the_client_sends():
+    """Brute force over what the client really sends: each /generate of m tokens on n input ids is
+    one prefill token and m - 1 decode rows at contexts n + 1 .. n + m - 1."""
+    from bench.bound import LIVE_CLIENT, fluid_bound_rps, request_work_s
+    from branchwise.taper.predictor import LinearLatencyModel
+
+    trace = synthetic_trace(duration_s=600, rate=4.0, seed=2)
+    specs = programs.build_programs(trace, stationary_schedule(trace, 4.0, 2.0, 1), "multiverse", 1,
+                                    Scaling(output_scale=0.05, max_stage_tokens=9))
+    assert any(s.decomposable for s in specs)
+    fake = FakeGenerate()
+    assert all(o.finished for o in run_fake(specs, fake).outcomes)
+    m = LinearLatencyModel(c0=0.003, c_seq=2e-4, c_ctx=1e-6)
+    brute = sum(m.c_seq * (n - 1) + m.c_ctx * sum(range(len(ids) + 1, len(ids) + n))
+                for ids, sp, _ in fake.calls for n in [sp["max_new_tokens"]])
+    assert sum(request_work_s(s, m, LIVE_CLIENT) for s in specs) == pytest.approx(brute, rel=1e-12)
+    assert fluid_bound_rps(m, 0.01, specs, LIVE_CLIENT) == pytest.approx(0.7 * len(specs) / brute)
 
 
 def test_results_have_the_simulator_shape(tmp_path):
@@ -300,7 +321,7 @@ def test_load_and_rate_scale_parse_and_reject_bad_input(capsys):
     assert "--load takes a number > 0" in capsys.readouterr().err
 
 
-# ---- one live point, the load rule, the sweep's verdict ------------------------------------------
+# ---- one live point, the operating point, the sweep ------------------------------------------
 def test_run_point_counts_every_arrival_and_a_stuck_program_is_a_miss():
     trace = synthetic_trace(duration_s=600, rate=4.0, seed=6)
 
@@ -318,67 +339,83 @@ def test_run_point_counts_every_arrival_and_a_stuck_program_is_a_miss():
     assert m["p99_ttft_s"] >= 1.0  # the stuck one waited to the end of observation (1.5 s after its arrival)
 
 
-def test_load_grid_follows_the_probe():
+def _fake_live(monkeypatch, model, ran: list, attainment=lambda pol, rate: 1.0):
+    """bench.live without servers: a probe that reads `model`, points that record what they ran."""
+    from bench import live
+
+    monkeypatch.setattr(live, "probe_server", lambda url: probe.Probe({}, model))
+
+    def run_point(url, pol, rate, seed, setup, progress=False):
+        ran.append((url, pol, rate, seed, setup.slo_tpot_ms))
+        att = attainment(pol, rate)
+        return {"rate": rate, "attainment": att, "finished_frac": 1.0, "decomp_e2e_p50_s": 10.0 + rate,
+                "goodput_tok_s": 100.0 * att}, Run(pol, [])
+
+    monkeypatch.setattr(live, "run_point", run_point)
+
+
+def test_operating_point_follows_the_probe(monkeypatch, tmp_path):
+    """The SLO is the probe's auto SLO (times --slo-scale) and the fluid bound follows the machine:
+    a box twice as fast gets twice the rates."""
+    from bench import live
+    from branchwise.taper.predictor import LinearLatencyModel
+
+    slow, fast = LinearLatencyModel(0.004, 0.0004, 2e-6), LinearLatencyModel(0.002, 0.0002, 1e-6)
+    base = point.PointSetup(load_trace(DEFAULT_TRACE), 1.0)
+    got = {}
+    for name, model, kw in (("slow", slow, {}), ("fast", fast, {}), ("scaled", slow, {"slo_scale": 0.7}),
+                            ("given", slow, {"slo_ms": 20.0})):
+        _fake_live(monkeypatch, model, [])
+        got[name] = live.calibrate(live.Servers(urls={"taper": "http://t", "off": "http://o"}), ["taper", "off"],
+                                   base, tmp_path, **kw)
+    t32 = slow.predict(32, 32 * 256)
+    assert got["slow"].setup.slo_tpot_ms == pytest.approx(1e3 * t32) == got["slow"].probed_slo_ms
+    assert got["fast"].fluid_bound_rps == pytest.approx(2 * got["slow"].fluid_bound_rps)
+    assert got["scaled"].setup.slo_tpot_ms == pytest.approx(0.7e3 * t32)
+    assert got["scaled"].fluid_bound_rps < got["slow"].fluid_bound_rps
+    assert got["given"].setup.slo_tpot_ms == 20.0
+    assert json.loads((tmp_path / "latency_model.json").read_text())["c_seq"] == pytest.approx(0.0004)
+
+
+def test_sweep_runs_every_seed_at_every_load_and_judges_each(monkeypatch, tmp_path, capsys):
     from bench import sweep
     from branchwise.taper.predictor import LinearLatencyModel
 
-    slow = probe.Probe({}, LinearLatencyModel(0.004, 0.0004, 0.0))
-    g = sweep.load_grid(slow, 500.0)
-    t32 = 0.004 + 32 * 0.0004
-    assert g.slo_tpot_ms == pytest.approx(1e3 * t32) and g.rows_at_slo == pytest.approx(32)
-    assert g.reference_rate == pytest.approx(32 / t32 / 500.0) and g.loads == sweep.LOADS
-    assert g.rates[-1] == pytest.approx(g.reference_rate) and g.rates == sorted(g.rates)
-    fast = probe.Probe({}, LinearLatencyModel(0.002, 0.0002, 0.0))
-    assert sweep.load_grid(fast, 500.0).reference_rate == pytest.approx(2 * g.reference_rate)  # 2x box, 2x rates
-    fixed = sweep.load_grid(slow, 500.0, slo_tpot_ms=20.0)
-    assert fixed.slo_tpot_ms == 20.0 and fixed.rows_at_slo == pytest.approx(40)
-    floor = sweep.load_grid(probe.Probe({}, LinearLatencyModel(0.010, 0.0001, 0.0)), 500.0)
-    assert floor.slo_tpot_ms == pytest.approx(2.5 * 10.1)  # at least 2.5 x T(1 row)
-
-
-def test_sweep_capacity_and_verdict():
-    from bench import sweep
-
-    def row(load, off, eager, taper, n=20):
-        return {"load": load, "rate": 2 * load, "requests": n, "demand_tok_s": 100 * load,
-                "policies": {k: {"attainment": v, "requests": n, "finished_frac": 1.0, "goodput_tok_s": 10.0,
-                                 "p99_ttft_s": 0.1, "rate": 2 * load}
-                             for k, v in (("off", off), ("eager", eager), ("taper", taper))}}
-
-    rows = [row(0.1, 1.0, 1.0, 1.0), row(0.2, 0.96, 0.7, 0.96), row(0.4, 0.5, 0.97, 0.90), row(0.8, 0.1, 0.2, 0.2)]
-    pts = {k: [{"load": r["load"], "rate": r["rate"]} | r["policies"][k] for r in rows] for k in ("off", "eager", "taper")}
-    caps = {k: sweep.capacity(v) for k, v in pts.items()}
-    assert caps["off"]["load"] == 0.2 and caps["taper"] == {"load": 0.2, "rate": 0.4}
-    assert caps["eager"]["load"] == 0.1  # 0.4 holds again, but capacity needs every load below to hold
-    v = sweep.verdict(rows, caps)
-    assert v["capacity_highest"] and v["grid_spans_hold_to_fail"] and not v["passed"]
-    assert [(b["load"], b["policy"]) for b in v["breaks"]] == [(0.4, "eager")]  # 0.90 < 0.97 - 1/20
-    rows[2]["policies"]["taper"]["attainment"] = 0.925  # one request of 20 below eager: within tolerance
-    assert sweep.verdict(rows, caps)["pointwise"]
-    doc = sweep.capacity_doc(rows, caps, ["off", "eager", "taper"])
-    assert doc["policies"]["taper"]["capacity_rps"] == 0.4
-    assert set(doc["policies"]["off"]["points"][0]) == {"rate", "load", "goodput_tok_s", "attainment",
-                                                       "finished_frac", "p99_ttft_s"}
-    text = sweep.table(rows, ["off", "eager", "taper"])
-    assert text.count("\n") == len(rows) + 1 and "96%" in text
+    ran: list = []
+    holds_below = {"off": 0.3, "eager": 0.2, "taper": 0.6}  # x the bound; the first point runs at 0.1 x it
+    _fake_live(monkeypatch, LinearLatencyModel(0.003, 0.0002, 1e-6), ran,
+               attainment=lambda pol, rate: 1.0 if rate < holds_below[pol] * 10 * ran[0][2] else 0.5)
+    rc = sweep.main(["--url", "off=http://a,eager=http://b,taper=http://c", "--seeds", "0,1",
+                     "--loads", "0.1,0.25,0.5,1.0", "--out", str(tmp_path)])
+    assert rc == 0
+    doc = json.loads((tmp_path / "capacity.json").read_text())
+    bound = doc["fluid_bound_rps"]
+    rates = [x * bound for x in (0.1, 0.25, 0.5, 1.0)]
+    assert [r[2] for r in ran] == pytest.approx([r for _ in range(2) for r in rates for _ in range(3)])
+    assert [r[1] for r in ran[:6]] == ["off", "eager", "taper", "eager", "taper", "off"]  # rotated per load
+    assert [r[3] for r in ran] == [0] * 12 + [1] * 12
+    assert doc["policies"]["taper"]["capacity_rps"] == pytest.approx(rates[2])
+    assert doc["policies"]["off"]["capacity_of_bound"] == pytest.approx(0.25)
+    sw = json.loads((tmp_path / "sweep.json").read_text())
+    assert sw["grid"]["rates"] == pytest.approx(rates) and len(sw["points"]) == 24 and set(sw["per_seed"]) == {"0", "1"}
+    out = capsys.readouterr().out
+    assert "verdict" in out and "PASS" in out and "seed 0:" in out and "seed 1:" in out
+    assert (tmp_path / "capacity.png").exists() and (tmp_path / "capacity_detail.json").exists()
 
 
 def test_capacity_replay_engine_runs_live_points(monkeypatch, tmp_path):
     """bench.capacity --engine replay --url: the engine probes the server once, builds the grid on
-    bench.capacity's fluid bound of that probe and runs each point with bench.point.run_point."""
-    from bench import capacity, sweep
+    the live fluid bound of that probe and runs each point with bench.point.run_point."""
+    from bench import capacity
     from branchwise.taper.predictor import LinearLatencyModel
 
-    probed, ran = [], []
-    monkeypatch.setattr(sweep, "_probe", lambda url: probed.append(url) or probe.Probe(
-        {}, LinearLatencyModel(0.003, 0.0002, 2e-7)))
-    monkeypatch.setattr(sweep, "run_point", lambda url, pol, rate, seed, setup: ran.append(
-        (url, pol, rate, seed, setup.slo_tpot_ms)) or ({"rate": rate, "attainment": 1.0}, Run(pol, [])))
+    ran: list = []
+    _fake_live(monkeypatch, LinearLatencyModel(0.003, 0.0002, 2e-7), ran)
     a = capacity.CapacityOptions(DEFAULT_TRACE, str(tmp_path), policies="taper", slo_tpot_ms=12.0,
                                  engine="replay", url="http://srv")
     eng = capacity.replay_engine(a)
-    assert probed == ["http://srv"] and eng.workers == 1 and eng.base_rps > 0
-    assert eng.point("taper", 1.5, 2) == {"rate": 1.5, "attainment": 1.0}
+    assert eng.workers == 1 and eng.fluid_bound_rps > 0
+    assert eng.point("taper", 1.5, 2)["attainment"] == 1.0
     assert ran == [("http://srv", "taper", 1.5, 2, 12.0)]
     eng.close()
     with pytest.raises(ValueError, match="one policy"):

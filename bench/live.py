@@ -1,0 +1,161 @@
+"""Live servers under the load benches: launch settings, the server pool, the probe-set operating
+point and live points as a capacity engine's point function.
+
+bench.capacity (`--engine replay`) and bench.sweep (`make bench`) both run on this module; neither
+imports the other's engine. The operating point follows the machine: the first non-taper server
+is probed (bench.probe), the SLO is the probe's auto SLO (unless given) times a scale, taper
+servers plan with the probe's fit, and the fluid bound comes from that fit and the contexts the
+live client really sends (bench.bound.LIVE_CLIENT) over a long draw of the programs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shlex
+from collections import OrderedDict
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from bench.bound import LIVE_CLIENT, fluid_bound_rps
+from bench.point import PointSetup, run_point
+from bench.probe import Probe, probe
+from bench.report import fmt
+from bench.results import write_records
+from branchwise.launch import LocalServer
+
+
+@dataclass(frozen=True, slots=True)
+class ServerSettings:
+    """How launched servers run (the flags every policy's server shares)."""
+
+    model: str = "models/tiny"
+    taper_rho: float = 0.8
+    server_threads: int = 1  # OMP threads: torch's spin at barriers, so more than free cores slows every step
+    max_total_tokens: int = 65536  # room for every live prefix: no policy pays re-prefills
+    extra_args: str = ""
+
+    def args(self, policy: str, slo_ms: float | None, latency_model: str | None) -> list[str]:
+        """Requests carry their SLO stamp; the flag covers unstamped ones."""
+        args = ["--branch-policy", policy, "--taper-rho", f"{self.taper_rho:g}", "--enable-metrics"]
+        args += ["--branch-slo-tpot-ms", f"{slo_ms:.6g}"] if slo_ms else []
+        return args + (["--latency-model", latency_model] if latency_model else []) + shlex.split(self.extra_args)
+
+    def server(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
+        """The server, not started yet."""
+        env = {"OMP_NUM_THREADS": str(self.server_threads)} if self.server_threads else {}
+        return LocalServer(self.model, self.args(policy, slo_ms, latency_model), env=env,
+                           max_total_tokens=self.max_total_tokens)
+
+    def start(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
+        return self.server(policy, slo_ms, latency_model).start()
+
+
+@dataclass(slots=True)
+class Servers:
+    """Where each policy is served: launched on first use (at most `max_alive` at once, the least
+    recently used stops first; a CPU server holds ~3 GB) or given as running servers' URLs."""
+
+    settings: ServerSettings | None = None  # None: only `urls`
+    urls: dict[str, str] = field(default_factory=dict)
+    slo_ms: float | None = None  # for servers started from now on
+    latency_model: str | None = None
+    max_alive: int = 3
+    alive: OrderedDict[str, LocalServer] = field(default_factory=OrderedDict)
+
+    def url(self, policy: str) -> str:
+        if policy in self.urls:
+            return self.urls[policy]
+        if self.settings is None:
+            raise ValueError(f"no server for policy {policy!r} (given: {', '.join(self.urls) or 'none'})")
+        if policy in self.alive:
+            self.alive.move_to_end(policy)
+            return self.alive[policy].url
+        while len(self.alive) >= self.max_alive:
+            self.alive.popitem(last=False)[1].stop()
+        self.alive[policy] = self.settings.start(policy, self.slo_ms, self.latency_model)
+        return self.alive[policy].url
+
+    def stop(self, policy: str) -> None:
+        if policy in self.alive:
+            self.alive.pop(policy).stop()
+
+    def close(self) -> None:
+        while self.alive:
+            self.alive.popitem()[1].stop()
+
+
+def probe_server(url: str) -> Probe:
+    p = asyncio.run(probe(url, repeats=3))
+    print(f"probe {url}: {p.line()}", flush=True)
+    return p
+
+
+def calibration_policy(policies: list[str]) -> str:
+    """The server the probe reads: the first policy that needs no T(S) (serial probe streams read the
+    same under every policy), else a temporary off server."""
+    return next((k for k in policies if not k.startswith("taper")), "off")
+
+
+def live_bound_rps(p: Probe, setup: PointSetup, seed: int = 0, duration_s: float = 2000.0) -> float:
+    """The fluid bound at setup's SLO under the probed T(S), over the programs' real contexts."""
+    specs = replace(setup, duration_s=duration_s).programs(1.0, seed)[1]
+    return fluid_bound_rps(p.model, setup.slo_tpot_ms / 1e3, specs, LIVE_CLIENT)
+
+
+@dataclass(frozen=True, slots=True)
+class OperatingPoint:
+    probe: Probe
+    setup: PointSetup  # with the SLO
+    probed_slo_ms: float  # the probe's auto SLO before any scale
+    fluid_bound_rps: float
+    latency_model: str  # the probe's fit, saved for taper servers
+
+
+def calibrate(servers: Servers, policies: list[str], base: PointSetup, out: Path, slo_ms: float | None = None,
+              slo_scale: float = 1.0) -> OperatingPoint:
+    """Probe, fix the SLO (given, or the probe's auto SLO; times slo_scale) and the fluid bound, and
+    set what the servers started from now on get (the SLO, the fit as --latency-model)."""
+    calib = calibration_policy(policies)
+    if servers.settings is None and calib not in servers.urls:
+        calib = next(iter(servers.urls))
+    p = probe_server(servers.url(calib))
+    if calib not in policies:
+        servers.stop(calib)
+    auto_ms = 1e3 * p.auto_slo_s()
+    setup = replace(base, slo_tpot_ms=(slo_ms or auto_ms) * slo_scale)
+    out.mkdir(parents=True, exist_ok=True)
+    model = str(out / "latency_model.json")
+    p.model.save(model)
+    servers.slo_ms, servers.latency_model = setup.slo_tpot_ms, model
+    return OperatingPoint(p, setup, auto_ms, live_bound_rps(p, setup), model)
+
+
+@dataclass(slots=True)
+class LivePoints:
+    """A capacity engine's point function on live servers: bench.point.run_point per (policy, rate,
+    seed), records per point under `out`, every finished point kept in `done` (an interrupted run
+    keeps them)."""
+
+    servers: Servers
+    setup: PointSetup
+    fluid_bound_rps: float
+    out: Path | None = None
+    progress: bool = False
+    done: list[dict[str, Any]] = field(default_factory=list)
+
+    def __call__(self, policy: str, rate: float, seed: int) -> dict[str, Any]:
+        m, run = run_point(self.servers.url(policy), policy, rate, seed, self.setup, progress=self.progress)
+        load = rate / self.fluid_bound_rps if self.fluid_bound_rps > 0 else None
+        m |= {"load": load, "policy": policy, "seed": seed}
+        self.done.append(m)
+        if self.out is not None:
+            write_records(self.out / "records" / f"seed{seed}_rate{rate:.4g}_{policy}", {policy: run})
+        print(f"seed {seed} rate {rate:.3f} ({fmt(load, nd=2)} x bound) {policy:>11}: attainment "
+              f"{fmt(m['attainment'], True)}, finished {fmt(m['finished_frac'], True)}, decomposable P50 e2e "
+              f"{fmt(m['decomp_e2e_p50_s'], nd=2)} s, goodput {fmt(m['goodput_tok_s'], nd=0)} tok/s"
+              + (f"  [{m['error']}]" if m.get("error") else ""), flush=True)
+        if run.interrupted:
+            raise KeyboardInterrupt
+        return m
+
