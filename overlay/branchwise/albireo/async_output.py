@@ -197,13 +197,10 @@ def check_match_stop_str_prefix(req: Req) -> bool:
 
 
 class TableTokenizer:
-    """The scheduler's tokenizer under --async-output, with decode(ids) served by a TokenTable when
-    there is one (plain calls only); everything else is delegated unchanged.
-
-    Requests use the scheduler's tokenizer for stop-string checks (`Req.tail_str` and friends call
-    `tokenizer.decode(output_ids[-k:])` every step). It also carries the runtime switch of the
-    stop-string paths: `enabled` turns the table and the prefix scan (`around_check_match_stop_str_prefix`,
-    which finds it as `req.tokenizer`) off together.
+    """The scheduler's tokenizer under --async-output, with plain decode(ids) calls served by a
+    TokenTable when there is one (`Req.tail_str` and friends decode output_ids[-k:] every step);
+    everything else is delegated unchanged. `enabled` switches the table and the prefix scan
+    (`around_check_match_stop_str_prefix`, which finds it as `req.tokenizer`) together.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, table: TokenTable | None) -> None:
@@ -311,11 +308,8 @@ def _wrap_tokenizer(scheduler: Scheduler) -> TableTokenizer | None:
 
 
 def _send_on_thread(scheduler: Scheduler) -> bool:
-    """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline).
-
-    The worker takes the payload's pickling and send off the scheduler thread, at the price of some
-    GIL waiting there (`python -m bench.overhead --ab --stream` compares both); `inline` keeps
-    SGLang's placement (the other savings stay)."""
+    """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline;
+    `python -m bench.overhead --ab --stream` compares both)."""
     if getattr(scheduler, "rust_server", None) is not None:  # the Rust egress ring has its own thread
         return False
     mode = os.environ.get(SEND_ENV, "auto").strip().lower()

@@ -10,9 +10,8 @@ worker, so no two forwards ever overlap. Opt-in: --async-output on a CPU device 
 BRANCHWISE_FORWARD_THREAD=1 (`static_reason`: what else rules it out).
 
 `build` attaches the executor, as `_branchwise_forward`, to the TP worker, the FutureMap and a
-guarded tree cache, which the non-Scheduler hooks receive; Scheduler hooks read
-`scheduler.branchwise.forward`. Why this is race-free, what it costs, TP and failures:
-docs/design/albireo-forward-thread.md.
+guarded tree cache (the non-Scheduler hooks receive those); Scheduler hooks read
+`scheduler.branchwise.forward`. Race-freedom, cost, TP, failures: docs/design/albireo-forward-thread.md.
 """
 
 from __future__ import annotations
@@ -48,9 +47,7 @@ Hook = Callable[..., Any]  # the hooked SGLang function an AROUND body wraps
 
 logger = logging.getLogger("branchwise")
 ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
-# GIL switch interval (ms) while the forward thread runs: the worker and the scheduler thread share
-# one GIL, and a thread that gives it up inside a torch op waits up to this long for the other's
-# Python to hand it back (CPython's default is 5 ms). Unset = leave CPython's default.
+# CPython's GIL switch interval (ms) while the forward thread runs; unset = CPython's 5 ms
 SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
 # Longest wait for one job (seconds): a forward that takes longer, or a worker that hangs (e.g. in
 # a collective whose peer died), stops the scheduler with the worker's stack instead of hanging it.
@@ -281,10 +278,8 @@ class ForwardExecutor:
 
 
 def bind_worker_threads() -> None:
-    """On AMX / arm64 CPUs SGLang binds the rank's OpenMP threads to its cores from the scheduler
-    thread at start-up (bootstrap._init_cpu_threads_env). A thread team belongs to the thread that
-    starts it, and this thread inherited the scheduler thread's one-core affinity: bind its team the
-    same way, else all its compute threads share one core. Elsewhere SGLang binds nothing."""
+    """Bind this thread's OpenMP team as SGLang binds the scheduler thread's on AMX / arm64 CPUs
+    (bootstrap._init_cpu_threads_env): a team belongs to the thread that starts it."""
     import torch
     from sglang.srt.distributed import bootstrap
 
@@ -338,10 +333,9 @@ def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
                  checkpoint_guarded: bool = False) -> str | None:
     """Why this batch runs inline (None: it goes to the worker). A function of the batch only.
 
-    Penalties are not a reason (see the module doc: the forward reads only the accumulators that
-    copy_for_forward materialised at launch). Custom logit processors are not one either: the worker
-    hands them a launch-time view of their Req (`snapshot`). Nor is a grammar: its sampling is a
-    second job (`samples_later`)."""
+    Not reasons: penalties (the forward reads only the accumulators copy_for_forward materialised at
+    launch), custom logit processors (they get a launch-time view of their Req, `snapshot`) and
+    grammars (their sampling is a second job, `samples_later`)."""
     mode = batch.forward_mode.name
     if mode not in WORKER_MODES:
         return f"{mode.lower()} batch"
@@ -387,11 +381,9 @@ def _embeds(batch: ScheduleBatch) -> bool:
 
 def snapshot(batch: ScheduleBatch) -> ScheduleBatch:
     """The batch as launched: a shallow copy whose lists are copied too (merge_batch extends
-    `reqs` and the logprob lists in place; tensors are rebound out of place, see the module doc).
-
-    Custom logit processors read their request through `custom_params[i]["__req__"]` when they
-    sample; stock samples at launch, the worker later, after the scheduler thread has moved on. They
-    get a view of the Req as it was at launch instead (`req_view`)."""
+    `reqs` and the logprob lists in place; SGLang rebinds the per-row tensors out of place).
+    Custom logit processors, which read `custom_params[i]["__req__"]` when the worker samples, get
+    the Req as it was at launch (`req_view`)."""
     snap = copy.copy(batch)
     for name, value in vars(snap).items():
         if type(value) is list:
