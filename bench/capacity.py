@@ -46,7 +46,7 @@ import numpy as np
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
-from bench.report import Col, blank, fmt, render, write_json
+from bench.report import Col, blank, fmt, num, render, write_json
 from bench.workload import PRESETS, compose, load_trace, stationary_schedule, workload_stats
 from branchwise.taper import LinearLatencyModel, default_model, load_model, parse_policy_name
 
@@ -366,7 +366,7 @@ def tables(doc: dict) -> str:
         return f"{fmt(p['attainment'], True, 0)} {fmt(p['finished_frac'], True, 0)} {fmt(p['goodput_tok_s'], nd=0)}"
 
     def lat(p: dict) -> str:
-        return (f"{fmt(p['decomp_e2e_p50_s'], nd=1)} {fmt(p['decomp_e2e_p99_s'], nd=0)} "
+        return (f"{fmt(p['decomp_e2e_p50_s'], nd=1)} {num(p['decomp_e2e_p99_s'])} "
                 f"{fmt(p['decomp_finished_frac'], True, 0)} {fmt(p['serial_e2e_p50_s'], nd=1)}")
 
     caps = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),

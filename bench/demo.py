@@ -1,69 +1,125 @@
 """The main job on the embedded default: serve the tiny model with Branchwise, run fork/join programs.
 
-    python -m bench.demo [--model models/tiny] [--policy taper] [--programs 4] [--fanout 4]
+    python -m bench.demo [--model models/tiny] [--policies taper,off] [--programs 4] [--fanout 4]
 
-Starts a real SGLang server (CPU settings when there is no GPU), sends serial -> fork(n) -> join
-programs whose branches carry Branchwise phase stamps, prints each program's output and the
-scheduler-side Branchwise report, and stops the server.
+For each policy it starts a real SGLang server (CPU settings when there is no GPU), sends the same
+serial -> fork(n) -> join -> serial programs at once (token ids, so a branch's shared prefix is
+exactly the KV in the radix cache), their branches carrying Branchwise phase stamps, and stops the
+server. It ends with the answer in small: under taper a phase's branches decode side by side and
+finish together, under off one at a time; per policy the wall time, the programs' latency, when
+each branch of program 0 finished after its fork, and the shared-prefix tokens the branches got
+from the radix cache instead of prefilling them again.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 
+from bench.programs import SEP_ID, branch_head, prompt_ids
 from branchwise.launch import LocalServer, branchwise_report, post_json
 from branchwise.request_meta import stamp
 
 
-def gen(url: str, text: str, n: int, rid: str | None = None, **meta) -> dict:
+def gen(url: str, ids: list[int], n: int, rid: str | None = None, **meta) -> dict:
     sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    payload = {"text": text, "sampling_params": stamp(sp, **meta) if meta else sp}
+    payload = {"input_ids": ids, "sampling_params": stamp(sp, **meta) if meta else sp}
     if rid:
         payload["rid"] = rid
     return post_json(url + "/generate", payload)
 
 
-def program(url: str, i: int, fanout: int, tokens: int) -> dict:
-    """serial gen -> fork(fanout) gen -> join -> serial gen, like an SGLang frontend program."""
-    prefix = f"program {i}: plan the steps then"
-    head = gen(url, prefix, tokens)
-    shared = prefix + head["text"]
+@dataclass(frozen=True, slots=True)
+class Program:
+    index: int
+    text: str  # the final stage's output
+    latency_s: float  # first request sent -> last token of the final stage
+    branch_done_s: list[float]  # each branch's end, from the fork
+    prefix_tokens: int  # shared-prefix tokens the branches ask for
+    cached_tokens: int  # ... of which the radix cache served
+
+
+def program(url: str, i: int, fanout: int, tokens: int, tag: str) -> Program:
+    """serial gen -> fork(fanout) gen -> join -> serial gen, like an SGLang frontend program. It sends
+    token ids, so every branch's shared prefix is exactly the KV the radix cache holds."""
+    t0 = time.perf_counter()
+    shared = prompt_ids(f"demo{i}", 24, "demo")
+    shared += gen(url, shared, tokens)["output_ids"]
+    t_fork = time.perf_counter()
+
+    def branch(b: int) -> tuple[dict, float]:
+        r = gen(url, shared + branch_head(b), tokens, rid=f"demo-{tag}{i}/b{b}", phase=f"demo-{tag}{i}", branch=b,
+                fanout=fanout)
+        return r, time.perf_counter() - t_fork
+
     with ThreadPoolExecutor(fanout) as pool:
-        branches = list(pool.map(lambda b: gen(url, shared + f"\nbranch {b}:", tokens, rid=f"demo{i}/b{b}",
-                                               phase=f"demo{i}", branch=b, fanout=fanout), range(fanout)))
-    joined = shared + "".join(f"\nbranch {b}:" + r["text"] for b, r in enumerate(branches))
-    tail = gen(url, joined + "\nso", tokens)
-    return {"program": i, "text": joined + "\nso" + tail["text"],
-            "branch_cached_tokens": [r["meta_info"]["cached_tokens"] for r in branches]}
+        branches = list(pool.map(branch, range(fanout)))
+    joined = shared + [t for b, (r, _) in enumerate(branches) for t in branch_head(b) + r["output_ids"]] + [SEP_ID]
+    tail = gen(url, joined, tokens)
+    cached = sum(min(r["meta_info"].get("cached_tokens", 0), len(shared)) for r, _ in branches)
+    return Program(i, tail["text"], time.perf_counter() - t0, [d for _, d in branches], fanout * len(shared), cached)
+
+
+@dataclass(frozen=True, slots=True)
+class Result:
+    policy: str
+    wall_s: float
+    programs: list[Program]
+
+
+def run(url: str, policy: str, n: int, fanout: int, tokens: int) -> Result:
+    program(url, n, fanout, tokens, f"warmup-{policy}")  # a fresh server's first forwards are slow
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(n) as pool:
+        progs = list(pool.map(lambda i: program(url, i, fanout, tokens, policy), range(n)))
+    return Result(policy, time.perf_counter() - t0, progs)
+
+
+def summary(results: list[Result]) -> str:
+    """The answer in small: one line per policy, then the ratio of each to the first."""
+    lines = [f"{'policy':<8}{'wall s':>8}{'program P50 s':>15}{'max s':>7}{'branches done after the fork, s':>36}"
+             f"{'shared prefix from cache':>26}"]
+    for r in results:
+        lat = [p.latency_s for p in r.programs]
+        prefix, cached = sum(p.prefix_tokens for p in r.programs), sum(p.cached_tokens for p in r.programs)
+        done = " ".join(f"{d:.2f}" for d in sorted(r.programs[0].branch_done_s))
+        lines.append(f"{r.policy:<8}{r.wall_s:>8.2f}{statistics.median(lat):>15.2f}{max(lat):>7.2f}"
+                     f"{done + ' (program 0)':>36}{f'{cached} of {prefix} tokens':>26}")
+    first = results[0]
+    p50 = statistics.median(p.latency_s for p in first.programs)
+    for r in results[1:]:
+        lines.append(f"{r.policy} / {first.policy}: wall {r.wall_s / first.wall_s:.2f}x, program P50 "
+                     f"{statistics.median(p.latency_s for p in r.programs) / p50:.2f}x")
+    return "\n".join(lines)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="models/tiny")
-    ap.add_argument("--policy", default="taper")
+    ap.add_argument("--policies", default="taper,off", help="one server each, in this order")
     ap.add_argument("--programs", type=int, default=4)
     ap.add_argument("--fanout", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--url", help="use a running server instead of starting one")
+    ap.add_argument("--url", help="use a running server (its own policy) instead of starting them")
     args = ap.parse_args()
-    server = None if args.url else LocalServer(args.model, ["--branch-policy", args.policy]).start()
-    url = args.url or server.url
-    try:
-        t0 = time.perf_counter()
-        with ThreadPoolExecutor(args.programs) as pool:
-            results = list(pool.map(lambda i: program(url, i, args.fanout, args.tokens), range(args.programs)))
-        wall = time.perf_counter() - t0
-        for r in results:
-            print(f"--- program {r['program']} (branch cached tokens {r['branch_cached_tokens']})")
-            print(r["text"][:300].replace("\n", " | "))
-        print(f"\n{args.programs} programs x fork({args.fanout}) in {wall:.2f} s")
-        print("scheduler-side Branchwise report:", json.dumps(branchwise_report(url)))
-    finally:
-        if server:
-            server.stop()
+    results = []
+    for policy in ([None] if args.url else args.policies.split(",")):
+        server = None if args.url else LocalServer(args.model, ["--branch-policy", policy]).start()
+        url = args.url or server.url
+        try:
+            label = policy or (branchwise_report(url) or {}).get("policy") or "server"
+            r = run(url, label, args.programs, args.fanout, args.tokens)
+            for p in r.programs:
+                print(f"--- {label}, program {p.index}: ...{p.text[:60]!r}")
+            results.append(r)
+        finally:
+            if server:
+                server.stop()
+    print(f"\n{args.programs} programs x fork({args.fanout}), {args.tokens} tokens per stage and branch:")
+    print(summary(results))
 
 
 if __name__ == "__main__":

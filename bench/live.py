@@ -41,10 +41,14 @@ class ServerSettings:
         args += ["--branch-slo-tpot-ms", f"{slo_ms:.6g}"] if slo_ms else []
         return args + (["--latency-model", latency_model] if latency_model else []) + shlex.split(self.extra_args)
 
-    def start(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
+    def server(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
+        """The server, not started yet."""
         env = {"OMP_NUM_THREADS": str(self.server_threads)} if self.server_threads else {}
         return LocalServer(self.model, self.args(policy, slo_ms, latency_model), env=env,
-                           max_total_tokens=self.max_total_tokens).start()
+                           max_total_tokens=self.max_total_tokens)
+
+    def start(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
+        return self.server(policy, slo_ms, latency_model).start()
 
 
 @dataclass(slots=True)

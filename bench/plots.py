@@ -3,6 +3,7 @@ and the two axes of a capacity run against offered load."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import matplotlib
@@ -10,6 +11,8 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
+from matplotlib.lines import Line2D  # noqa: E402
+from PIL import Image  # noqa: E402  (matplotlib's own dependency)
 
 from bench.metrics import timeseries  # noqa: E402
 
@@ -59,23 +62,29 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
     return [path]
 
 
+MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+
+
 def plot_capacity(doc: dict, path: Path, title: str, target: float, latency_key: str = "decomp_e2e_p50_s") -> Path:
     """The two axes against offered load, one line per policy: decomposable P50 end to end on top
     (points below `target` attainment hollow), attainment underneath; each policy's capacity dotted
     in its colour, the fluid bound dashed."""
     fig, (ax_l, ax_a) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=(3, 2))
     bound = doc.get("fluid_bound_rps")
-    for name, v in doc["policies"].items():
+    keys: list[Line2D] = []
+    for j, (name, v) in enumerate(doc["policies"].items()):
         pts = v["points"]
         rate = np.array([p["rate"] for p in pts])
         lat = np.array([np.nan if p.get(latency_key) is None else p[latency_key] for p in pts])
         att = np.array([np.nan if p.get("attainment") is None else 100 * p["attainment"] for p in pts])
-        line, = ax_l.plot(rate, lat, lw=1.2, label=name)
+        mk = MARKERS[j % len(MARKERS)]
+        line, = ax_l.plot(rate, lat, lw=1.2)
         c = line.get_color()
+        keys.append(Line2D([], [], color=c, marker=mk, lw=1.2, label=name))
         ok = att >= 100 * target
-        ax_l.scatter(rate[ok], lat[ok], color=c, zorder=3)
-        ax_l.scatter(rate[~ok], lat[~ok], facecolors="none", edgecolors=c, zorder=3)
-        ax_a.plot(rate, att, marker="o", color=c, lw=1.2)
+        ax_l.scatter(rate[ok], lat[ok], color=c, marker=mk, zorder=3)
+        ax_l.scatter(rate[~ok], lat[~ok], facecolors="none", edgecolors=c, marker=mk, zorder=3)
+        ax_a.plot(rate, att, marker=mk, color=c, lw=1.2)
         for ax in (ax_l, ax_a):
             ax.axvline(v["capacity_rps"], color=c, ls=":", lw=1)
     for ax in (ax_l, ax_a):
@@ -86,10 +95,13 @@ def plot_capacity(doc: dict, path: Path, title: str, target: float, latency_key:
     ax_l.set_ylabel("decomposable P50 end to end (s)")
     ax_l.set_title(f"{title}\nhollow: below {target:.0%} attainment; dotted: capacity; dashed: fluid bound"
                    + (f" {bound:.3f} req/s" if bound else ""), fontsize=9)
-    ax_l.legend(fontsize=8)
+    ax_l.legend(handles=keys, fontsize=8)
     ax_a.set_ylabel("attainment over all arrivals (%)")
     ax_a.set_xlabel("offered load (req/s)")
     fig.tight_layout()
-    fig.savefig(path, dpi=90)
+    buf = io.BytesIO()
+    fig.savefig(buf, dpi=90)
     plt.close(fig)
+    # a 64-colour palette keeps the file small enough for docs/ (lines and markers need no more)
+    Image.open(buf).convert("RGB").quantize(colors=64).save(path, optimize=True)
     return path

@@ -22,7 +22,6 @@ Live points at one stationary load (what the load sweeps run) are bench.point's 
 from __future__ import annotations
 
 import argparse
-import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -31,6 +30,7 @@ from typing import Any
 
 from bench.cli import add_server_source
 from bench.client import Outcome, Run, Target, execute, server_report
+from bench.live import ServerSettings
 from bench.metrics import RequestRecord, StepLog
 from bench.probe import Calibration, Point, Probe, calibrate, probe_url
 from bench.programs import Scaling, build_programs, fit_schedule, mean_demand_tok_s
@@ -154,20 +154,10 @@ def parse_args(argv: list[str] | None) -> ReplayOptions:
 
 
 # ------------------------------------------------------------------------------------- servers
-def server_args(policy: str, o: ReplayOptions, pt: Point | None) -> list[str]:
-    args = ["--branch-policy", policy, "--taper-rho", f"{o.taper_rho:g}", "--enable-metrics"]
-    if pt is not None:  # requests carry their SLO stamp anyway; the flag covers unstamped ones
-        args += ["--branch-slo-tpot-ms", f"{pt.slo_tpot_ms:.6g}"]
-        if pt.latency_model:
-            args += ["--latency-model", pt.latency_model]
-    return args + shlex.split(o.server_args)
-
-
-def _server(o: ReplayOptions, args: list[str]) -> LocalServer:
-    # torch's OpenMP threads spin at barriers: on a box shared with other servers and the client,
-    # more threads than free cores makes every step many times slower (measured: 8x at 64 rows)
-    env = {"OMP_NUM_THREADS": str(o.server_threads)} if o.server_threads else {}
-    return LocalServer(o.model, args, env=env, max_total_tokens=o.max_total_tokens)
+def _server(o: ReplayOptions, policy: str, pt: Point | None) -> LocalServer:
+    """A --launch server (not started) for `policy` at the operating point, once it is known."""
+    settings = ServerSettings(o.model, o.taper_rho, o.server_threads, o.max_total_tokens, o.server_args)
+    return settings.server(policy, pt.slo_tpot_ms if pt else None, pt.latency_model if pt else None)
 
 
 # ---------------------------------------------------------------------------------- one bench run
@@ -250,7 +240,7 @@ class Bench:
     def run_policy(self, policy: str) -> bool:
         """Start (or reuse) the server, probe it, replay; False when the whole bench must stop."""
         o = self.o
-        server = _server(o, server_args(policy, o, self.pt)) if o.launch else None
+        server = _server(o, policy, self.pt) if o.launch else None
         stop = False
         try:
             url = server.start().url if server else o.url
@@ -328,7 +318,7 @@ def _calibrate_first(b: Bench, policies: list[str]) -> None:
     if not c.needs_probe:
         b.pt = c.given()
     elif o.launch and policies[0].startswith("taper"):
-        with _server(o, ["--branch-policy", "off"]) as srv:
+        with _server(o, "off", None) as srv:
             b.point(probe_url(srv.url))
     elif o.url:
         b.point(probe_url(o.url))

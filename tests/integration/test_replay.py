@@ -41,5 +41,6 @@ def test_one_live_point_leaves_the_server_idle_and_flushed(servers):
     m, run = point.run_point(srv.url, "taper", 2.0, 0, setup)
     assert m["cache_flushed"] and m["left_idle"] and m["error"] is None
     assert m["requests"] == len(run.outcomes) > 5 and m["finished_frac"] == 1.0
-    assert 0.0 <= m["attainment"] <= 1.0 and m["goodput_tok_s"] <= m["raw_throughput_tok_s"]
+    assert 0.0 <= m["attainment"] <= 1.0 and m["goodput_delivered_tok_s"] <= m["raw_throughput_tok_s"]
+    assert m["goodput_tok_s"] > 0 and m["decomp_e2e_p50_s"] > 0 and m["decomp_finished_frac"] == 1.0
     assert m["p99_ttft_s"] > 0 and m["server"]["policy"] == "taper"
