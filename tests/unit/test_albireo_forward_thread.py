@@ -35,7 +35,7 @@ class _Recording(ForwardExecutor):
 
 
 def _job(i: int, **kw) -> ForwardJob:
-    return ForwardJob({"id": i, **kw}, placeholder=None, run=lambda b: None, done=HostEvent(), bs=1)
+    return ForwardJob(snapshot={"id": i, **kw}, placeholder=None, run=lambda snap: None, done=HostEvent(), rows=1)
 
 
 def test_jobs_run_in_submission_order_and_drain_waits_for_all():
@@ -457,7 +457,7 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
     setattr(tree, ft.ATTR, ex)  # as build attaches it to a tree cache whose checkpoint is guarded
     try:
         tree.new = torch.tensor([0, 1, 2, 3], dtype=torch.int64)  # the tree's indices == the row's: no wait
-        ex.submit(ForwardJob(gate, None, lambda b: None, HostEvent(), 1))
+        ex.submit(ForwardJob(snapshot=gate, placeholder=None, run=lambda snap: None, done=HostEvent(), rows=1))
         ft.around_checkpoint(Tree.checkpoint, tree, 0, up_to=4)
         assert ex.busy() and ex.stats.checkpoint_drains == 0
         assert "write" not in vars(tree.req_to_token_pool)  # the checked write is gone after the call
