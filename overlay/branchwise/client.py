@@ -1,19 +1,12 @@
 """Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
 
-Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta); the scheduler reads them
-when it creates the request. Rids are structured so that SGLang's abort-by-prefix (scheduler-side
-`req.rid.startswith(rid)`) reaches whole groups and no sibling by accident:
-
-    group                      "fork-3f9a0c1d2e4b"
-    branch i, its turn-th gen  "fork-3f9a0c1d2e4b/b1/0"   ("g/b1/" never prefixes "g/b10/")
-    nested fork k in branch i  "fork-3f9a0c1d2e4b/b1/f0"  (its branches: ".../b1/f0/b2/0")
-
-SGLang frontend programs (`s.fork(n)`) get the same stamps from branchwise.frontend_hook, which
-they import themselves.
-
-Behind an smg router (README "Scale-out") a request goes to the worker of its `X-SMG-Routing-Key`
-header: generate() sends a stamped request's phase (its root: a nested phase follows its parent) as
-that key, or the `routing_key` it is given, so every request of a phase reaches one worker.
+Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta), which the scheduler
+reads when it creates the request. Rids are structured ("<group>/b<branch>/<turn>", nested forks
+"<group>/b<branch>/f<k>/...") so that SGLang's abort-by-prefix reaches whole groups and no sibling
+by accident. Behind an smg router, generate() sends a stamped request's root phase as the
+`X-SMG-Routing-Key` header, so every request of a phase reaches one worker. SGLang frontend
+programs get the same stamps from branchwise.frontend_hook. The rid scheme and the routing:
+docs/design/client-phases.md.
 """
 
 from __future__ import annotations
@@ -51,24 +44,24 @@ def branch_rid(group: str, branch: int, turn: int = 0) -> str:
     return f"{group}/b{branch}/{turn}"
 
 
-def stamp_branch(sampling_params: dict | None, group: str, branch: int, fanout: int,
-                 slo_tpot_ms: float | None = None, weight: float | None = None) -> dict:
+def stamp_branch(sampling_params: dict[str, Any] | None, group: str, branch: int, fanout: int,
+                 slo_tpot_ms: float | None = None, weight: float | None = None) -> dict[str, Any]:
     """sampling_params stamped as branch `branch` of `fanout` in phase `group` (validated here)."""
     return request_meta.stamp(sampling_params, phase=group, branch=branch, fanout=fanout,
                               slo_tpot_ms=slo_tpot_ms, weight=weight)
 
 
-def stamp_serial(sampling_params: dict | None, slo_tpot_ms: float | None = None,
-                 weight: float | None = None, grammar: str | None = None) -> dict:
+def stamp_serial(sampling_params: dict[str, Any] | None, slo_tpot_ms: float | None = None,
+                 weight: float | None = None, grammar: str | None = None) -> dict[str, Any]:
     """sampling_params of a serial request, with its SLO/weight and optional server-side grammar."""
     return request_meta.stamp(sampling_params, slo_tpot_ms=slo_tpot_ms, weight=weight, grammar=grammar)
 
 
-def routing_headers(sampling_params: dict | None, routing_key: str | None = None) -> dict[str, str]:
+def routing_headers(sampling_params: dict[str, Any] | None, routing_key: str | None = None) -> dict[str, str]:
     """The router header of a request: `routing_key`, else its stamp's phase, each up to its first
     "/" (dp_dispatch.affinity_key: the key a DP server places it by too); {} for neither."""
-    cp = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
-    key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(cp)
+    custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
+    key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(custom)
     if key is None:
         return {}
     return {ROUTING_HEADER: key.encode()[:MAX_ROUTING_KEY_BYTES].decode(errors="ignore")}
@@ -85,6 +78,8 @@ class GenerateError(RuntimeError):
 
 @dataclass(slots=True)
 class Generation:
+    """One /generate answer, with the client-side times a benchmark needs."""
+
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
@@ -127,7 +122,7 @@ def _error_message(body: str) -> str:
     return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
-def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dict | None,
+def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dict[str, Any] | None,
              rid: str | None, stream: bool, check: bool) -> dict[str, Any]:
     if (text is None) == (input_ids is None):
         raise ValueError("pass exactly one of text and input_ids")
@@ -152,8 +147,8 @@ async def _read_stream(resp: aiohttp.ClientResponse, url: str, gens: list[Genera
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
         *events, buf = (buf + piece).split(b"\n\n")
-        for ev in events:
-            data = ev.decode().strip().removeprefix("data:").strip()
+        for event in events:
+            data = event.decode().strip().removeprefix("data:").strip()
             if not data or data == "[DONE]":
                 continue
             chunk = json.loads(data)
@@ -173,7 +168,7 @@ async def _read_stream(resp: aiohttp.ClientResponse, url: str, gens: list[Genera
             raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
 
 
-async def generate(url: str, text: str | None = None, sampling_params: dict | None = None,
+async def generate(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
                    rid: str | None = None, stream: bool = False, *, input_ids: list[int] | None = None,
                    session: aiohttp.ClientSession | None = None, timeout_s: float | None = 600,
                    check: bool = True, routing_key: str | None = None) -> Generation:
@@ -186,7 +181,7 @@ async def generate(url: str, text: str | None = None, sampling_params: dict | No
     return (await _post(url, body, headers, 1, rid, session, timeout_s))[0]
 
 
-async def generate_samples(url: str, text: str | None = None, sampling_params: dict | None = None,
+async def generate_samples(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
                            rid: str | None = None, *, input_ids: list[int] | None = None,
                            session: aiohttp.ClientSession | None = None,
                            timeout_s: float | None = 600) -> list[Generation]:
@@ -229,22 +224,22 @@ async def _post(url: str, body: dict[str, Any], headers: dict[str, str], n: int,
     return gens
 
 
-def generate_sync(url: str, text: str | None = None, sampling_params: dict | None = None,
+def generate_sync(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
                   rid: str | None = None, stream: bool = False, **kw: Any) -> Generation:
     """Blocking generate() for scripts and threads that have no event loop."""
     return asyncio.run(generate(url, text, sampling_params, rid, stream, **kw))
 
 
-async def fork(url: str, texts: list[str], sampling_params: dict | None = None, *,
+async def fork(url: str, texts: list[str], sampling_params: dict[str, Any] | None = None, *,
                group: str | None = None, stream: bool = False, slo_tpot_ms: float | None = None,
                session: aiohttp.ClientSession | None = None) -> list[Generation]:
     """One parallel phase: send texts[i] as branch i of a fresh group, concurrently; results in order."""
     group = group or new_group()
-    n = len(texts)
-    if n < 1:
+    fanout = len(texts)
+    if fanout < 1:
         raise ValueError("fork needs at least one branch text")
-    reqs = [generate(url, t, stamp_branch(sampling_params, group, i, n, slo_tpot_ms),
-                     branch_rid(group, i), stream, session=session) for i, t in enumerate(texts)]
+    reqs = [generate(url, text, stamp_branch(sampling_params, group, branch, fanout, slo_tpot_ms),
+                     branch_rid(group, branch), stream, session=session) for branch, text in enumerate(texts)]
     return list(await asyncio.gather(*reqs))
 
 

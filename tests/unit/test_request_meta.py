@@ -76,7 +76,7 @@ def test_well_formed_stamps_and_absent_meta():
     assert parse(None) is parse({}) is parse({"other": [1]}) is parse({KEY: None}) is request_meta.SERIAL
     m = parse({KEY: {"phase": "g", "branch": 3.0, "fanout": 4, "slo_tpot_ms": 40, "weight": 0,
                      "grammar": "sprint"}})
-    assert m == RequestMeta("g", 3, 4, 40.0, 0.0, "sprint")
+    assert m == RequestMeta(phase="g", branch=3, fanout=4, slo_tpot_ms=40.0, weight=0.0, grammar="sprint")
     assert type(m.branch) is int and type(m.slo_tpot_ms) is float
 
 
