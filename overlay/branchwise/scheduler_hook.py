@@ -120,7 +120,7 @@ def build(scheduler: Any, cfg: BranchwiseConfig) -> BranchwiseState:
     if st.disabled_reason:
         logger.warning("Branchwise: per-step branch admission is not supported with %s; "
                        "every row runs every step (SGLang's schedule)", st.disabled_reason)
-    else:
+    elif cfg.step_controller:  # policy stock: no controller, SGLang's schedule (phases still counted)
         st.controller = _build_controller(cfg)
     # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the

@@ -40,7 +40,7 @@ def ready(a: ArrayBatch) -> dict[str, int]:
     return dict(zip(a.rids, a.ready.tolist(), strict=True))
 
 
-@pytest.mark.parametrize("name", ["off", "eager", "taper", "taper-no-slack", "taper-no-replan",
+@pytest.mark.parametrize("name", ["stock", "off", "eager", "taper", "taper-no-slack", "taper-no-replan",
                                   "taper-const-predictor", "cap:1", "cap:3", " TAPER ", "cap:007"])
 def test_parse_valid_names(name):
     policy = parse_policy(name)
@@ -58,7 +58,7 @@ def test_parse_invalid_names_say_what_is_valid(name):
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
                             "taper-no-backlog", "taper-paper", "taper-no-slack", "taper-no-replan",
-                            "taper-const-predictor")
+                            "taper-const-predictor", "stock")
 
 
 def test_bad_rho_and_utility_are_rejected():
@@ -76,10 +76,11 @@ def test_bad_rho_and_utility_are_rejected():
 def test_off_eager_and_caps(batch, k):
     off = widths(parse_policy("off"), batch)
     eager = widths(parse_policy("eager"), batch)
+    stock = widths(parse_policy("stock"), batch)
     cap = widths(parse_policy(f"cap:{k}"), batch)
     for rid, n in ready(batch).items():
         assert off[rid] == 1
-        assert eager[rid] == n
+        assert eager[rid] == stock[rid] == n
         assert cap[rid] == min(n, k)
 
 
