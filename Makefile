@@ -31,7 +31,7 @@ else
 	$(PIP) install -q --no-deps $(SGLANG) $(TORCHVISION)
 	$(PIP) install -q -r overlay/branchwise/cpu_compat/requirements-cpu.txt
 	$(PIP) install -q --no-deps -e .
-	$(PIP) install -q pytest hypothesis ruff matplotlib tqdm
+	$(PIP) install -q pytest pytest-timeout hypothesis ruff matplotlib tqdm
 	$(PIP) install -q $(ROUTER)  # the router of make serve-cluster (grpcio, pyyaml, setproctitle come with it)
 	echo "$(CURDIR)/overlay/branchwise/cpu_compat" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_cpu_compat.pth"
 endif

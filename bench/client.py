@@ -35,6 +35,7 @@ from branchwise.client import GenerateError, Generation
 from branchwise.launch import branchwise_report, metrics_url
 
 GenerateFn = Callable[..., Awaitable[Generation]]
+SamplesFn = Callable[..., Awaitable[list[Generation]]]
 
 
 class RequestFailed(RuntimeError):
@@ -65,6 +66,7 @@ class Target:
     vocab: int = 400  # prompt and header token ids are drawn below this
     run_id: str = field(default_factory=lambda: "rp" + uuid.uuid4().hex[:6])
     generate: GenerateFn = bw.generate
+    samples: SamplesFn = bw.generate_samples  # best-of-n programs: one request with n samples
 
 
 @dataclass(slots=True)
@@ -129,10 +131,27 @@ async def _fork_join(tg: Target, session: Any, ids: list[int], group: str, lengt
         raise
 
 
+async def _samples(o: Outcome, tg: Target, session: Any, ids: list[int], t0: float) -> None:
+    """A best-of-n program (spec.samples: stages (1, (m,) * n)): one streamed request with n samples of
+    1 + m tokens each, which the server makes one phase; its tokens are the program's one parallel stage."""
+    (first, phase) = o.spec.stages
+    tokens = first + phase[0]
+    sp = bw.stamp_serial(_sp(tokens, tg), tg.slo_tpot_ms) | {"n": len(phase)}
+    gens = await tg.samples(tg.url, None, sp, f"{tg.run_id}-{o.spec.rid}", input_ids=ids, session=session)
+    for g in gens:
+        if g.aborted or g.completion_tokens != tokens:
+            raise RequestFailed(f"{g.rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
+    o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
+    o.finished = True
+
+
 async def run_program(o: Outcome, tg: Target, session: Any, t0: float) -> None:
-    """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ..."""
+    """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ...
+    (or, for a best-of-n spec, one request with n samples)."""
     spec = o.spec
     ids = prompt_ids(spec.rid, spec.prompt_tokens, tg.seed, tg.vocab)
+    if spec.samples:
+        return await _samples(o, tg, session, ids, t0)
     for k, stage in enumerate(spec.stages):
         if isinstance(stage, int):
             sp = bw.stamp_serial(_sp(stage, tg), tg.slo_tpot_ms)

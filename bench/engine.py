@@ -44,7 +44,7 @@ import numpy as np
 from bench.metrics import RequestRecord, StageRecord, StepLog
 from bench.workload import RequestSpec
 from branchwise.taper import POLICY_NAMES, LinearLatencyModel, OnlineRefit, Policy, parse_policy
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 
 _BIG = 1 << 62
 # Slack-driven policies whose "everything fits" is monotone (budget rho * min slack, T monotone), so
@@ -198,8 +198,9 @@ class HookDriver:
     def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
         """The hook's `_row` for every live row: phase rows request-major in branch order, then serial."""
         slo = self.slo_s
-        out = [Row(r.phase_key, b, c + grow, slo, 1.0, True, r.fanout) for r in par for b, c in zip(r.branch_index, r.branch_ctx, strict=True)]
-        out += [Row(r.key, 0, r.ctx + lag + grow, slo) for r in ser]
+        out = [Row(key=r.phase_key, order=b, ctx=c + grow, slo_s=slo, phase=True)
+               for r in par for b, c in zip(r.branch_index, r.branch_ctx, strict=True)]
+        out += [Row(key=r.key, ctx=r.ctx + lag + grow, slo_s=slo) for r in ser]
         return out
 
     def select(self, rows: list[Row], now: float, waiting: int = 0) -> list[int]:
@@ -207,7 +208,7 @@ class HookDriver:
         key has two rows); `waiting`: requests queued for admission."""
         ctl = self.ctl
         if self.quiet_ts is not None:  # _resume_serial_clocks
-            fresh = {r.key: (0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
+            fresh = {r.key: Delivery(0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
             ctl.on_step_done(fresh, self.quiet_ts, 0)
             self.quiet_ts = None
         self.selects += 1
@@ -236,11 +237,11 @@ class HookDriver:
         ctl = self.ctl
         if par:
             slo = self.slo_s
-            d = {r.key: (k, slo, False) for r in ser}
+            d = {r.key: Delivery(k, slo, False) for r in ser}
             if widths is None:
-                d.update((r.phase_key, (k, slo, True)) for r in par)
+                d.update((r.phase_key, Delivery(k, slo, True)) for r in par)
             else:
-                d.update((r.phase_key, (w * k, slo, True)) for r, w in zip(par, widths, strict=True))
+                d.update((r.phase_key, Delivery(w * k, slo, True)) for r, w in zip(par, widths, strict=True))
             ctl.on_step_done(d, t, n_rows * k)
             self.quiet_ts = None
         else:

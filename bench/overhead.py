@@ -64,7 +64,7 @@ from bench.cli import add_server_source
 from bench.report import write_json
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
 from branchwise.launch import LocalServer, merged_state, post_json  # noqa: E402
-from branchwise.step_timer import records_path  # noqa: E402
+from branchwise.step_timer import PARENT, records_path  # noqa: E402
 
 STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
 COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")
@@ -121,6 +121,8 @@ def summarize(records: list[dict], bs: int, clock: str = "wall",
     else:
         steady = [dict(r) for r in steady]
     for r, fidle in zip(steady, idle, strict=True):
+        for span, parent in PARENT.items():  # T1/T5 include Branchwise's TAPER work
+            r[parent] = r.get(parent, 0.0) + r.get(span, 0.0)
         r["result"] += r["stream"]  # T5 includes its send part; `stream` stays as a sub-column
         if fidle is None:  # forward on the scheduler thread: every non-forward ms is exposed
             spans = r["sched"] + r["prep"] + r["forward"] + r["sample"] + r["result"]

@@ -11,7 +11,7 @@ seam): the prompt is deterministic random ids, a branch opens with a two-token h
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from bench.workload import Regime, RequestSpec, Schedule, build_schedule, compose
@@ -50,7 +50,7 @@ def scale_spec(spec: RequestSpec, s: Scaling) -> RequestSpec:
         f *= 0.95 * s.max_program_tokens / total  # shrink the whole program, keeping its shape
         stages = _scaled_stages(spec, f, s.max_stage_tokens)
     prompt = _scaled(spec.prompt_tokens, s.prompt_scale, s.max_prompt_tokens)
-    return RequestSpec(spec.rid, spec.arrival_s, prompt, stages)
+    return replace(spec, prompt_tokens=prompt, stages=stages)
 
 
 def fit_schedule(trace: Any, spec: str, duration_s: float, rate_scale: float = 1.0) -> Schedule:

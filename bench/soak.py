@@ -1,6 +1,9 @@
 """Soak: a mixed load on one server under --branch-policy taper, then checks that nothing was lost.
 
     python -m bench.soak --launch [--minutes 1] [--concurrency 12] [--seed 0]
+    python -m bench.soak --launch --async-output                   # Albireo's async output
+    python -m bench.soak --launch --forward-thread                 # --async-output + the CPU forward thread
+    python -m bench.soak --launch --deferring                      # an SLO at which TAPER defers rows
     python -m bench.soak --url http://127.0.0.1:30000   # a server with --enable-custom-logit-processor
 
 The load is deterministic from --seed (job i's kind and parameters depend only on the seed and i):
@@ -9,10 +12,16 @@ frontend programs (frontends/: fork/join, Multiverse, SPRINT); server-side Multi
 forks (bench.structure_driver forces the skeleton: the tiny model never writes tags itself) and
 forks wider than --branch-max-fanout (not taken: serial, with a branchwise_error); client
 disconnects mid-stream; aborts by rid (/abort_request) of server-fork parents, of serial streams and
-of one client-side branch while its siblings run; malformed requests (bad custom_params, bad
-sampling params, bad JSON). `--concurrency` workers keep that many jobs in flight until the time is
+of one client-side branch while its siblings run; parallel sampling (`sampling_params.n` 2..4 on
+one /generate, streamed and not, some samples aborted mid-stream); malformed requests (bad
+custom_params, bad sampling params, bad JSON). `--concurrency` workers keep that many jobs in flight until the time is
 up (the launched server caps running requests, so its waiting queue fills); no job outlives
 --job-timeout-s and the run stops by itself.
+
+--deferring stamps every request with one TPOT SLO taken from the server itself after warm-up: the
+latency its refit step model predicts for a step of --concurrency rows (one protected row per job
+in flight), launched with --branch-min-slo-tpot-ms low enough to allow it. Each request's own row
+fits that budget, extra branch rows do not, so TAPER defers rows at its budget on any machine.
 
 At the end it checks and prints:
   lost        every job ended with its expected class of answer within the timeout: 2xx, a 4xx
@@ -24,7 +33,9 @@ At the end it checks and prints:
   idle        /v1/loads reaches no used KV tokens and no running or waiting request, nothing parked;
   rss         scheduler VmRSS (/proc/PID/status) at the end minus after warm-up < --rss-bound-mb;
   dicts       Branchwise's per-request state is empty: controller trackers and pins, the fork
-              manager's parked/forking/closed queues, live branches and phase registry maps.
+              manager's parked parents, pending forks and joins, live branches and phase registry
+              maps; and its idle leak check freed no orphan (`orphans_freed`);
+  deferred    (--deferring only) TAPER deferred rows during the load.
 Exit status 0 only if every check passes.
 """
 
@@ -63,7 +74,9 @@ POLL_S = 0.5
 MIX: dict[str, int] = {
     "serial": 16, "client_fork": 8, "frontend": 5, "server_fork": 12, "disconnect": 6,
     "abort_parent": 7, "abort_branch": 5, "bad_meta": 5, "bad_sampling": 5, "bad_json": 4, "wide_fork": 3,
+    "n_sampling": 8,
 }
+DEFERRING_ARGS = ["--branch-min-slo-tpot-ms", "0.1"]  # --deferring: the measured SLO must be allowed
 MAX_FANOUT = 16  # the server's --branch-max-fanout default
 
 # Malformed custom_params: (payload value, a word the 4xx must name).
@@ -145,6 +158,7 @@ class Soak:
     foreign: list[str] = field(default_factory=list)
     stream_extra: list[str] = field(default_factory=list)  # rids whose stream went on after its final
     endpoint: Any = None
+    slo_ms: float | None = None  # --deferring: every request's TPOT SLO (measured after warm-up)
 
     def rid(self, idx: int, suffix: str = "") -> str:
         """Fixed-width job numbers: no job's rid prefixes another's (abort is by rid prefix)."""
@@ -208,6 +222,61 @@ class Soak:
         if len(rep.ids) > 1:
             raise Unexpected(f"one stream carried several rids: {sorted(rep.ids)}")
         return rep
+
+    async def post_n(self, payload: dict[str, Any], stream: bool, abort_after: int | None,
+                     victims: set[int]) -> tuple[dict[str, Reply], set[str]]:
+        """POST one /generate with sampling_params.n > 1. SGLang answers each sample under a rid of
+        its own (stock 0.5.23: a fresh uuid, not derived from ours), so samples are told apart by
+        those and n distinct ones must answer. With abort_after, the samples whose index is in
+        `victims` and that have streamed by then are aborted by their rid. Returns the replies by
+        rid and the rids aborted."""
+        n = payload["sampling_params"]["n"]
+        reps: dict[str, Reply] = {}
+        index: dict[int, str] = {}
+        aborted: set[str] = set()
+        async with self.http.post(self.url + "/generate", data=json.dumps(payload).encode(),
+                                  headers=JSON_HEADERS) as resp:
+            if resp.status != 200:
+                raise Unexpected(f"HTTP {resp.status}: {(await resp.text())[:300]}")
+            if not stream:
+                body = json.loads(await resp.text())
+                if not isinstance(body, list):
+                    raise Unexpected(f"n={n}: expected a list of answers, got {str(body)[:200]}")
+                for i, part in enumerate(body):
+                    self._take(reps, index, part, i)
+            else:
+                buf, chunks, aborts = b"", 0, None
+                async for piece in resp.content.iter_any():
+                    *events, buf = (buf + piece).split(b"\n\n")
+                    for ev in events:
+                        data = ev.decode().strip().removeprefix("data:").strip()
+                        if data and data != "[DONE]":
+                            chunks += 1
+                            self._take(reps, index, json.loads(data), None)
+                    if abort_after is not None and chunks >= abort_after and aborts is None:
+                        aborted = {index[i] for i in victims if i in index}
+                        aborts = asyncio.ensure_future(asyncio.gather(*[self.abort(r) for r in aborted]))
+                if aborts is not None:
+                    await aborts
+        if len(reps) != n:
+            raise Unexpected(f"n={n}: answers under {len(reps)} rids ({sorted(reps)[:5]})")
+        return reps, aborted
+
+    def _take(self, reps: dict[str, Reply], index: dict[int, str], chunk: dict[str, Any], i: int | None) -> None:
+        rid = (chunk.get("meta_info") or {}).get("id")
+        if rid is None:
+            raise Unexpected(f"an n>1 answer without a rid: {str(chunk)[:200]}")
+        if rid not in reps:  # a sample's own rid: the server chose it for this request
+            reps[rid] = Reply(200)
+            self.sent.add(rid)
+            index[chunk.get("index", i if i is not None else len(index))] = rid
+        rep = reps[rid]
+        if rep.finals:
+            self.stream_extra.append(rid)
+        rep.body, rep.chunks = chunk, rep.chunks + 1
+        if rep.finish or "error" in chunk:
+            rep.finals += 1
+            self.answer(rep, rid)
 
     async def abort(self, rid: str) -> None:
         async with self.http.post(self.url + "/abort_request", json={"rid": rid}) as resp:
@@ -285,12 +354,16 @@ def server_fork_payload(s: Soak, rng: random.Random, rid: str, stream: bool, bra
         sj = spec("multiverse", 2, lens[:2], nest=2, nest_n=2)
     else:
         sj = spec("multiverse", n, lens)
-    return driven_request(text(rng), sj, grammar=g, rid=rid, stream=stream, max_new_tokens=max_new)
+    payload = driven_request(text(rng), sj, grammar=g, rid=rid, stream=stream, max_new_tokens=max_new)
+    if s.slo_ms is not None:
+        payload["sampling_params"]["custom_params"]["branchwise"]["slo_tpot_ms"] = s.slo_ms
+    return payload
 
 
 async def job_serial(s: Soak, idx: int, rng: random.Random) -> str:
     rid, stream = s.rid(idx), rng.random() < 0.5
-    sp = client.stamp_serial(sampling(rng), slo_tpot_ms=rng.choice([None, 30.0, 200.0]))
+    slo = rng.choice([None, 30.0, 200.0])
+    sp = client.stamp_serial(sampling(rng), slo_tpot_ms=slo if s.slo_ms is None else s.slo_ms)
     return expect_ok(await s.post({"text": text(rng), "sampling_params": sp, "rid": rid, "stream": stream},
                                   stream), rid)
 
@@ -305,7 +378,8 @@ async def job_client_fork(s: Soak, idx: int, rng: random.Random) -> str:
     n, bsp = rng.randint(2, 4), sampling(rng, 4, 32)
     streams = [rng.random() < 0.4 for _ in range(n)]
     reps = await asyncio.gather(*[
-        s.post({"text": fork_text + f" branch {i}:", "sampling_params": client.stamp_branch(bsp, group, i, n),
+        s.post({"text": fork_text + f" branch {i}:",
+                "sampling_params": client.stamp_branch(bsp, group, i, n, slo_tpot_ms=s.slo_ms),
                 "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i]) for i in range(n)])
     for i, rep in enumerate(reps):
         expect_ok(rep, client.branch_rid(group, i))
@@ -419,6 +493,28 @@ async def job_abort_branch(s: Soak, idx: int, rng: random.Random) -> str:
     return res
 
 
+async def job_n_sampling(s: Soak, idx: int, rng: random.Random) -> str:
+    """sampling_params.n in 2..4 on one /generate (SGLang's parallel sampling), streamed or not.
+    A third of the streamed ones are long and get some of their samples aborted by rid after the
+    first chunks: those end aborted (or finished first), the others complete."""
+    rid, n, stream = s.rid(idx), rng.randint(2, 4), rng.random() < 0.5
+    cut = stream and rng.random() < 0.35
+    sp = sampling(rng, 4, 32) | {"n": n}
+    if sp["temperature"] == 0.0:  # n greedy samples are one answer n times: sample them
+        sp |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
+    if cut:
+        sp |= {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True}
+    sp = client.stamp_serial(sp, slo_tpot_ms=s.slo_ms)
+    victims = set(rng.sample(range(n), rng.randint(1, n))) if cut else set()
+    reps, aborted = await s.post_n({"text": text(rng), "sampling_params": sp, "rid": rid, "stream": stream},
+                                   stream, rng.randint(1, 3) if cut else None, victims)
+    res = "ok"
+    for r, rep in reps.items():
+        if expect_ok(rep, r, abort_ok=r in aborted) == "aborted":
+            res = "aborted"
+    return res if not cut or res == "aborted" else "finished_before_abort"
+
+
 async def job_bad_meta(s: Soak, idx: int, rng: random.Random) -> str:
     cp, needle = rng.choice(BAD_META)
     stream = rng.random() < 0.3
@@ -450,7 +546,7 @@ JOBS: dict[str, Callable[[Soak, int, random.Random], Awaitable[str]]] = {
     "serial": job_serial, "client_fork": job_client_fork, "frontend": job_frontend,
     "server_fork": job_server_fork, "disconnect": job_disconnect, "abort_parent": job_abort_parent,
     "abort_branch": job_abort_branch, "bad_meta": job_bad_meta, "bad_sampling": job_bad_sampling,
-    "bad_json": job_bad_json, "wide_fork": job_wide_fork,
+    "bad_json": job_bad_json, "wide_fork": job_wide_fork, "n_sampling": job_n_sampling,
 }
 
 
@@ -556,6 +652,19 @@ class End:
     bw: dict[str, Any] = field(default_factory=dict)
     fork: dict[str, Any] = field(default_factory=dict)
     load_s: float = 0.0
+    deferred0: int = 0  # TAPER rows deferred before the load (warm-up)
+    orphans0: int = 0  # orphans the idle leak check freed before the load
+
+
+def deferring_slo_ms(bw: dict[str, Any], rows: int) -> float:
+    """The step latency the server's own refit model predicts for `rows` rows of ~256 context
+    tokens each: an SLO each request's protected row meets and extra branch rows exceed."""
+    from branchwise.taper import model_from_json
+
+    model = (bw.get("taper") or {}).get("model")
+    if not model:
+        raise RuntimeError("--deferring needs --branch-policy taper (its report carries the step model)")
+    return 1e3 * model_from_json(model).predict(rows, 256 * rows)
 
 
 @dataclass
@@ -584,6 +693,9 @@ class SoakOptions:
     max_jobs: int = 100_000
     job_timeout_s: float = 180.0  # a job without a final answer by then is lost
     rss_bound_mb: float = 256.0  # allowed scheduler VmRSS growth
+    async_output: bool = False  # --launch with --async-output
+    forward_thread: bool = False  # --launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1
+    deferring: bool = False  # every request carries the SLO measured after warm-up (module docstring)
 
 
 def run(url: str, a: SoakOptions, server: LocalServer | None = None) -> Result:
@@ -613,6 +725,13 @@ async def _load(s: Soak, a: SoakOptions) -> tuple[list[Outcome], Watch, End]:
     await wait_idle(s)
     end = End(pid, rss_mb(pid))
     print(f"warm-up: {len(outcomes)} jobs, scheduler pid {pid}, VmRSS {end.rss0:.0f} MiB", flush=True)
+    bw1, fork1 = await asyncio.to_thread(reports, s.url)
+    end.deferred0 = (bw1.get("taper") or {}).get("rows_deferred", 0)
+    end.orphans0 = (fork1.get("counters") or {}).get("orphans_freed", 0)
+    if a.deferring:
+        s.slo_ms = deferring_slo_ms(bw1, a.concurrency)
+        print(f"deferring: every request's TPOT SLO {s.slo_ms:.2f} ms (the server's predicted step of "
+              f"{a.concurrency} rows)", flush=True)
 
     w, stop = Watch(), asyncio.Event()
     watcher = asyncio.ensure_future(watch(s, w, stop))
@@ -647,7 +766,9 @@ def checks(s: Soak, a: SoakOptions, outcomes: list[Outcome], w: Watch, end: End,
         server.log_path.read_text(errors="replace")  # SGLang's line when an unknown rid reaches it
     res = residue(end.bw, end.fork)
     load, growth = end.load, end.rss1 - end.rss0
-    return {
+    orphans = end.fork.get("counters", {}).get("orphans_freed", 0) - end.orphans0
+    deferred = end.bw.get("taper", {}).get("rows_deferred", 0) - end.deferred0
+    out = {
         "lost": (not bad, f"{len(outcomes) - len(bad)}/{len(outcomes)} jobs ended as expected"
                  + "".join(f"\n    job {o.idx} {o.kind}: {o.result} {o.detail}" for o in bad[:20])),
         "duplicated": (not dup and not foreign and not s.stream_extra and not leaked,
@@ -665,8 +786,12 @@ def checks(s: Soak, a: SoakOptions, outcomes: list[Outcome], w: Watch, end: End,
                  f"{load['num_waiting_reqs']} ({end.idle_s:.1f} s after the last job)"),
         "rss": (growth < a.rss_bound_mb, f"scheduler VmRSS {end.rss0:.0f} -> {end.rss1:.0f} MiB "
                 f"({growth:+.0f}, bound +{a.rss_bound_mb:.0f})"),
-        "dicts": (not res, "Branchwise per-request state all empty" if not res else f"left: {res}"),
+        "dicts": (not res and orphans == 0, ("Branchwise per-request state all empty" if not res else f"left: {res}")
+                  + f"; idle leak check freed {orphans} orphans during the load"),
     }
+    if a.deferring:
+        out["deferred"] = (deferred > 0, f"TAPER deferred {deferred} rows during the load (SLO {s.slo_ms:.2f} ms)")
+    return out
 
 
 def info(w: Watch, end: End) -> list[str]:
@@ -675,8 +800,9 @@ def info(w: Watch, end: End) -> list[str]:
         f"load: {end.load_s:.0f} s; requests in flight at {w.busy}/{w.polls} polls, waiting queue non-empty at "
         f"{w.waiting} (max running {w.max_running}, max waiting {w.max_waiting})",
         f"server: {c.get('forks', 0)} server-side forks, {c.get('branches', 0)} branches, "
-        f"{c.get('joins', 0)} joins, {c.get('parked_aborted', 0)} parked parents aborted; taper "
-        f"{t.get('planned_steps', 0)} planned steps, {t.get('rows_deferred', 0)} rows deferred",
+        f"{c.get('joins', 0)} joins, {c.get('parked_aborted', 0)} parked parents aborted, "
+        f"{c.get('orphans_freed', 0)} orphans freed; taper {t.get('planned_steps', 0)} planned steps, "
+        f"{t.get('rows_deferred', 0)} rows deferred ({t.get('rows_deferred', 0) - end.deferred0} during the load)",
     ]
 
 
@@ -705,13 +831,31 @@ def parse_args(argv: list[str] | None) -> SoakOptions:
     ap.add_argument("--max-jobs", type=int, default=100_000, help="stop after this many jobs in any case")
     ap.add_argument("--job-timeout-s", type=float, default=180.0, help="a job without a final answer by then is lost")
     ap.add_argument("--rss-bound-mb", type=float, default=256.0, help="allowed scheduler VmRSS growth")
+    ap.add_argument("--async-output", action="store_true", help="--launch with --async-output (Albireo)")
+    ap.add_argument("--forward-thread", action="store_true",
+                    help="--launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1 (the CPU forward thread)")
+    ap.add_argument("--deferring", action="store_true",
+                    help="stamp every request with the SLO measured after warm-up, at which TAPER defers rows")
     a = ap.parse_args(argv)
     if a.url and not a.url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:")):
         ap.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
     if a.minutes <= 0 or a.concurrency < 1 or a.max_jobs < 1:
         ap.error("--minutes, --concurrency and --max-jobs must be positive")
+    if (a.forward_thread or a.async_output) and a.url:
+        ap.error("--async-output and --forward-thread are launch settings (a running server has its own)")
     return SoakOptions(a.url and a.url.rstrip("/"), a.model, a.server_args, a.minutes, a.concurrency, a.seed,
-                       a.max_jobs, a.job_timeout_s, a.rss_bound_mb)
+                       a.max_jobs, a.job_timeout_s, a.rss_bound_mb, a.async_output, a.forward_thread, a.deferring)
+
+
+def launch_args(a: SoakOptions) -> list[str]:
+    extra = shlex.split(a.server_args)
+    if (a.async_output or a.forward_thread) and "--async-output" not in extra:
+        extra.append("--async-output")  # the forward thread runs under it
+    return SERVER_ARGS + (DEFERRING_ARGS if a.deferring else []) + extra
+
+
+def launch_env(a: SoakOptions) -> dict[str, str]:
+    return {"BRANCHWISE_FORWARD_THREAD": "1"} if a.forward_thread else {}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -722,7 +866,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not (Path(a.model) / "config.json").exists():
             build(a.model)
-        server = LocalServer(str(a.model), SERVER_ARGS + shlex.split(a.server_args)).start()
+        server = LocalServer(str(a.model), launch_args(a), env=launch_env(a)).start()
         print(f"server {server.url} (log {server.log_path})", flush=True)
     try:
         result = run(server.url if server else str(a.url), a, server)

@@ -286,6 +286,8 @@ class Preset:
     decomp_out: tuple[float, float]  # decomposable output length (all stages, all branches)
     branch_sigma: float = 0.35  # lognormal spread of branch lengths inside one phase (stragglers)
     max_out: int = 16384
+    samples: bool = False  # a decomposable request is SGLang's n > 1: one phase of n equal samples
+    trace_outputs: bool = False  # output lengths from the trace's GeneratedTokens (compose's flag)
 
     @property
     def abf(self) -> float:
@@ -310,6 +312,12 @@ PRESETS: dict[str, Preset] = {
         "sprint", 0.65, {2: 0.35, 3: 0.52, 4: 0.13}, 0.35, 2.5,
         serial_out=_SHAREGPT_OUT, decomp_out=_REASONING_OUT,
     ),
+    # Best-of-n (sampling_params.n / OpenAI n): half the requests ask for n ~ U{2..8} samples of the
+    # trace's prompt, each sample as long as the trace's output; the other half are serial.
+    "best-of-n": Preset(
+        "best-of-n", 0.50, dict.fromkeys(range(2, 9), 1.0), 1.0, 0.0,
+        serial_out=_SHAREGPT_OUT, decomp_out=_SHAREGPT_OUT, samples=True, trace_outputs=True,
+    ),
 }
 
 
@@ -322,6 +330,7 @@ class RequestSpec:
     arrival_s: float
     prompt_tokens: int
     stages: tuple[int | tuple[int, ...], ...]
+    samples: bool = False  # (1, (m,) * n): one request with n samples of 1 + m tokens (SGLang's n > 1)
 
     @property
     def decomposable(self) -> bool:
@@ -369,22 +378,34 @@ def _decompose(rng: np.random.Generator, p: Preset, total: int) -> tuple[int | t
     return tuple(stages)
 
 
+def _samples(rng: np.random.Generator, p: Preset, length: int) -> tuple[int, tuple[int, ...]]:
+    """n samples of `length` tokens: the first token (the prefill's) then n branches of the rest."""
+    fan_k = np.fromiter(p.fanout, int)
+    fan_p = np.fromiter(p.fanout.values(), float)
+    n = int(rng.choice(fan_k, p=fan_p / fan_p.sum()))
+    return (1, (max(length - 1, 1),) * n)
+
+
 def compose(
     trace: Trace, schedule: Schedule, preset: Preset | str = "multiverse", seed: int = 0,
     trace_outputs: bool = False, max_prompt: int = 16384,
 ) -> list[RequestSpec]:
     """One RequestSpec per scheduled arrival. Output lengths come from the preset, or from the trace's
-    GeneratedTokens when `trace_outputs` (decomposable ones are still split by the preset's PTS/ABF)."""
+    GeneratedTokens when `trace_outputs` or the preset says so (decomposable ones are still split by
+    the preset's PTS/ABF; a samples preset makes each of n samples that long)."""
     p = PRESETS[preset] if isinstance(preset, str) else preset
     rng = np.random.default_rng(seed)
     out = []
     for i, (t, row) in enumerate(zip(schedule.arrival_s, schedule.row, strict=True)):
         prompt = int(min(max(trace.prompt_tokens[row], 1), max_prompt))
         decomp = rng.random() < p.pdr
-        if trace_outputs:
+        if trace_outputs or p.trace_outputs:
             total = int(max(trace.output_tokens[row], 2))
         else:
             total = int(min(max(_lognormal(rng, p.decomp_out if decomp else p.serial_out), 2), p.max_out))
+        if decomp and p.samples:
+            out.append(RequestSpec(f"r{i}", float(t), prompt, _samples(rng, p, total), samples=True))
+            continue
         stages = _decompose(rng, p, total) if decomp else (total,)
         out.append(RequestSpec(f"r{i}", float(t), prompt, stages))
     return out

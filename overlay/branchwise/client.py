@@ -1,19 +1,12 @@
 """Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
 
-Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta); the scheduler reads them
-when it creates the request. Rids are structured so that SGLang's abort-by-prefix (scheduler-side
-`req.rid.startswith(rid)`) reaches whole groups and no sibling by accident:
-
-    group                      "fork-3f9a0c1d2e4b"
-    branch i, its turn-th gen  "fork-3f9a0c1d2e4b/b1/0"   ("g/b1/" never prefixes "g/b10/")
-    nested fork k in branch i  "fork-3f9a0c1d2e4b/b1/f0"  (its branches: ".../b1/f0/b2/0")
-
-SGLang frontend programs (`s.fork(n)`) get the same stamps from branchwise.frontend_hook, which
-they import themselves.
-
-Behind an smg router (README "Scale-out") a request goes to the worker of its `X-SMG-Routing-Key`
-header: generate() sends a stamped request's phase (its root: a nested phase follows its parent) as
-that key, or the `routing_key` it is given, so every request of a phase reaches one worker.
+Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta), which the scheduler
+reads when it creates the request. Rids are structured ("<group>/b<branch>/<turn>", nested forks
+"<group>/b<branch>/f<k>/...") so that SGLang's abort-by-prefix reaches whole groups and no sibling
+by accident. Behind an smg router, generate() sends a stamped request's root phase as the
+`X-SMG-Routing-Key` header, so every request of a phase reaches one worker. SGLang frontend
+programs get the same stamps from branchwise.frontend_hook. The rid scheme and the routing:
+docs/design/client-phases.md.
 """
 
 from __future__ import annotations
@@ -51,24 +44,24 @@ def branch_rid(group: str, branch: int, turn: int = 0) -> str:
     return f"{group}/b{branch}/{turn}"
 
 
-def stamp_branch(sampling_params: dict | None, group: str, branch: int, fanout: int,
-                 slo_tpot_ms: float | None = None, weight: float | None = None) -> dict:
+def stamp_branch(sampling_params: dict[str, Any] | None, group: str, branch: int, fanout: int,
+                 slo_tpot_ms: float | None = None, weight: float | None = None) -> dict[str, Any]:
     """sampling_params stamped as branch `branch` of `fanout` in phase `group` (validated here)."""
     return request_meta.stamp(sampling_params, phase=group, branch=branch, fanout=fanout,
                               slo_tpot_ms=slo_tpot_ms, weight=weight)
 
 
-def stamp_serial(sampling_params: dict | None, slo_tpot_ms: float | None = None,
-                 weight: float | None = None, grammar: str | None = None) -> dict:
+def stamp_serial(sampling_params: dict[str, Any] | None, slo_tpot_ms: float | None = None,
+                 weight: float | None = None, grammar: str | None = None) -> dict[str, Any]:
     """sampling_params of a serial request, with its SLO/weight and optional server-side grammar."""
     return request_meta.stamp(sampling_params, slo_tpot_ms=slo_tpot_ms, weight=weight, grammar=grammar)
 
 
-def routing_headers(sampling_params: dict | None, routing_key: str | None = None) -> dict[str, str]:
+def routing_headers(sampling_params: dict[str, Any] | None, routing_key: str | None = None) -> dict[str, str]:
     """The router header of a request: `routing_key`, else its stamp's phase, each up to its first
     "/" (dp_dispatch.affinity_key: the key a DP server places it by too); {} for neither."""
-    cp = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
-    key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(cp)
+    custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
+    key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(custom)
     if key is None:
         return {}
     return {ROUTING_HEADER: key.encode()[:MAX_ROUTING_KEY_BYTES].decode(errors="ignore")}
@@ -85,6 +78,8 @@ class GenerateError(RuntimeError):
 
 @dataclass(slots=True)
 class Generation:
+    """One /generate answer, with the client-side times a benchmark needs."""
+
     text: str
     output_ids: list[int]
     meta_info: dict[str, Any]
@@ -127,7 +122,7 @@ def _error_message(body: str) -> str:
     return str(err.get("message", err)) if isinstance(err, dict) else str(err)
 
 
-def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dict | None,
+def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dict[str, Any] | None,
              rid: str | None, stream: bool, check: bool) -> dict[str, Any]:
     if (text is None) == (input_ids is None):
         raise ValueError("pass exactly one of text and input_ids")
@@ -142,34 +137,38 @@ def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dic
     return body
 
 
-async def _read_stream(resp: aiohttp.ClientResponse, url: str, gen: Generation) -> None:
-    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]"). Split on event boundaries
-    ourselves: a chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
-    last: dict[str, Any] = {}
-    seen, buf = 0, b""  # tokens so far (meta_info.completion_tokens is cumulative); unparsed bytes
+async def _read_stream(resp: aiohttp.ClientResponse, url: str, gens: list[Generation]) -> None:
+    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]") into gens, one per sample
+    (a chunk's `index` says whose; n = 1 chunks carry none). Split on event boundaries ourselves: a
+    chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
+    last: list[dict[str, Any]] = [{} for _ in gens]
+    seen = [0] * len(gens)  # tokens so far (meta_info.completion_tokens is cumulative)
+    buf = b""  # unparsed bytes
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
         *events, buf = (buf + piece).split(b"\n\n")
-        for ev in events:
-            data = ev.decode().strip().removeprefix("data:").strip()
+        for event in events:
+            data = event.decode().strip().removeprefix("data:").strip()
             if not data or data == "[DONE]":
                 continue
             chunk = json.loads(data)
             if "error" in chunk:  # SGLang streams errors as a chunk inside an HTTP 200
                 err = chunk["error"]
                 raise GenerateError(url, int(err.get("code", 400)), str(err.get("message", err)))
-            n = int(chunk.get("meta_info", {}).get("completion_tokens", seen))
-            gen.chunk_times.append(now)
-            gen.chunk_tokens.append(n - seen)
-            seen, last = n, chunk
-    gen.text, gen.meta_info = last.get("text", ""), last.get("meta_info", {})
-    gen.output_ids = list(last.get("output_ids", []))  # cumulative in every chunk
-    fr = gen.finish_reason
-    if fr.get("type") == "abort" and fr.get("status_code"):  # rejected (e.g. a bad stamp): HTTP 200 here
-        raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
+            i = int(chunk.get("index", 0))
+            n = int(chunk.get("meta_info", {}).get("completion_tokens", seen[i]))
+            gens[i].chunk_times.append(now)
+            gens[i].chunk_tokens.append(n - seen[i])
+            seen[i], last[i] = n, chunk
+    for gen, chunk in zip(gens, last, strict=True):
+        gen.text, gen.meta_info = chunk.get("text", ""), chunk.get("meta_info", {})
+        gen.output_ids = list(chunk.get("output_ids", []))  # cumulative in every chunk
+        fr = gen.finish_reason
+        if fr.get("type") == "abort" and fr.get("status_code"):  # rejected (e.g. a bad stamp): HTTP 200 here
+            raise GenerateError(url, int(fr["status_code"]), str(fr.get("message", "aborted")))
 
 
-async def generate(url: str, text: str | None = None, sampling_params: dict | None = None,
+async def generate(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
                    rid: str | None = None, stream: bool = False, *, input_ids: list[int] | None = None,
                    session: aiohttp.ClientSession | None = None, timeout_s: float | None = 600,
                    check: bool = True, routing_key: str | None = None) -> Generation:
@@ -177,48 +176,70 @@ async def generate(url: str, text: str | None = None, sampling_params: dict | No
     an error answer. Pass a shared `session` when sending many requests (its own timeout then
     applies); check=False sends custom_params unvalidated (to test the server's own checks);
     `routing_key` keeps the request with others of that key behind a router (routing_headers)."""
-    url = url.rstrip("/")
     body = _payload(text, input_ids, sampling_params, rid, stream, check)
+    headers = routing_headers(sampling_params, routing_key)
+    return (await _post(url, body, headers, 1, rid, session, timeout_s))[0]
+
+
+async def generate_samples(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
+                           rid: str | None = None, *, input_ids: list[int] | None = None,
+                           session: aiohttp.ClientSession | None = None,
+                           timeout_s: float | None = 600) -> list[Generation]:
+    """One streamed request for `sampling_params["n"]` samples of one prompt (SGLang's n > 1; the
+    server stamps them as one phase): one Generation per sample, in sample order."""
+    n = (sampling_params or {}).get("n", 1)
+    if not isinstance(n, int) or n < 1:
+        raise ValueError(f"sampling_params.n must be an integer >= 1, got {n!r}")
+    body = _payload(text, input_ids, sampling_params, rid, True, True)
+    return await _post(url, body, routing_headers(sampling_params), n, rid, session, timeout_s)
+
+
+async def _post(url: str, body: dict[str, Any], headers: dict[str, str], n: int, rid: str | None,
+                session: aiohttp.ClientSession | None, timeout_s: float | None) -> list[Generation]:
+    url = url.rstrip("/")
     own = session is None
     session = session or aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s))
-    gen = Generation("", [], {}, rid, start=time.perf_counter())
+    start = time.perf_counter()
+    gens = [Generation("", [], {}, rid, start=start) for _ in range(n)]
     try:
-        async with session.post(url + "/generate", json=body,
-                                headers=routing_headers(sampling_params, routing_key)) as resp:
+        async with session.post(url + "/generate", json=body, headers=headers) as resp:
             if resp.status != 200:
                 raise GenerateError(url, resp.status, _error_message(await resp.text()))
-            if stream:
-                await _read_stream(resp, url, gen)
+            if body["stream"]:
+                await _read_stream(resp, url, gens)
             else:
                 out = await resp.json()
-                gen.text, gen.meta_info = out["text"], out["meta_info"]
-                gen.output_ids = list(out.get("output_ids", []))
+                for gen, o in zip(gens, out if isinstance(out, list) else [out], strict=True):
+                    gen.text, gen.meta_info = o["text"], o["meta_info"]
+                    gen.output_ids = list(o.get("output_ids", []))
     except (TimeoutError, aiohttp.ClientConnectionError) as e:
         raise ConnectionError(f"SGLang server at {url} unreachable or timed out: {e!r}") from e
     finally:
         if own:
             await session.close()
-    gen.end = time.perf_counter()
-    gen.rid = gen.meta_info.get("id", rid)
-    return gen
+    end = time.perf_counter()
+    for gen in gens:
+        gen.end = end
+        gen.rid = gen.meta_info.get("id", rid)
+    return gens
 
 
-def generate_sync(url: str, text: str | None = None, sampling_params: dict | None = None,
+def generate_sync(url: str, text: str | None = None, sampling_params: dict[str, Any] | None = None,
                   rid: str | None = None, stream: bool = False, **kw: Any) -> Generation:
     """Blocking generate() for scripts and threads that have no event loop."""
     return asyncio.run(generate(url, text, sampling_params, rid, stream, **kw))
 
 
-async def fork(url: str, texts: list[str], sampling_params: dict | None = None, *,
+async def fork(url: str, texts: list[str], sampling_params: dict[str, Any] | None = None, *,
                group: str | None = None, stream: bool = False, slo_tpot_ms: float | None = None,
                session: aiohttp.ClientSession | None = None) -> list[Generation]:
     """One parallel phase: send texts[i] as branch i of a fresh group, concurrently; results in order."""
     group = group or new_group()
-    n = len(texts)
-    if n < 1:
+    fanout = len(texts)
+    if fanout < 1:
         raise ValueError("fork needs at least one branch text")
-    reqs = [generate(url, t, stamp_branch(sampling_params, group, i, n, slo_tpot_ms),
-                     branch_rid(group, i), stream, session=session) for i, t in enumerate(texts)]
+    reqs = [generate(url, text, stamp_branch(sampling_params, group, branch, fanout, slo_tpot_ms),
+                     branch_rid(group, branch), stream, session=session) for branch, text in enumerate(texts)]
     return list(await asyncio.gather(*reqs))
 
 

@@ -18,6 +18,9 @@ from branchwise.taper.predictor import load_model
 from branchwise.taper.utility import UTILITY_NAMES as UTILITIES
 
 GRAMMAR_CLIENTS = ("allow", "deny")
+# The default policy: SGLang's own schedule (every ready row every step, no step controller), with
+# branch requests and phases still counted; every other policy is one a user asks for by name.
+STOCK = "stock"
 # custom_params.branchwise.weight is bounded to this range: weights only scale the "priority"
 # utility's gains, and an unbounded one would let a single request take every admitted row.
 MAX_WEIGHT = 10.0
@@ -94,7 +97,7 @@ latency_model_arg = _argparse_type(parse_latency_model)
 
 @dataclass(frozen=True, slots=True)
 class BranchwiseConfig:
-    branch_policy: str = "off"
+    branch_policy: str = STOCK
     branch_slo_tpot_ms: float = 50.0
     branch_min_slo_tpot_ms: float | None = None  # None: half of branch_slo_tpot_ms
     taper_rho: float = 0.8
@@ -109,7 +112,7 @@ class BranchwiseConfig:
 
     @classmethod
     def from_server_args(cls, server_args: Any) -> BranchwiseConfig:
-        """Read the patched ServerArgs fields; an unpatched SGLang gives the defaults (policy off)."""
+        """Read the patched ServerArgs fields; an unpatched SGLang gives the defaults (policy stock)."""
         defaults = cls()
         values = {f: getattr(server_args, f, getattr(defaults, f)) for f in cls.__slots__}
         env_policy = os.environ.get("BRANCHWISE_POLICY")  # for runs without `make apply`
@@ -131,6 +134,11 @@ class BranchwiseConfig:
         if self.branch_grammar not in GRAMMARS:
             raise ValueError(f"invalid --branch-grammar {self.branch_grammar!r}; valid: {', '.join(GRAMMARS)}")
         return self
+
+    @property
+    def step_controller(self) -> bool:
+        """Whether a per-step controller chooses rows (every policy but stock)."""
+        return self.branch_policy != STOCK
 
     # ---- per-request bounds (one client must not set the others' budget) ----------------------
     @property

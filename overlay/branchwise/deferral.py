@@ -12,6 +12,7 @@ import copy
 import dataclasses
 import weakref
 from collections.abc import Mapping
+from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
 
@@ -57,39 +58,84 @@ def batch_needs_full_step(batch: Any) -> str | None:
     return None
 
 
-def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any]) -> Any:
+@dataclass(slots=True)
+class KeptSubset:
+    """The sub-batch of the last deferring step, kept to be prepared again at the next one (as
+    SGLang prepares its one running batch again every step) while the same rows run.
+
+    It serves a step only while the full batch is exactly as that step left it: the same object
+    with the same `seq_lens` and `req_pool_indices` tensors. Every SGLang path that changes a batch
+    (filter_batch, merge_batch, retraction, a full prepare_for_decode, mixed chunked prefill)
+    replaces those tensors, and `_write_back` assigns `seq_lens` itself, so a step that did not go
+    through the kept sub leaves a mismatch behind."""
+
+    batch: Any = None
+    seq_lens: Any = None
+    pool_indices: Any = None
+    idx: list[int] | None = None
+    rows: Any = None  # idx as an int64 tensor on the batch's device
+    sub: Any = None
+
+    def serves(self, batch: Any, idx: list[int]) -> bool:
+        return (self.batch is batch and batch.seq_lens is self.seq_lens
+                and batch.req_pool_indices is self.pool_indices and self.idx == idx)
+
+    def clear(self) -> None:
+        self.batch = self.seq_lens = self.pool_indices = self.idx = self.rows = self.sub = None
+
+
+def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any], kept: KeptSubset) -> Any:
     """Prepare and return a sub-batch of the `active` reqs; None means "use the full path".
 
     Mirrors Scheduler.update_running_batch for the subset: the memory check covers only the rows
     that run (on failure the caller takes SGLang's own retract path over the full batch), finishing
-    rows leave the running batch as there, and the allocator only gives slots to active rows.
+    rows leave the running batch as there (and a batch that shrank is no longer full, so waiting
+    requests can be admitted), and the allocator only gives slots to active rows. The sub-batch is
+    the one `kept` holds when it still fits (KeptSubset), else a new cut of the batch.
     """
     idx = [i for i, r in enumerate(batch.reqs) if r in active]
     if not batch.check_decode_mem(selected_indices=idx):
+        kept.clear()
         return None
-    batch.filter_batch(reqs_to_exclude=finishing)
-    idx = [i for i, r in enumerate(batch.reqs) if r in active]
-    sub = copy.copy(batch)
-    sub.sampling_info = dataclasses.replace(batch.sampling_info)
-    sub.input_ids = None  # decode inputs come from the FutureMap slot of each row
+    if finishing:
+        initial_bs = batch.batch_size()
+        batch.filter_batch(reqs_to_exclude=finishing)
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        idx = [i for i, r in enumerate(batch.reqs) if r in active]
     orch = batch.sampling_info.penalizer_orchestrator
     penalties = orch.is_required
-    if penalties:
-        sub.sampling_info.penalizer_orchestrator = _fork_penalizers(orch, sub)
-    sub.filter_batch(keep_indices=idx)
+    if kept.serves(batch, idx):
+        sub = kept.sub
+    else:
+        sub = _cut(batch, idx, penalties)
+        kept.batch, kept.idx, kept.sub = batch, idx, sub
+        kept.rows = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
+        kept.pool_indices = batch.req_pool_indices
+    sub.input_ids = None  # decode inputs come from the FutureMap slot of each row
     sub.prepare_for_decode()
-    _write_back(batch, sub, idx)
+    _write_back(batch, sub, idx, kept.rows)
+    kept.seq_lens = batch.seq_lens
     if penalties:
-        _write_back_penalizers(orch, sub.sampling_info.penalizer_orchestrator, idx, batch.seq_lens.device)
+        _write_back_penalizers(orch, sub.sampling_info.penalizer_orchestrator, kept.rows)
     scheduler.new_token_ratio_tracker.decay_step()
     return sub
 
 
-def _write_back(batch: Any, sub: Any, idx: list[int]) -> None:
+def _cut(batch: Any, idx: list[int], penalties: bool) -> Any:
+    """A new sub-batch of rows `idx` of `batch`; the full batch and its penalty state stay intact."""
+    sub = copy.copy(batch)
+    sub.sampling_info = dataclasses.replace(batch.sampling_info)
+    if penalties:
+        sub.sampling_info.penalizer_orchestrator = _fork_penalizers(batch.sampling_info.penalizer_orchestrator, sub)
+    sub.filter_batch(keep_indices=idx)
+    return sub
+
+
+def _write_back(batch: Any, sub: Any, idx: list[int], rows: Any) -> None:
     """Out of place: the previous tensors may still be read by the in-flight overlap forward."""
-    dev = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
-    batch.seq_lens = batch.seq_lens.clone().index_copy_(0, dev, sub.seq_lens)
-    batch.orig_seq_lens = batch.orig_seq_lens.clone().index_copy_(0, dev, sub.orig_seq_lens)
+    batch.seq_lens = batch.seq_lens.clone().index_copy_(0, rows, sub.seq_lens)
+    batch.orig_seq_lens = batch.orig_seq_lens.clone().index_copy_(0, rows, sub.orig_seq_lens)
     if batch.seq_lens_cpu is not None:
         batch.seq_lens_cpu = batch.seq_lens_cpu.clone()
         batch.seq_lens_cpu[idx] = sub.seq_lens_cpu
@@ -117,14 +163,13 @@ def _fork_penalizers(orch: Any, sub: Any) -> Any:
     return forked
 
 
-def _write_back_penalizers(orch: Any, forked: Any, idx: list[int], device: Any) -> None:
+def _write_back_penalizers(orch: Any, forked: Any, rows: Any) -> None:
     """Copy the sub's updated accumulators into the rows of the full batch that ran.
 
     In place is safe: overlap forwards read penalties through copies taken in copy_for_forward.
     A penalizer the sub tore down (no active row needs it) has nothing to write: for rows with a
     neutral parameter its accumulator is never read.
     """
-    rows = torch.tensor(idx, dtype=torch.int64, device=device)
     for cls, pen in orch.penalizers.items():
         mine = forked.penalizers.get(cls)
         if not pen.is_prepared() or mine is None or not mine.is_prepared():

@@ -1,4 +1,4 @@
-"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the SGLang glue.
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies, and the overview.
 
 A grammar detector (branchwise.grammars) watches a request's generated text through a TextStream;
 the phase it opens lives in a PhaseRegistry and goes through one lifecycle (branchwise.phases:
@@ -21,6 +21,15 @@ FORKING -> PARALLEL -> REDUCE -> DONE). This module moves SGLang requests and KV
          radix tree and computes the rest, then it continues decoding. The phase is released (DONE)
          when the parent's grammar closes it, or with its request.
   nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
+
+Modules: fork_state.py (`ForkManager`, `Track`: what one scheduler keeps), fork_lifecycle.py (fork,
+park, spawn, close, join), fork_aborts.py (aborts of parked parents, the idle leak check),
+fork_limits.py (which requests branch, the fanout and branch-token limits), phases.py (pure: the
+phase state machine, the one record of where each sequence stands). Aborts reach a fork anywhere in
+its life: SGLang's abort by rid prefix (or abort_all) ends the branches in its queues and batches,
+`abort_parked` ends a parked parent, and a parent aborted while it waits at its fork is parked and
+ended at the scheduling point; ending a sequence releases its phases, nested ones and pins
+included, so nothing is left for a later step to find.
 
 Where: detection runs per sequence right after SGLang appends a step's tokens (a hook on
 Req.update_finish_state, before KV release and streaming, installed on the tracked Req instances
@@ -65,483 +74,15 @@ from __future__ import annotations
 
 import functools
 import logging
-from array import array
-from collections import Counter, deque
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable
 from typing import Any
 
 from branchwise.config import BranchwiseConfig
-from branchwise.grammars import (
-    BranchClosed,
-    Detector,
-    GrammarError,
-    PhaseClosed,
-    PhaseOpened,
-    get_detector,
-)
-from branchwise.phases import (
-    ParallelPhase,
-    PhaseError,
-    PhaseRegistry,
-    Stage,
-    TextStream,
-    branch_budget,
-    branch_seed,
-    fork_limit_error,
-    needs_close,
-)
-from branchwise.request_meta import RequestMeta
+from branchwise.fork_limits import grammar_for
+from branchwise.fork_state import ForkManager
+from branchwise.grammars import get_detector
 
 logger = logging.getLogger("branchwise.fork")
-
-MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
-RECENT = 64  # phase records kept for /server_info
-ENC_CACHE = 4096  # encoded texts kept (headers carry client text: the cache must not grow per request)
-WAITING = (Stage.FORKING, Stage.PARALLEL)  # a parent in these stages does not decode
-
-
-@dataclass(slots=True, eq=False)
-class Track:
-    """Branchwise state of one sequence (a client request or a server-side branch)."""
-
-    mgr: ForkManager
-    req: Any  # sglang Req
-    det: Detector | None  # None: structure tracking stopped (grammar error) or never started
-    text: TextStream
-    grammar: str
-    branch: bool = False  # a server-side branch (internal rid, never streamed to the client)
-    phase: ParallelPhase | None = None  # the phase this sequence opened last (its stage says where it is)
-    finished: bool = False  # the sequence ended (any reason); its phases are dropped
-    pin: Any = None  # radix tree lock on the parked prefix
-    close_at: int | None = None  # branch closed by its tag: output text ends here
-    close_keep: int = 0
-    close_leftover: str = ""
-    error: str | None = None
-    root: Track | None = None  # a branch's client request (charged for its branch tokens)
-    grant: int = 0  # a branch: decode tokens granted at its fork
-    held: int = 0  # a client request: tokens granted to its live branches (and forks about to spawn)
-    reserved: int = 0  # a forking sequence: its fork's grants, charged to the root until spawned
-
-    @property
-    def rid(self) -> str:
-        return self.req.rid
-
-    def fail(self, msg: str) -> None:
-        """Stop structure tracking; the sequence continues as plain serial text."""
-        if self.error is None:
-            self.error = msg
-        self.det = None
-
-    @property
-    def waiting(self) -> bool:
-        """A parent between its fork and its join: it does not decode."""
-        return self.phase is not None and self.phase.state in WAITING
-
-    def undecided(self) -> bool:
-        """True while text already decoded may still be cut (a fork, or one waiting for its next char)."""
-        return self.waiting or (self.det is not None and self.det.deciding)
-
-
-# ------------------------------------------------------------------------------------------------
-# Per-scheduler manager
-
-
-class ForkManager:
-    """Server-side fork/join of one scheduler: its open phases, parked parents and live branches."""
-
-    def __init__(self, sched: Any, cfg: BranchwiseConfig) -> None:
-        self.sched = sched
-        self.cfg = cfg
-        self.reg = PhaseRegistry(max_depth=MAX_DEPTH)
-        self.forking: list[Track] = []
-        self.closed: list[Track] = []
-        self.parked: dict[str, Track] = {}
-        self.stats: Counter[str] = Counter()
-        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
-        self.branch_tracks: dict[str, Track] = {}  # live server-side branches by rid
-        # Set by the first track() and never reset: until then no output row can need filtering,
-        # later a finished branch may still sit in an in-flight batch whose output must be dropped.
-        self.tracking = False
-        self._tok = sched.tokenizer
-        # headers, close tags, separators: bounded, since headers carry each request's own text
-        self._enc = functools.lru_cache(maxsize=ENC_CACHE)(self._encode_uncached)
-        # auto: a request's branches may not claim more decode tokens than the whole KV pool holds
-        self.max_branch_tokens: int = (self.cfg.branch_max_branch_tokens
-                                       or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
-
-    # ---- text --------------------------------------------------------------------------------
-    def decode(self, ids: Sequence[int]) -> str:
-        return self._tok.decode(list(ids), skip_special_tokens=True)
-
-    def encode(self, text: str) -> list[int]:
-        return list(self._enc(text)) if text else []
-
-    def _encode_uncached(self, text: str) -> tuple[int, ...]:
-        return tuple(self._tok.encode(text, add_special_tokens=False))
-
-    # ---- request admission ---------------------------------------------------------------------
-    def grammar_for(self, req: Any, recv_req: Any) -> str | None:
-        """The grammar to watch this client request with, or None (serial)."""
-        meta = getattr(req, "bw_meta", None)
-        if meta is None or meta.is_branch or req.to_finish is not None:
-            return None
-        g = meta.grammar if meta.grammar is not None else self.cfg.branch_grammar
-        if g in (None, "none"):
-            return None
-        sp = req.sampling_params
-        if (req.return_logprob or req.return_hidden_states or req.input_embeds is not None
-                or getattr(recv_req, "mm_inputs", None) is not None or req.session is not None
-                or req.lora_id
-                or sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag
-                or (sp.beam_width or 1) > 1):
-            self.stats["not_branched_unsupported"] += 1
-            return None
-        return g
-
-    def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
-        t = Track(self, req, det, TextStream(self.decode), grammar, branch)
-        req.bw_fork = t
-        hook_tracked_request(req)
-        self.tracking = True
-        return t
-
-    # ---- per token (Req.update_finish_state) ----------------------------------------------------
-    def on_tokens(self, t: Track) -> None:
-        req = t.req
-        if t.finished:
-            return
-        if t.waiting:  # a stale in-flight token past the fork point: drop it
-            if not req.finished():
-                del req.output_ids[t.phase.keep :]
-            return
-        aborted = req.finished() and _is_abort(req.finished_reason)
-        if t.det is not None and not aborted:
-            ids = req.output_ids_through_stop
-            try:
-                events = t.det.feed(t.text.feed(ids)) if len(ids) > t.text.fed else []
-            except GrammarError as e:
-                t.fail(f"grammar: {e}")
-                events = []
-            for ev in events:
-                if isinstance(ev, PhaseOpened):
-                    self._on_fork(t, ev)
-                elif isinstance(ev, BranchClosed) and t.branch and t.det is not None and t.det.done:
-                    self._on_close_tag(t, ev)  # its own close tag (inner ones leave it running)
-                elif isinstance(ev, PhaseClosed) and t.phase is not None and t.phase.state is Stage.REDUCE:
-                    self.reg.release(t.phase.phase_id)
-        if req.finished():
-            self.on_finished(t)
-
-    def _on_fork(self, t: Track, ev: PhaseOpened) -> None:
-        req, det = t.req, t.det
-        assert det is not None
-        if req.finished() or req.to_finish is not None:
-            t.fail("stream ended at a fork")
-            return
-        keep, leftover = t.text.split(ev.at, det.text)
-        headers = [self.encode(leftover + h) for h in ev.headers]
-        grants = [branch_budget(req.sampling_params.max_new_tokens, keep, len(h)) for h in headers]
-        if min(grants) < 1:
-            t.fail(f"fork at token {keep}: no max_new_tokens budget left for branches")
-            return
-        root = t.root or t
-        why = fork_limit_error(len(headers), grants, root.held, self.cfg.branch_max_fanout,
-                               self.max_branch_tokens)
-        if why is not None:
-            self.stats["over_limit_forks"] += 1
-            t.fail(why)
-            return
-        if keep < req.send_token_offset:  # cannot happen while `undecided` holds streaming back
-            t.fail("fork point already streamed")
-            return
-        try:
-            t.phase = self.reg.open(t.rid, ev.headers, ev.labels, prefix_text=det.text,
-                                    prefix_len=len(req.origin_input_ids) + keep, header=ev.header,
-                                    fmt=det.fmt, keep=keep, leftover=leftover, header_ids=headers)
-        except PhaseError as e:
-            t.fail(str(e))
-            return
-        t.reserved = sum(grants)
-        root.held += t.reserved
-        del req.output_ids[keep:]
-        t.text.truncate(keep, ev.at)
-        self.forking.append(t)
-
-    def _on_close_tag(self, t: Track, ev: BranchClosed) -> None:
-        req = t.req
-        assert t.det is not None
-        keep, leftover = t.text.split(ev.at, t.det.text)
-        t.close_at, t.close_keep, t.close_leftover = ev.at, keep, leftover
-        if not _is_abort(req.finished_reason):  # SGLang then caches and frees it like a stop string
-            from sglang.srt.managers.schedule_batch import FINISH_MATCHED_STR
-
-            req.finished_reason = FINISH_MATCHED_STR(matched=t.det.fmt.close.strip())
-            req.finished_len = keep
-
-    # ---- end of a sequence ------------------------------------------------------------------------
-    def on_finished(self, t: Track) -> None:
-        """The sequence ended (any reason). Branches are closed at the next scheduling point."""
-        if t.finished:
-            return
-        req = t.req
-        stage = t.phase.state if t.phase is not None else None
-        if stage is Stage.FORKING:
-            self.forking.remove(t)
-        if stage is Stage.PARALLEL:
-            self.parked.pop(t.rid, None)
-            self._unpin(t)
-        t.finished = True
-        root = t.root or t
-        root.held -= t.grant + t.reserved  # a fork that never spawned gives its reservation back
-        t.grant = t.reserved = 0
-        self.reg.drop_request(t.rid)  # its own (nested) phases die with it
-        if t.branch:
-            self.branch_tracks.pop(t.rid, None)
-            self.closed.append(t)
-            return
-        if t.det is not None and _natural_end(req.finished_reason):  # cut text is incomplete anyway
-            try:
-                t.det.finish()
-            except GrammarError as e:
-                t.fail(f"grammar: {e}")
-        if t.error is not None:
-            self.stats["grammar_errors"] += 1
-            if not _is_abort(req.finished_reason):
-                req.finished_reason = _annotate(req.finished_reason, t.error)
-
-    # ---- scheduling point (after Scheduler.ingest_requests) ---------------------------------------
-    def reconcile(self) -> None:
-        while self.forking:
-            t = self.forking.pop(0)
-            self._park(t)
-            if t.req.to_finish is not None:  # aborted between the fork and now: end it parked
-                t.req.finished_reason, t.req.to_finish = t.req.to_finish, None
-                self._finish_outside_batch(t)
-            else:
-                self._spawn(t)
-        while self.closed:
-            self._close(self.closed.pop(0))
-
-    def _park(self, t: Track) -> None:
-        """FORKING -> PARALLEL: the parent's prefix KV goes into the radix tree (pinned there), and
-        the Req leaves every batch and holds no KV row, like a retracted request."""
-        from sglang.srt.mem_cache.common import release_kv_cache
-
-        sched, req, ph = self.sched, t.req, t.phase
-        assert ph is not None and ph.state is Stage.FORKING and not req.finished()
-        _evict(sched, req)
-        tree = sched.tree_cache
-        if req.kv.holds_kv:
-            ph.shared = min(req.kv.kv_committed_len, len(req.origin_input_ids) + ph.keep)
-            req.full_untruncated_fill_ids = array("q")  # output_ids shrank: rebuild, not extend
-            release_kv_cache(req, tree, checkpoint=True)
-            if tree.supports_prefix_sharing() and req.last_node is not None:
-                t.pin = tree.lock(req.last_node)  # keep the prefix until the branches match it
-        n_retract = req.retraction_count
-        req.reset_for_retract()
-        req.retraction_count = n_retract  # a park is not a retraction
-        ph.park()
-        self.parked[t.rid] = t
-
-    def _spawn(self, t: Track) -> None:
-        """One Req per branch (input: the shared prefix and its own header) into the waiting queue."""
-        sched, req, ph = self.sched, t.req, t.phase
-        assert ph is not None
-        prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: ph.keep])
-        parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
-        from branchwise.scheduler_hook import note_phase_requests
-
-        note_phase_requests(sched)  # before they can reach a batch: TAPER must see their phase
-        for b in ph.branches:
-            i = b.index
-            br = self._make_branch(req, b.rid, ph.branch_input(i, prefix), ph.keep + len(ph.header_ids[i]))
-            br.bw_meta = RequestMeta(ph.phase_id, i, ph.fanout, parent_meta.slo_tpot_ms,
-                                     parent_meta.weight, t.grammar)
-            bdet = t.det.branch(i, b.label, ph.depth) if t.det is not None else None
-            bt = self.track(br, bdet, t.grammar, branch=True)
-            bt.root, bt.grant = t.root or t, br.sampling_params.max_new_tokens
-            self.branch_tracks[b.rid] = bt
-            sched.init_req_max_new_tokens(br)
-            sched._add_request_to_queue(br)
-        t.reserved = 0  # now held by the branches (released as each one ends)
-        self._record(ph)
-        self.stats["forks"] += 1
-        self.stats["branches"] += ph.fanout
-        logger.debug("fork %s: %d branches on %d shared tokens", ph.phase_id, ph.fanout, ph.shared)
-
-    def _make_branch(self, parent: Any, rid: str, input_ids: array, used: int) -> Any:
-        import msgspec
-        from sglang.srt.managers.schedule_batch import Req
-
-        sp = parent.sampling_params
-        cp = sp.custom_params
-        if isinstance(cp, dict):
-            cp = {k: v for k, v in cp.items() if k != "__req__"}  # Req() adds the branch's own
-        seed = branch_seed(sp.sampling_seed, rid) if sp.sampling_seed is not None else None
-        bsp = msgspec.structs.replace(sp, max_new_tokens=sp.max_new_tokens - used,
-                                      sampling_seed=seed, custom_params=cp)
-        br = Req(rid, "", input_ids, bsp, stream=False,
-                 custom_logit_processor=parent.custom_logit_processor,
-                 eos_token_ids=parent.eos_token_ids, vocab_size=parent.vocab_size,
-                 priority=parent.priority, metrics_collector=parent.metrics_collector,
-                 extra_key=parent.extra_key, cache_salt=parent.cache_salt,
-                 routing_key=parent.routing_key, http_worker_ipc=parent.http_worker_ipc)
-        br.tokenizer = parent.tokenizer
-        return br
-
-    def _close(self, bt: Track) -> None:
-        hit = self.reg.of_branch(bt.rid)
-        if hit is None or hit[0].state is not Stage.PARALLEL or hit[1].finished:
-            return  # its phase was dropped (parent aborted or finished)
-        ph, b = hit
-        ids, text, reason = self._branch_output(bt)
-        ph.close_branch(b.index, text, ids, reason)
-        self.stats[f"branch_close_{reason}"] += 1
-        parent = self.parked.get(ph.parent_rid)
-        if parent is not None:
-            rec = self._record(ph)
-            rec["cached_tokens"][b.index] = bt.req.cached_tokens
-            rec["reasons"][b.index] = reason
-            if bt.error is not None and parent.error is None:
-                parent.error = f"branch {bt.rid}: {bt.error}"
-        if ph.all_closed:
-            self._join(ph)
-
-    def _branch_output(self, bt: Track) -> tuple[list[int], str, str]:
-        req = bt.req
-        if bt.close_at is not None:
-            ids = list(req.output_ids[: bt.close_keep]) + self.encode(bt.close_leftover)
-            return ids, self.decode(req.output_ids[: bt.close_keep]) + bt.close_leftover, "tag"
-        from sglang.srt.managers.schedule_batch import FINISH_LENGTH, FINISH_MATCHED_TOKEN
-
-        ids = list(req.output_ids_through_stop)
-        fr = req.finished_reason
-        if isinstance(fr, FINISH_MATCHED_TOKEN) and ids:
-            ids.pop()  # EOS / stop token: not part of the branch's text
-            reason = "eos"
-        else:
-            reason = "length" if isinstance(fr, FINISH_LENGTH) else "abort" if _is_abort(fr) else "stop"
-        return ids, self.decode(ids), reason
-
-    def _record(self, ph: ParallelPhase) -> dict[str, Any]:
-        for rec in reversed(self.recent):
-            if rec["phase"] == ph.phase_id:
-                return rec
-        rec = {"phase": ph.phase_id, "parent": ph.parent_rid, "fanout": ph.fanout, "depth": ph.depth,
-               "prefix_tokens": ph.prefix_len, "shared_tokens": ph.shared,
-               "cached_tokens": [None] * ph.fanout, "reasons": [None] * ph.fanout, "joined_tokens": None}
-        self.recent.append(rec)
-        return rec
-
-    def _join(self, ph: ParallelPhase) -> None:
-        t = self.parked.pop(ph.parent_rid)
-        req, fmt = t.req, ph.fmt
-        ids = self.encode(ph.leftover)
-        for b in ph.branches:
-            ids += self.encode(b.header) + b.output_ids
-            if needs_close(b.output_text, fmt.close):
-                ids += self.encode(fmt.close)
-            ids += self.encode(fmt.sep)
-        ids += self.encode(fmt.suffix)
-        red = ph.join()
-        if t.det is not None:
-            try:
-                for ev in t.det.join(red):
-                    if isinstance(ev, PhaseClosed):
-                        self.reg.release(ph.phase_id)
-            except GrammarError as e:
-                t.fail(f"grammar: {e}")
-        if t.det is None and ph.phase_id in self.reg.phases:
-            self.reg.release(ph.phase_id)  # no detector left to see the phase end
-        req.output_ids.extend(ids)
-        t.text.skip(len(ids), t.det.pos if t.det is not None else t.text.pos)
-        self._unpin(t)
-        self._record(ph)["joined_tokens"] = len(ids)
-        self.stats["joins"] += 1
-        max_new = req.sampling_params.max_new_tokens
-        if len(req.output_ids) >= max_new:  # the response's budget is spent by the branches
-            from sglang.srt.managers.schedule_batch import FINISH_LENGTH
-
-            req.finished_reason, req.finished_len = FINISH_LENGTH(length=max_new), max_new
-            self._finish_outside_batch(t)
-        else:
-            self.sched._add_request_to_queue(req, is_retracted=True)
-
-    def _finish_outside_batch(self, t: Track) -> None:
-        """A parked request ends without running again (abort, or budget spent at its join)."""
-        self.on_finished(t)
-        if not t.branch:
-            t.req.time_stats.set_completion_time()
-            self.sched.output_streamer.stream_output([t.req], False)
-
-    def _unpin(self, t: Track) -> None:
-        if t.pin is not None:
-            self.sched.tree_cache.unlock(t.pin)
-            t.pin = None
-
-    # ---- aborts -------------------------------------------------------------------------------
-    def abort_parked(self, recv_req: Any) -> None:
-        """SGLang aborts by rid prefix over its queues and batches; parked requests are in neither."""
-        from http import HTTPStatus
-
-        from sglang.srt.managers.schedule_batch import FINISH_ABORT
-
-        for rid, t in list(self.parked.items()):
-            if recv_req.abort_all or rid.startswith(recv_req.rid):
-                msg = recv_req.abort_message
-                t.req.finished_reason = (FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE) if msg
-                                         else FINISH_ABORT())
-                self.stats["parked_aborted"] += 1
-                self._finish_outside_batch(t)
-
-    # ---- report -------------------------------------------------------------------------------
-    def report(self) -> dict[str, Any]:
-        reg = self.reg
-        sizes = {"forking": len(self.forking), "closed": len(self.closed), "by_branch": len(reg.by_branch),
-                 "by_parent": len(reg.by_parent), "phase_counts": len(reg.counts),
-                 "enc_cache": self._enc.cache_info().currsize}
-        return {"counters": dict(self.stats), "parked": len(self.parked), "open_phases": len(self.reg),
-                "live_branches": len(self.branch_tracks), "sizes": sizes, "recent": list(self.recent),
-                "limits": {"max_fanout": self.cfg.branch_max_fanout, "max_branch_tokens": self.max_branch_tokens}}
-
-
-# ------------------------------------------------------------------------------------------------
-# SGLang glue
-
-
-def _is_abort(fr: Any) -> bool:
-    return fr is not None and fr.to_json().get("type") == "abort"
-
-
-def _natural_end(fr: Any) -> bool:
-    """EOS or a stop: the text claims to be complete (not cut by length or abort)."""
-    return fr is not None and fr.to_json().get("type") == "stop"
-
-
-def _annotate(fr: Any, msg: str) -> Any:
-    """The request's own finish reason plus `branchwise_error`: HTTP 200, text kept, cause stated."""
-    from sglang.srt.managers.schedule_batch import BaseFinishReason
-
-    class BranchwiseFinish(BaseFinishReason):
-        def to_json(self) -> dict[str, Any]:
-            return {**fr.to_json(), "branchwise_error": msg}
-
-    return BranchwiseFinish()
-
-
-def _evict(sched: Any, req: Any) -> None:
-    """Take a parked request out of the batches that still list it (filter_batch frees nothing).
-
-    running_batch may be the in-flight batch (overlap): SGLang filters it in place every step too;
-    the result queue holds a shallow copy. last_batch may be an extend batch not merged yet."""
-    seen: set[int] = set()
-    for b in (sched.running_batch, sched.last_batch):
-        if b is None or id(b) in seen or req not in b.reqs:
-            continue
-        seen.add(id(b))
-        b.filter_batch(keep_indices=[i for i, r in enumerate(b.reqs) if r is not req])
-        b.batch_is_full = False
 
 
 def _plain_mode(sched: Any) -> str | None:
@@ -563,13 +104,16 @@ def _plain_mode(sched: Any) -> str | None:
 
 
 def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
-    """The scheduler's fork manager, or None where server-side branching cannot run. The scheduler's
-    tree cache, which the output streamer shares, gets a reference to it for the stream_output hook."""
+    """The scheduler's fork manager, or None where server-side branching cannot run. It counts freed
+    orphans in taper's Prometheus series (under --enable-metrics). The scheduler's tree cache, which
+    the output streamer shares, gets a reference to it for the stream_output hook."""
     why = _plain_mode(scheduler)
     if why is not None:
         logger.info("Branchwise server-side fork/join off: %s", why)
         return None
     mgr = ForkManager(scheduler, config)
+    taper = getattr(getattr(scheduler, "branchwise", None), "taper", None)  # built before fork (runtime.py)
+    mgr.metrics = getattr(taper, "metrics", None)  # one set of Prometheus series per scheduler
     scheduler.tree_cache._branchwise_fork = mgr  # the output streamer's handle (it is a slots dataclass)
     return mgr
 
@@ -591,7 +135,7 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
                 bw.taper.bump("bad_requests")
             return req
     mgr = bw.fork
-    if mgr is not None and (g := mgr.grammar_for(req, recv_req)) is not None:
+    if mgr is not None and (g := grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats)) is not None:
         mgr.track(req, get_detector(g), g)
     return req
 
@@ -617,16 +161,17 @@ def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, *
 
 
 def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+    """The scheduling point: park and spawn the phases cut at a fork, join those whose branches closed."""
     mgr = self.branchwise.fork
-    if mgr is not None and (mgr.forking or mgr.closed):
+    if mgr is not None and mgr.reg.phases and mgr.pending():
         mgr.reconcile()
     return result
 
 
 def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
     mgr = self.branchwise.fork
-    if mgr is not None and mgr.parked:
-        mgr.abort_parked(recv_req)
+    if mgr is not None and mgr.reg.phases:
+        mgr.abort(recv_req)
     return result
 
 
@@ -640,7 +185,7 @@ def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.finished_reason = req.to_finish or FINISH_ABORT()
-    mgr.on_finished(t)
+    mgr.end(t)
     if t.branch:
         return None  # internal rid: the tokenizer manager never heard of it
     return orig(self, abort_req, req)
@@ -665,10 +210,13 @@ def _streamable(req: Any) -> bool:
 
 
 def after_is_fully_idle(result: bool, self: Any, *args: Any, **kwargs: Any) -> bool:
-    """Not idle while a request is parked or a fork/join waits for the next scheduling point:
-    the idle sleeper would otherwise wait for a new request before joining, and the idle leak
-    check would count the parked prefix's tree lock."""
+    """Not idle while a request is parked or a fork/join waits for the next scheduling point: the
+    idle sleeper would otherwise wait for a new request before joining. When SGLang itself is fully
+    idle (a plain call: nothing running, waiting or in flight), this is where the leak check runs
+    (fork_aborts.idle): a parked request that nothing can resume is freed and counted."""
     mgr = self.branchwise.fork
-    if result and mgr is not None and (mgr.parked or mgr.forking or mgr.closed):
-        return False
-    return result
+    if not result or mgr is None or not mgr.reg.phases:
+        return result
+    if args or any(kwargs.values()):  # health-check / ignore-waiting variants: no leak check
+        return not mgr.busy()
+    return mgr.idle()

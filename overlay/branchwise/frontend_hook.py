@@ -1,32 +1,13 @@
 """Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`).
 
-`import branchwise.frontend_hook` (or `install()`, which `frontends.*` call)
-patches SGLang's frontend in this process:
-
-- `StreamExecutor.fork` syncs first. Stock fork reads `text_` before it syncs:
-  while the worker thread still has the parent's ops queued, `text_` is "" and the prefix hint
-  (SglCommitLazy, a max_new_tokens=0 request) is skipped, so the n siblings arrive together with an
-  uncached fork-point prefix and FCFS prefills it redundantly. Syncing first always sends the hint.
-- Each child of a fork(n > 1) is tagged (phase, branch, fanout); `RuntimeEndpoint.generate` and
-  `generate_stream` of a tagged executor stamp `custom_params.branchwise` and a structured rid
-  (branchwise.client.branch_rid). A fork inside a branch is a nested phase under the branch's rid.
-- The fork-point prefix request carries SGLang's `routing_key` = the fork's phase id, so under data
-  parallelism it lands on the DP rank its branches go to (branchwise.dp_dispatch).
-- Every /generate of a program carries the program's key as the `X-SMG-Routing-Key` header (a fork's
-  children inherit it), so behind an smg router the whole program (serial requests, fork prefix,
-  branches) runs on one worker; a server ignores the header.
-
-SGLang's plugin entry point runs only in server processes and the frontend never calls
-`load_plugins()`, so client programs opt in by importing this module. The patch is lazy: when
-`sglang.lang` is not imported yet, it is applied the moment it is, so importing Branchwise never
-pulls in torch. install() is idempotent; uninstall() restores SGLang.
-
-State: the installed hook is one `FrontendHook` object that sits in `sys.meta_path` (the finder
-that patches the two frontend modules as they load); it holds the stamp defaults and what to
-restore, and install()/uninstall() find it there. A pending stamp travels on the executor that
-sends it (`_bw_stamp`, set by the generate wrapper and consumed by `_add_images`, which SGLang
-calls with the executor and the request body right before each /generate), so nothing is kept per
-thread or per module.
+`import branchwise.frontend_hook` (or `install()`) patches SGLang's frontend in this process:
+`StreamExecutor.fork` syncs before stock fork decides on the fork-point prefix hint, each child of
+a fork(n > 1) is tagged (phase, branch, fanout), and `RuntimeEndpoint` stamps a tagged child's
+/generate body (`custom_params.branchwise`, a structured rid) and sends every request of a program
+with its router key (`X-SMG-Routing-Key`). The frontend never runs SGLang's plugin loader, so these
+targets are patched here, lazily: a `FrontendHook` in `sys.meta_path` patches the two frontend
+modules as they load, so importing this module never pulls in torch. The race the sync fixes, the
+routing and where a pending stamp lives: docs/design/client-phases.md.
 """
 
 from __future__ import annotations
@@ -35,10 +16,19 @@ import functools
 import importlib.abc
 import sys
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 
 from branchwise import request_meta
+
+if TYPE_CHECKING:
+    from collections.abc import Iterator
+    from importlib.machinery import ModuleSpec
+
+    from sglang.lang.backend.runtime_endpoint import RuntimeEndpoint
+    from sglang.lang.interpreter import StreamExecutor
 
 INTERPRETER = "sglang.lang.interpreter"
 ENDPOINT = "sglang.lang.backend.runtime_endpoint"
@@ -47,8 +37,10 @@ EXTRA = ("slo_tpot_ms", "weight")  # fields install() may add to every branch st
 ROUTE = "_branchwise_route"  # body field that carries the program's router key to http_request
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BranchTag:
+    """A forked child executor's place in its phase."""
+
     group: str  # phase id shared by the siblings
     index: int
     fanout: int
@@ -58,54 +50,57 @@ class BranchTag:
         return f"{self.group}/b{self.index}"
 
 
-def _next_group(parent: Any) -> str:
+def _next_group(parent: StreamExecutor) -> str:
     from branchwise.client import new_group
 
-    ptag: BranchTag | None = getattr(parent, "_bw_tag", None)
-    k = getattr(parent, "_bw_forks", 0)
-    parent._bw_forks = k + 1
-    return f"{ptag.base}/f{k}" if ptag else new_group()
+    parent_tag: BranchTag | None = getattr(parent, "_bw_tag", None)
+    forks = getattr(parent, "_bw_forks", 0)
+    parent._bw_forks = forks + 1
+    return f"{parent_tag.base}/f{forks}" if parent_tag else new_group()
 
 
-def _tag_children(group: str, exes: list[Any]) -> None:
-    for i, exe in enumerate(exes):
-        exe._bw_tag, exe._bw_turn = BranchTag(group, i, len(exes)), 0
+def _tag_children(group: str, children: list[StreamExecutor]) -> None:
+    for index, child in enumerate(children):
+        child._bw_tag = BranchTag(group=group, index=index, fanout=len(children))
+        child._bw_turn = 0
 
 
-def _route(s: Any) -> str:
-    """The router key of executor `s`'s program: made at its first request, inherited at fork()."""
-    route = getattr(s, "_bw_route", None)
+def _route(executor: StreamExecutor) -> str:
+    """The router key of the executor's program: made at its first request, inherited at fork()."""
+    route = getattr(executor, "_bw_route", None)
     if route is None:
         from branchwise.client import new_group
 
-        route = s._bw_route = new_group("prog")
+        route = executor._bw_route = new_group("prog")
     return route
 
 
-def _stamp_body(s: Any, data: Any) -> None:
+def _stamp_body(executor: StreamExecutor, data: object) -> None:
     """Complete a /generate body in place: the stamp the executor's generate call queued, and the
     routing_key of a fork's prefix hint (set on the parent executor while fork() sends it)."""
     if not isinstance(data, dict):
         return
-    data[ROUTE] = _route(s)  # taken out again by the http_request wrapper: it becomes the header
-    if (group := getattr(s, "_bw_prefix_group", None)) is not None:
+    data[ROUTE] = _route(executor)  # taken out again by the http_request wrapper: it becomes the header
+    if (group := getattr(executor, "_bw_prefix_group", None)) is not None:
         data["routing_key"] = group
-    pending = getattr(s, "_bw_stamp", None)
+    pending = getattr(executor, "_bw_stamp", None)
     if pending is not None and isinstance(data.get("text"), str):
-        s._bw_stamp = None  # one stamp per gen call
+        executor._bw_stamp = None  # one stamp per gen call
         rid, fields = pending
         data["rid"] = rid
         data["sampling_params"] = request_meta.stamp(data.get("sampling_params"), **fields)
 
 
 class _Loader(importlib.abc.Loader):
-    def __init__(self, inner: Any, hook: FrontendHook, name: str) -> None:
+    """The real loader of a frontend module, with the patch applied right after the module runs."""
+
+    def __init__(self, inner: importlib.abc.Loader, hook: FrontendHook, name: str) -> None:
         self.inner, self.hook, self.name = inner, hook, name
 
-    def create_module(self, spec: Any) -> Any:
+    def create_module(self, spec: ModuleSpec) -> ModuleType | None:
         return self.inner.create_module(spec)
 
-    def exec_module(self, module: Any) -> None:
+    def exec_module(self, module: ModuleType) -> None:
         self.inner.exec_module(module)
         self.hook.apply(self.name, module)
 
@@ -121,13 +116,14 @@ class FrontendHook(importlib.abc.MetaPathFinder):
     uninstall() restores."""
 
     def __init__(self) -> None:
-        self.defaults: dict[str, Any] = {}
-        self.undo: list[tuple[Any, str, Any]] = []
+        self.defaults: dict[str, float] = {}
+        self.undo: list[tuple[object, str, object]] = []  # (owner, attribute, original)
         self.patched: set[str] = set()
         self.lock = threading.RLock()
 
     # ---- lazy application ----------------------------------------------------------------------
-    def find_spec(self, name: str, path: Any, target: Any = None) -> Any:
+    def find_spec(self, name: str, path: list[str] | None,
+                  target: ModuleType | None = None) -> ModuleSpec | None:
         if name not in MODULES or name in self.patched:
             return None
         for finder in sys.meta_path:
@@ -140,7 +136,7 @@ class FrontendHook(importlib.abc.MetaPathFinder):
                 return spec
         return None
 
-    def apply(self, name: str, mod: Any) -> None:
+    def apply(self, name: str, mod: ModuleType) -> None:
         with self.lock:
             if name not in self.patched:
                 (self._patch_interpreter if name == INTERPRETER else self._patch_endpoint)(mod)
@@ -154,65 +150,67 @@ class FrontendHook(importlib.abc.MetaPathFinder):
             self.patched.clear()
 
     # ---- patches -------------------------------------------------------------------------------
-    def _set(self, owner: Any, name: str, new: Any) -> None:
+    def _set(self, owner: object, name: str, new: object) -> None:
         self.undo.append((owner, name, getattr(owner, name)))
         setattr(owner, name, new)
 
-    def _patch_interpreter(self, mod: Any) -> None:
+    def _patch_interpreter(self, mod: ModuleType) -> None:
         orig = mod.StreamExecutor.fork
 
         @functools.wraps(orig)
-        def fork(s: Any, size: int = 1, position_ids_offset: Any = None) -> list[Any]:
-            s.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
-            s._bw_prefix_group = _next_group(s) if int(size) > 1 else None  # the hint's routing_key
+        def fork(executor: StreamExecutor, size: int = 1,
+                 position_ids_offset: list[int] | None = None) -> list[StreamExecutor]:
+            executor.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
+            executor._bw_prefix_group = _next_group(executor) if int(size) > 1 else None  # the hint's routing_key
             try:
-                exes = orig(s, size, position_ids_offset)
+                children = orig(executor, size, position_ids_offset)
             finally:
-                group, s._bw_prefix_group = s._bw_prefix_group, None
-            for exe in exes:
-                exe._bw_route = _route(s)
-            if len(exes) > 1:
-                _tag_children(group, exes)
-            return exes
+                group, executor._bw_prefix_group = executor._bw_prefix_group, None
+            for child in children:
+                child._bw_route = _route(executor)
+            if len(children) > 1:
+                _tag_children(group, children)
+            return children
 
         self._set(mod.StreamExecutor, "fork", fork)
 
-    def _arm(self, s: Any) -> None:
-        """Queue the stamp for the next /generate body executor `s` sends (a tagged branch only)."""
+    def _arm(self, executor: StreamExecutor) -> None:
+        """Queue the stamp for the next /generate body the executor sends (a tagged branch only)."""
         from branchwise.client import branch_rid
 
-        tag: BranchTag | None = getattr(s, "_bw_tag", None)
+        tag: BranchTag | None = getattr(executor, "_bw_tag", None)
         if tag is None:
             return
-        rid = branch_rid(tag.group, tag.index, s._bw_turn)
-        s._bw_turn += 1
-        s._bw_stamp = (rid, {"phase": tag.group, "branch": tag.index, "fanout": tag.fanout, **self.defaults})
+        rid = branch_rid(tag.group, tag.index, executor._bw_turn)
+        executor._bw_turn += 1
+        executor._bw_stamp = (rid, {"phase": tag.group, "branch": tag.index, "fanout": tag.fanout,
+                                    **self.defaults})
 
-    def _patch_endpoint(self, mod: Any) -> None:
+    def _patch_endpoint(self, mod: ModuleType) -> None:
         cls = mod.RuntimeEndpoint
         gen, gen_stream, add_images = cls.generate, cls.generate_stream, cls._add_images
         arm = self._arm
 
         @functools.wraps(gen)
-        def generate(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
-            arm(s)
+        def generate(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any, **kw: Any) -> Any:
+            arm(executor)
             try:
-                return gen(self, s, *args, **kw)
+                return gen(self, executor, *args, **kw)
             finally:
-                s._bw_stamp = None
+                executor._bw_stamp = None
 
         @functools.wraps(gen_stream)
-        def generate_stream(self: Any, s: Any, *args: Any, **kw: Any) -> Any:
-            arm(s)  # the request is sent at the first next(), in this same worker thread
+        def generate_stream(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any, **kw: Any) -> Iterator[Any]:
+            arm(executor)  # the request is sent at the first next(), in this same worker thread
             try:
-                yield from gen_stream(self, s, *args, **kw)
+                yield from gen_stream(self, executor, *args, **kw)
             finally:
-                s._bw_stamp = None
+                executor._bw_stamp = None
 
         @functools.wraps(add_images)
-        def _add_images(self: Any, s: Any, data: Any) -> Any:
-            _stamp_body(s, data)
-            return add_images(self, s, data)
+        def _add_images(self: RuntimeEndpoint, executor: StreamExecutor, data: object) -> None:
+            _stamp_body(executor, data)
+            return add_images(self, executor, data)
 
         self._set(cls, "generate", generate)
         self._set(cls, "generate_stream", generate_stream)
@@ -220,13 +218,13 @@ class FrontendHook(importlib.abc.MetaPathFinder):
         self._set(mod, "http_request", _routed(mod.http_request))
 
 
-def _routed(http_request: Any) -> Any:
+def _routed(http_request: Callable[..., Any]) -> Callable[..., Any]:
     """The endpoint module's http_request, sending a body's ROUTE as the router header (requests'
     Response has the status_code/json()/iter_lines() that RuntimeEndpoint reads from either kind)."""
 
     @functools.wraps(http_request)
-    def send(url: str, json: Any = None, stream: bool = False, api_key: Any = None, verify: Any = None,
-             method: Any = None) -> Any:
+    def send(url: str, json: object = None, stream: bool = False, api_key: str | None = None,
+             verify: bool | str | None = None, method: str | None = None) -> Any:
         route = json.pop(ROUTE, None) if isinstance(json, dict) else None
         if route is None:
             return http_request(url, json=json, stream=stream, api_key=api_key, verify=verify, method=method)
@@ -247,7 +245,7 @@ def _current() -> FrontendHook | None:
     return next((f for f in sys.meta_path if isinstance(f, FrontendHook)), None)
 
 
-def install(**defaults: Any) -> None:
+def install(**defaults: float | None) -> None:
     """Enable stamping + the fork race fix (idempotent). `defaults` (slo_tpot_ms, weight) are added
     to every branch stamp from now on."""
     bad = set(defaults) - set(EXTRA)

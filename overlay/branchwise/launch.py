@@ -33,15 +33,15 @@ def has_gpu() -> bool:
 
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
 
 
 def cpu_env(tp: int = 1) -> dict[str, str]:
     env = {"SGLANG_USE_CPU_ENGINE": "1", "TORCHDYNAMO_DISABLE": "1"}
     if tp > 1:  # gloo TP on CPU: see cpu-sglang.md "Tensor parallelism on CPU"
-        env |= {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(i) for i in range(tp)),
+        env |= {"SGLANG_CPU_OMP_THREADS_BIND": "|".join(str(core) for core in range(tp)),
                 "SGLANG_NCCL_SO_PATH": "/nonexistent/libnccl.so", "OMP_NUM_THREADS": "1"}
     return env
 
@@ -106,10 +106,10 @@ class _Process:
         except ProcessLookupError:
             pass
 
-    def log_tail(self, n: int = 40) -> str:
+    def log_tail(self, lines: int = 40) -> str:
         if self.log_path is None or not self.log_path.exists():
             return ""
-        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-n:])
+        return "\n".join(self.log_path.read_text(errors="replace").splitlines()[-lines:])
 
     def __enter__(self) -> Self:
         return self.start()
@@ -172,8 +172,8 @@ class LocalRouter(_Process):
                 "--log-level", "warn", *ROUTER_ARGS, *self.args, "--worker-urls", *self.workers]
 
     def ready(self) -> bool:
-        ready = {w["url"] for w in get_json(self.url + "/workers", timeout=2)["workers"]
-                 if w.get("is_healthy") and w.get("status") == "ready"}
+        ready = {worker["url"] for worker in get_json(self.url + "/workers", timeout=2)["workers"]
+                 if worker.get("is_healthy") and worker.get("status") == "ready"}
         return ready >= set(self.workers)
 
     def start(self, timeout_s: float = 60.0) -> LocalRouter:
@@ -183,16 +183,16 @@ class LocalRouter(_Process):
 
 
 def get_json(url: str, timeout: float = 30) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as r:
-        body = r.read()
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        body = resp.read()
         return json.loads(body) if body.strip() else {}
 
 
-def post_json(url: str, payload: dict, timeout: float = 120) -> Any:
+def post_json(url: str, payload: dict[str, Any], timeout: float = 120) -> Any:
     req = urllib.request.Request(url, data=json.dumps(payload).encode(),
                                  headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as r:
-        body = r.read()
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        body = resp.read()
         return json.loads(body) if body.strip() else {}
 
 
@@ -203,7 +203,7 @@ def router_workers(url: str) -> list[str] | None:
     except urllib.error.HTTPError:
         return None
     workers = body.get("workers") if isinstance(body, dict) else None
-    return [w["url"] for w in workers] if isinstance(workers, list) else None
+    return [worker["url"] for worker in workers] if isinstance(workers, list) else None
 
 
 def metrics_url(url: str) -> str:
@@ -221,9 +221,9 @@ def scheduler_states(url: str) -> list[dict[str, Any]]:
     every worker of a router), each with "worker": its server's URL; in worker, then DP rank order."""
     states = []
     for worker in router_workers(url) or [url.rstrip("/")]:
-        for st in get_json(worker + "/server_info")["internal_states"]:
-            states.append(st | {"worker": worker})
-    return sorted(states, key=lambda st: (st["worker"], (st.get("branchwise") or {}).get("dp_rank", 0)))
+        for state in get_json(worker + "/server_info")["internal_states"]:
+            states.append(state | {"worker": worker})
+    return sorted(states, key=lambda state: (state["worker"], (state.get("branchwise") or {}).get("dp_rank", 0)))
 
 
 # merge_reports keeps these from the first scheduler: settings, identities and fitted models, not counts
@@ -235,7 +235,7 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
     joined, dicts merged key by key; a ratio `admission_rate` is recomputed from the summed
     `admitted`/`candidates`; anything else (and every KEPT key) is the first scheduler's value."""
     out: dict[str, Any] = {}
-    for key in dict.fromkeys(k for rep in reports for k in rep):
+    for key in dict.fromkeys(key for rep in reports for key in rep):
         vals = [rep[key] for rep in reports if rep.get(key) is not None]
         out[key] = None if not vals else vals[0] if key in KEPT else _merge_values(vals)
     if {"admitted", "candidates", "admission_rate"} <= out.keys():
@@ -244,13 +244,13 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _merge_values(vals: list[Any]) -> Any:
-    if all(isinstance(v, dict) for v in vals):
+    if all(isinstance(val, dict) for val in vals):
         return merge_reports(vals)
-    if all(isinstance(v, list) for v in vals):
-        return [x for v in vals for x in v]
-    if all(isinstance(v, int) and not isinstance(v, bool) for v in vals):
+    if all(isinstance(val, list) for val in vals):
+        return [item for val in vals for item in val]
+    if all(isinstance(val, int) and not isinstance(val, bool) for val in vals):
         return sum(vals)
-    if all(isinstance(v, int | float) and not isinstance(v, bool) for v in vals):
+    if all(isinstance(val, int | float) and not isinstance(val, bool) for val in vals):
         return sum(vals) / len(vals)
     return vals[0]
 
@@ -264,17 +264,18 @@ def merged_state(url: str) -> dict[str, Any]:
 def branchwise_report(url: str) -> dict[str, Any]:
     """The Branchwise report (config, counters, taper stats) of every scheduler behind `url`,
     merged; "ranks" lists each one's worker, dp_rank and pid. KeyError: no scheduler reports one."""
-    states = [st for st in scheduler_states(url) if "branchwise" in st]
+    states = [state for state in scheduler_states(url) if "branchwise" in state]
     if not states:
         raise KeyError(f"no Branchwise report at {url}/server_info")
-    rep = merge_reports([st["branchwise"] for st in states])
-    rep["ranks"] = [{"worker": st["worker"], "dp_rank": st["branchwise"].get("dp_rank", 0),
-                     "pid": st["branchwise"].get("pid")} for st in states]
+    rep = merge_reports([state["branchwise"] for state in states])
+    rep["ranks"] = [{"worker": state["worker"], "dp_rank": state["branchwise"].get("dp_rank", 0),
+                     "pid": state["branchwise"].get("pid")} for state in states]
     return rep
 
 
 def branchwise_reports(url: str) -> dict[int, dict[str, Any]]:
     """One server's per-scheduler Branchwise reports, by DP rank (the order of /server_info's
     internal_states is not one a caller should rely on)."""
-    reports = [st["branchwise"] for st in get_json(url + "/server_info")["internal_states"] if "branchwise" in st]
+    reports = [state["branchwise"] for state in get_json(url + "/server_info")["internal_states"]
+               if "branchwise" in state]
     return {rep.get("dp_rank", 0): rep for rep in reports}

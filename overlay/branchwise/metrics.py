@@ -49,6 +49,8 @@ class BranchwiseMetrics:
                                 buckets=buckets)
         self.planner = labeled(Gauge, "branchwise:planner_seconds_mean", "Mean planner time per planned step",
                                multiprocess_mode="mostrecent")
+        self.orphans = labeled(Counter, "branchwise:orphans_freed",
+                               "Parked server-side fork parents the idle leak check found orphaned and freed")
 
     def observe_step(self, latency_s: float, stats: Any, counters: Mapping[str, int] | None = None) -> None:
         """After a decode step: TAPER's cumulative `stats` and the scheduler's `counters` (as series)."""

@@ -27,7 +27,7 @@ STATE_NAME = "branchwise-patches"
 
 
 class PatchError(RuntimeError):
-    pass
+    """The patch series cannot be applied, reverted or checked here; the message says why."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,12 +55,12 @@ def find_target() -> Target:
         parts = line.rsplit(",", 2)
         if len(parts) == 3 and parts[1].startswith("sha256="):
             record[parts[0]] = parts[1].removeprefix("sha256=")
-    return Target(site, record, Path(sys.prefix) / STATE_NAME)
+    return Target(site=site, record=record, state_dir=Path(sys.prefix) / STATE_NAME)
 
 
 def series(patch_dir: Path) -> list[Path]:
-    names = [ln.strip() for ln in (patch_dir / "series").read_text().splitlines()]
-    return [patch_dir / n for n in names if n and not n.startswith("#")]
+    names = [line.strip() for line in (patch_dir / "series").read_text().splitlines()]
+    return [patch_dir / name for name in names if name and not name.startswith("#")]
 
 
 def touched_files(patch: Path) -> list[str]:
@@ -102,9 +102,9 @@ def _run_patch(site: Path, patch: Path, *extra: str) -> None:
 def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
     target = find_target()
     states = file_states(target, patch_dir)
-    if states and all(s == "applied" for s in states.values()):
+    if states and all(state == "applied" for state in states.values()):
         return f"already applied ({len(states)} files): nothing to do"
-    bad = {f: s for f, s in states.items() if s != "pristine"}
+    bad = {rel: state for rel, state in states.items() if state != "pristine"}
     if bad:
         raise PatchError(f"refusing to patch: files are not pristine sglang {SGLANG_VERSION}: {bad}")
     for patch in series(patch_dir):  # dry-run everything first so a failure changes nothing
@@ -124,7 +124,7 @@ def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
 def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
     target = find_target()
     states = file_states(target, patch_dir)
-    if all(s == "pristine" for s in states.values()):
+    if all(state == "pristine" for state in states.values()):
         return "not applied: sglang is already pristine"
     backup = target.state_dir / "pristine"
     for rel, state in states.items():
@@ -144,7 +144,7 @@ def check(patch_dir: Path = DEFAULT_PATCHES) -> tuple[str, int]:
     target = find_target()
     states = file_states(target, patch_dir)
     kinds = set(states.values())
-    lines = [f"  {s:9s} {rel}" for rel, s in sorted(states.items())]
+    lines = [f"  {state:9s} {rel}" for rel, state in sorted(states.items())]
     if kinds == {"applied"}:
         head, rc = "state: applied", 0
     elif kinds == {"pristine"}:

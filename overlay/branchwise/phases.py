@@ -17,6 +17,10 @@ Lifecycle of a server-side phase (`Stage`), driven by branchwise.fork:
               until its grammar closes the phase
     DONE      released (closed by the grammar, or dropped with its request)
 
+A phase is the one record of where its sequences stand: its `state` says whether the parent waits
+(FORKING, PARALLEL) or decodes (REDUCE), each `Branch` says whether that branch still runs, and work
+for the next scheduling point is derived from them (`pending`), never queued beside them.
+
 Branch request ids are derived, not random: f"{parent_rid}/p{n}/b{i}". SGLang aborts every request
 whose rid starts with the aborted rid, so aborting a parent reaches all its branches (and nested ones).
 """
@@ -29,6 +33,7 @@ from bisect import bisect_right
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 
 class PhaseError(RuntimeError):
@@ -40,6 +45,9 @@ class Stage(StrEnum):
     PARALLEL = "parallel"
     REDUCE = "reduce"
     DONE = "done"
+
+
+WAITING = frozenset({Stage.FORKING, Stage.PARALLEL})  # the parent does not decode
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +107,9 @@ class ParallelPhase:
     leftover: str = ""
     header_ids: list[list[int]] = field(default_factory=list)  # branch i's header (with leftover) in ids
     shared: int = 0  # prefix tokens the parent left in the prefix cache when it was parked
+    grants: list[int] = field(default_factory=list)  # decode tokens branch i may use (granted at the fork)
+    owner: Any = field(default=None, repr=False, compare=False)  # the parent sequence (opaque here)
+    pin: Any = field(default=None, repr=False, compare=False)  # what holds the parked prefix (opaque here)
 
     def __post_init__(self) -> None:
         if self.fanout < 1:
@@ -144,6 +155,25 @@ class ParallelPhase:
     @property
     def open_branches(self) -> list[int]:
         return [b.index for b in self.branches if not b.finished]
+
+    @property
+    def waiting(self) -> bool:
+        """The parent waits at the fork (FORKING) or on its branches (PARALLEL)."""
+        return self.state in WAITING
+
+    @property
+    def pending(self) -> bool:
+        """Work for the next scheduling point: park and spawn (FORKING), or join (all closed)."""
+        return self.state is Stage.FORKING or (self.state is Stage.PARALLEL and self.all_closed)
+
+    def granted(self) -> int:
+        """Decode tokens still granted to this phase's branches: all of them until they are
+        spawned, then those of the branches that have not ended."""
+        if self.state is Stage.FORKING:
+            return sum(self.grants)
+        if self.state is not Stage.PARALLEL:
+            return 0
+        return sum(g for g, b in zip(self.grants, self.branches, strict=False) if not b.finished)
 
     def join(self) -> str:
         """PARALLEL -> REDUCE: all branches closed; the text the parent continues from."""
@@ -209,34 +239,48 @@ class PhaseRegistry:
         pid = self.by_parent.get(rid)
         return self.phases[pid] if pid else None
 
-    def release(self, phase_id: str) -> ParallelPhase:
-        """Forget a closed phase, or a dropped one (-> DONE). Phases nested in it go too."""
+    def release(self, phase_id: str) -> list[ParallelPhase]:
+        """Forget a closed phase, or a dropped one (-> DONE), and the phases nested in it (a
+        branch's own fork). Returns them, outermost first: whoever releases frees what they hold."""
         ph = self.phases.pop(phase_id, None)
         if ph is None:
             raise PhaseError(f"unknown phase {phase_id}")
         ph.state = Stage.DONE
         if self.by_parent.get(ph.parent_rid) == phase_id:
             del self.by_parent[ph.parent_rid]
+        out = [ph]
         for b in ph.branches:
             self.by_branch.pop(b.rid, None)
             self.counts.pop(b.rid, None)
             if (nested := self.by_parent.get(b.rid)) is not None:
-                self.release(nested)
-        return ph
+                out += self.release(nested)
+        return out
 
-    def drop_request(self, rid: str) -> list[str]:
-        """Abort/finish of `rid`: release its phases and every phase under its derived rids.
-        Matches `rid` and `rid/...` only, so finishing "r1" never touches "r10"."""
+    def drop_request(self, rid: str) -> list[ParallelPhase]:
+        """Abort/finish of `rid`: release its open phase and every phase nested under it (a parent
+        has at most one open phase; every phase of a derived rid `rid/...` is nested in it). Exact
+        rid only, so finishing "r1" never touches "r10". Returns the released phases."""
+        self.counts.pop(rid, None)
+        pid = self.by_parent.get(rid)
+        return self.release(pid) if pid is not None else []
 
-        def mine(k: str) -> bool:
-            return k == rid or k.startswith(rid + "/")
+    def in_state(self, *stages: Stage) -> list[ParallelPhase]:
+        return [ph for ph in self.phases.values() if ph.state in stages]
 
-        before = list(self.phases)
-        for pid in [pid for pid, ph in self.phases.items() if mine(ph.parent_rid)]:
-            if pid in self.phases:  # may have gone with an enclosing phase
-                self.release(pid)
-        self.counts = {k: v for k, v in self.counts.items() if not mine(k)}
-        return [pid for pid in before if pid not in self.phases]
+    def subtree(self, rid: str) -> list[ParallelPhase]:
+        """The open phase of `rid` and every phase nested in it."""
+        out, todo = [], [rid]
+        while todo:
+            if (ph := self.of_parent(todo.pop())) is not None:
+                out.append(ph)
+                todo += [b.rid for b in ph.branches]
+        return out
+
+    def root_of(self, rid: str) -> str:
+        """The client request a (possibly nested) server-side branch belongs to."""
+        while (hit := self.by_branch.get(rid)) is not None:
+            rid = self.phases[hit[0]].parent_rid
+        return rid
 
 
 # ---- a sequence's text -------------------------------------------------------------------------

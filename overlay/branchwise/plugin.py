@@ -47,6 +47,7 @@ def hook_table(HookType: Any, timer_mode: str | None) -> list[tuple[str, Callabl
     Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
     from branchwise import deferral, fork, runtime
     from branchwise import dp_dispatch as dp
+    from branchwise import n_sampling as ns
     from branchwise import scheduler_hook as sh
     from branchwise import step_timer as t
     from branchwise import validate as v
@@ -78,6 +79,11 @@ def hook_table(HookType: Any, timer_mode: str | None) -> list[tuple[str, Callabl
         # dp_dispatch.py: phase-affine placement, in the DP controller process
         (serving, f"{DP_CONTROLLER}.__init__", dp.after_controller_init),
         (serving, f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace),
+        # n_sampling.py: SGLang's own n > 1 samples stamped as one phase, in the HTTP server process
+        (serving, f"{TOKENIZER_MANAGER}._handle_batch_request", ns.around_handle_batch_request),
+        (serving, f"{GENERATE_REQ_INPUT}.regenerate_rid", ns.around_regenerate_rid),
+        (serving, f"{TOKENIZER_MANAGER}._send_one_request", ns.around_send_one_request),
+        (serving, f"{TOKENIZER_MANAGER}.abort_request", ns.around_abort_request),
         # validate.py: malformed requests end as HTTP 400 in the HTTP server process
         (serving, f"{GENERATE_REQ_INPUT}.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments),
         (serving, f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object),
@@ -142,7 +148,7 @@ def _version_mismatch() -> str | None:
     if got == SGLANG_VERSION:
         return None
     return (f"Branchwise: installed sglang is {got}, Branchwise supports sglang=={SGLANG_VERSION} only; "
-            "no Branchwise hooks installed (branch policy off: SGLang serves unchanged)")
+            "no Branchwise hooks installed: SGLang serves unchanged")
 
 
 def _note_once(line: str) -> None:

@@ -27,6 +27,8 @@ class MetaError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class RequestMeta:
+    """A request's parsed stamp: its place in a client-side phase and its TAPER inputs."""
+
     phase: str | None = None  # client-side phase id shared by sibling branches
     branch: int = 0
     fanout: int = 1
@@ -42,66 +44,67 @@ class RequestMeta:
 SERIAL = RequestMeta()
 
 
-def show(v: Any) -> str:
+def show(value: object) -> str:
     """A short repr of a client value for an error message (never raises: ints past Python's
     4300-digit str limit cannot be repr'd)."""
     try:
-        s = repr(v)
+        text = repr(value)
     except ValueError:
-        return f"<{type(v).__name__}>"
-    return s if len(s) <= MAX_SHOWN else s[: MAX_SHOWN - 3] + "..."
+        return f"<{type(value).__name__}>"
+    return text if len(text) <= MAX_SHOWN else text[: MAX_SHOWN - 3] + "..."
 
 
-def _num(d: dict, key: str, kind: type, lo: float, hi: float, default: Any) -> Any:
-    """A bounded number from d[key]. Compared before any conversion (an int compares exactly, so
+def _num(fields: dict[str, Any], key: str, kind: type[int] | type[float], lo: float, hi: float,
+         default: float | None) -> Any:
+    """A bounded number from fields[key]. Compared before any conversion (an int compares exactly, so
     a 400-digit int is out of range, not an OverflowError), NaN fails every comparison."""
-    v = d.get(key, default)
-    if v is default:
-        return v
+    value = fields.get(key, default)
+    if value is default:
+        return value
     what, fmt = ("an integer", "d") if kind is int else ("a number", "g")
-    if (isinstance(v, bool) or not isinstance(v, int | float)
-            or (kind is int and isinstance(v, float) and not v.is_integer()) or not lo <= v <= hi):
-        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:{fmt}}, {hi:{fmt}}], got {show(v)}")
-    return kind(v)
+    if (isinstance(value, bool) or not isinstance(value, int | float)
+            or (kind is int and isinstance(value, float) and not value.is_integer()) or not lo <= value <= hi):
+        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:{fmt}}, {hi:{fmt}}], got {show(value)}")
+    return kind(value)
 
 
-def parse(custom_params: Any) -> RequestMeta:
+def parse(custom_params: object) -> RequestMeta:
     """RequestMeta from a request's custom_params; MetaError with a message naming the field for
     anything else. Total over JSON values: no other exception, whatever the client sent."""
     if custom_params is None:
         return SERIAL
     if not isinstance(custom_params, dict):
         raise MetaError(f"custom_params must be an object, got {type(custom_params).__name__}")
-    d = custom_params.get(KEY)
-    if d is None:
+    fields = custom_params.get(KEY)
+    if fields is None:
         return SERIAL
-    if not isinstance(d, dict):
-        raise MetaError(f"custom_params.{KEY} must be an object, got {type(d).__name__}")
-    unknown = [k for k in d if k not in _FIELDS]
+    if not isinstance(fields, dict):
+        raise MetaError(f"custom_params.{KEY} must be an object, got {type(fields).__name__}")
+    unknown = [key for key in fields if key not in _FIELDS]
     if unknown:
-        shown = ", ".join(show(k) for k in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
+        shown = ", ".join(show(key) for key in unknown[:4]) + (", ..." if len(unknown) > 4 else "")
         raise MetaError(f"unknown custom_params.{KEY} keys [{shown}]; valid: {sorted(_FIELDS)}")
-    phase = d.get("phase")
+    phase = fields.get("phase")
     if phase is not None and (not isinstance(phase, str) or not phase):
         raise MetaError(f"custom_params.{KEY}.phase must be a non-empty string, got {show(phase)}")
-    fanout = _num(d, "fanout", int, 1, INT_MAX, 1)
-    branch = _num(d, "branch", int, 0, INT_MAX, 0)
+    fanout = _num(fields, "fanout", int, 1, INT_MAX, 1)
+    branch = _num(fields, "branch", int, 0, INT_MAX, 0)
     if branch >= fanout:
         raise MetaError(f"custom_params.{KEY}.branch {branch} must be < fanout {fanout}")
-    grammar = d.get("grammar")
+    grammar = fields.get("grammar")
     if grammar is not None and (not isinstance(grammar, str) or grammar not in GRAMMARS):
         raise MetaError(f"custom_params.{KEY}.grammar {show(grammar)}; valid: {', '.join(GRAMMARS)}")
-    slo = _num(d, "slo_tpot_ms", float, 1e-3, FLOAT_MAX, None)
-    weight = _num(d, "weight", float, 0.0, FLOAT_MAX, 1.0)
-    return RequestMeta(phase, branch, fanout, slo, weight, grammar)
+    return RequestMeta(phase=phase, branch=branch, fanout=fanout,
+                       slo_tpot_ms=_num(fields, "slo_tpot_ms", float, 1e-3, FLOAT_MAX, None),
+                       weight=_num(fields, "weight", float, 0.0, FLOAT_MAX, 1.0), grammar=grammar)
 
 
-def stamp(sampling_params: dict | None, **fields: Any) -> dict:
+def stamp(sampling_params: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:
     """Return sampling_params with custom_params.branchwise updated (clients use this)."""
-    sp = dict(sampling_params or {})
-    parse(sp.get("custom_params"))  # a malformed existing stamp fails here with the field's name
-    cp = dict(sp.get("custom_params") or {})
-    cp[KEY] = {**(cp.get(KEY) or {}), **{k: v for k, v in fields.items() if v is not None}}
-    parse(cp)  # fail on the client, not in the scheduler
-    sp["custom_params"] = cp
-    return sp
+    params = dict(sampling_params or {})
+    parse(params.get("custom_params"))  # a malformed existing stamp fails here with the field's name
+    custom = dict(params.get("custom_params") or {})
+    custom[KEY] = {**(custom.get(KEY) or {}), **{key: value for key, value in fields.items() if value is not None}}
+    parse(custom)  # fail on the client, not in the scheduler
+    params["custom_params"] = custom
+    return params

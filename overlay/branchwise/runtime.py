@@ -22,7 +22,7 @@ from branchwise.config import BranchwiseConfig
 
 if TYPE_CHECKING:
     from branchwise.dp_dispatch import SchedulerDp
-    from branchwise.fork import ForkManager
+    from branchwise.fork_state import ForkManager
     from branchwise.scheduler_hook import BranchwiseState
 
 

@@ -14,12 +14,13 @@ import operator
 import os
 import time
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
-from branchwise import deferral, request_meta
+from branchwise import deferral, request_meta, step_timer
 from branchwise.config import BranchwiseConfig
 from branchwise.metrics import BranchwiseMetrics
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import OnlineRefit, default_model, load_model
 
@@ -66,6 +67,7 @@ class BranchwiseState:
     # Time of the last decode step whose batch had no phase rows (per-row bookkeeping skipped);
     # None while steps with phase rows keep the serial rows' delivery clocks current.
     quiet_ts: float | None = None
+    kept: deferral.KeptSubset = field(default_factory=deferral.KeptSubset)  # the last step's sub-batch
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -118,7 +120,7 @@ def build(scheduler: Any, cfg: BranchwiseConfig) -> BranchwiseState:
     if st.disabled_reason:
         logger.warning("Branchwise: per-step branch admission is not supported with %s; "
                        "every row runs every step (SGLang's schedule)", st.disabled_reason)
-    else:
+    elif cfg.step_controller:  # policy stock: no controller, SGLang's schedule (phases still counted)
         st.controller = _build_controller(cfg)
     # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
@@ -184,10 +186,34 @@ def _key(req: Any) -> str:
     return ("fork:" if t is not None and t.branch else "phase:") + m.phase
 
 
+@dataclass(frozen=True, slots=True)
+class RowFields:
+    """A request's row fields that do not change while it decodes, derived once and kept on the
+    request (`req.bw_row`); derived again when its metadata, fork track or config is not the one
+    they came from."""
+
+    meta: request_meta.RequestMeta
+    fork: Any
+    config: BranchwiseConfig
+    key: str
+    slo_s: float
+    weight: float
+
+
+def _fields(req: Any, cfg: BranchwiseConfig) -> RowFields:
+    f = getattr(req, "bw_row", None)
+    meta, fork = getattr(req, "bw_meta", request_meta.SERIAL), getattr(req, "bw_fork", None)
+    if f is None or f.meta is not meta or f.fork is not fork or f.config is not cfg:
+        f = RowFields(meta=meta, fork=fork, config=cfg, key=_key(req), slo_s=cfg.slo_s(meta.slo_tpot_ms),
+                      weight=cfg.weight(meta.weight))
+        req.bw_row = f
+    return f
+
+
 def _row(req: Any, cfg: BranchwiseConfig) -> Row:
-    m = _meta(req)
-    return Row(_key(req), m.branch, req.kv.kv_committed_len, cfg.slo_s(m.slo_tpot_ms), cfg.weight(m.weight),
-               m.is_branch, m.fanout, req.to_finish is not None)
+    f = _fields(req, cfg)
+    return Row(key=f.key, order=f.meta.branch, ctx=req.kv.kv_committed_len, slo_s=f.slo_s, weight=f.weight,
+               phase=f.meta.is_branch, forced=req.to_finish is not None)
 
 
 def _pipeline_bubble(scheduler: Any) -> bool:
@@ -228,55 +254,95 @@ def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
     return mask.nonzero().flatten().tolist()
 
 
+class Exit(Enum):
+    """How a decode step leaves the TAPER driver (`decode_step`)."""
+
+    SERIAL = "serial"  # no row is in a parallel phase: SGLang's own step
+    FULL_STEP = "full step"  # a per-step condition (deferral.batch_needs_full_step) runs every row
+    ONE_ROW_PER_KEY = "one row per key"  # every request has one live row: nothing to defer
+    ALL_ADMITTED = "all admitted"  # the plan runs every row
+    NO_FIT = "no fit"  # the subset does not fit the KV pool: SGLang's retract path, every row
+    SUBSET = "subset"  # the chosen rows run; the rest wait in the running batch
+
+
 def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
     st = state_of(self)
-    if (st is None or st.controller is None or batch.is_empty() or not _has_phase_rows(st, batch.reqs)
-            or deferral.batch_needs_full_step(batch)):
-        return orig(self, batch)  # serial rows only: one row per request, nothing to defer
-    finishing = self._reqs_finishing_inflight(batch)
+    if st is None or st.controller is None or not st.phases_seen or batch.is_empty():
+        return orig(self, batch)  # no phase request yet: nothing to defer
+    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    try:
+        how, sub = decode_step(st, self, batch, t)
+    finally:
+        step_timer.switch(t, None)
+    if how is Exit.SUBSET:
+        st.bump("subset_steps")
+        return sub
+    if st.kept.batch is not None:  # the batch is prepared in full: a kept sub-batch no longer fits it
+        st.kept.clear()
+    if how is Exit.NO_FIT:
+        st.bump("fallback_retract")
+    return orig(self, batch)
+
+
+def decode_step(st: BranchwiseState, scheduler: Any, batch: Any, t: Any = None) -> tuple[Exit, Any]:
+    """The TAPER decode step up to the forward, top to bottom: the rows of the batch, the decision,
+    the chosen subset prepared (the sub-batch to run with Exit.SUBSET; every other exit runs the
+    whole batch through SGLang). The step's deliveries are reported when its result comes back
+    (`after_process_batch_result` -> `report_step`). `t`: the step timer (bench only)."""
+    step_timer.switch(t, "taper_rows")
+    if not _has_phase_rows(st, batch.reqs):
+        return Exit.SERIAL, None
+    step_timer.tag(t, "phase_rows")
+    if deferral.batch_needs_full_step(batch):
+        return Exit.FULL_STEP, None
+    finishing = scheduler._reqs_finishing_inflight(batch)
     excluded = set(finishing)
     live = [r for r in batch.reqs if r not in excluded and not r.finished()]
-    keys = [_key(r) for r in live]
-    if len(set(keys)) == len(keys):  # one row per request: nothing to defer (rank-invariant test)
-        return orig(self, batch)
-    active = _decide(st, self, [_row(r, st.config) for r in live])
+    rows = [_row(r, st.config) for r in live]
+    if len({r.key for r in rows}) == len(rows):  # a function of composition: every TP rank agrees
+        return Exit.ONE_ROW_PER_KEY, None
+
+    step_timer.switch(t, "taper_plan")
+    planned_s = st.controller.stats.planner_s
+    active = _decide(st, scheduler, rows)
+    step_timer.carve(t, "taper_planner", st.controller.stats.planner_s - planned_s)
     if len(active) == len(live):
-        return orig(self, batch)
-    sub = deferral.run_subset(self, batch, {live[i] for i in active}, finishing)
-    if sub is None:  # the subset does not fit: SGLang's own retract path over the full batch
-        st.bump("fallback_retract")
-        return orig(self, batch)
-    st.bump("subset_steps")
-    return sub
+        return Exit.ALL_ADMITTED, None
+
+    step_timer.switch(t, "taper_subset")
+    sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, st.kept)
+    if sub is None:
+        return Exit.NO_FIT, None
+    step_timer.tag(t, "deferred", len(live) - len(active))
+    return Exit.SUBSET, sub
 
 
-def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, tuple[int, float, bool]], int]:
-    """Tokens delivered per key this step -> (tokens, slo_s, in a phase), and the context sum."""
+def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, Delivery], int]:
+    """Tokens delivered per key this step (one per row that ran), and the context sum."""
     cfg = st.config
-    delivered: dict[str, tuple[int, float, bool]] = {}
-    ctx = 0
+    counts: dict[str, list[Any]] = {}  # key -> [rows, the key's first row's fields (its clock's SLO)]
     for req in reqs:
-        key = _key(req)
-        got = delivered.get(key)
-        if got is None:
-            m = _meta(req)
-            delivered[key] = (1, cfg.slo_s(m.slo_tpot_ms), m.is_branch)
+        f = _fields(req, cfg)
+        c = counts.get(f.key)
+        if c is None:
+            counts[f.key] = [1, f]
         else:
-            delivered[key] = (got[0] + 1, got[1], got[2])
-        ctx += req.kv.kv_committed_len
-    return delivered, ctx
+            c[0] += 1
+    ctx = sum(map(_KV_LEN, reqs))
+    return {k: Delivery(n, f.slo_s, f.meta.is_branch) for k, (n, f) in counts.items()}, ctx
 
 
-def _release_finished(ctl: StepController, scheduler: Any, reqs: list[Any]) -> None:
+def _release_finished(st: BranchwiseState, scheduler: Any, reqs: list[Any]) -> None:
     """Keys whose last row finished or was aborted in this step leave the controller (a reused
     phase id or rid must not inherit their clock). Deferred rows stay in the running batch, so a
     key with any unfinished request there keeps its state."""
-    keys = {_key(r) for r in reqs if r.finished()}
+    ctl, cfg = st.controller, st.config
+    keys = {_fields(r, cfg).key for r in reqs if r.finished()}
     keys = {k for k in keys if k in ctl.trackers or k in ctl.fixed}
     if not keys:
         return
     running = getattr(scheduler, "running_batch", None)
-    left = {_key(r) for r in running.reqs if not r.finished()} if running is not None else set()
+    left = {_fields(r, cfg).key for r in running.reqs if not r.finished()} if running is not None else set()
     ctl.on_finished(keys - left)
 
 
@@ -287,7 +353,7 @@ def _resume_serial_clocks(st: BranchwiseState, rows: list[Row]) -> None:
     which understates its slack by at most that prefill step (conservative: defers more)."""
     ctl = st.controller
     assert ctl is not None and st.quiet_ts is not None
-    fresh = {r.key: (0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
+    fresh = {r.key: Delivery(0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
     ctl.on_step_done(fresh, st.quiet_ts, 0)
     st.quiet_ts = None
 
@@ -302,6 +368,22 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
     if st.controller is None or st.tp_rank != 0 or not batch.forward_mode.is_decode():
         st.last_step = None
         return result
+    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    if t is None:
+        report_step(st, self, batch)
+        return result
+    step_timer.switch(t, "taper_deliver")
+    try:
+        report_step(st, self, batch)
+    finally:
+        step_timer.switch(t, None)
+    return result
+
+
+def report_step(st: BranchwiseState, scheduler: Any, batch: Any) -> None:
+    """The end of a TAPER decode step (rank 0): the rows that ran delivered a token each, keys whose
+    last row finished leave, and the gap between consecutive decode launches is the realized
+    latency of the previous step."""
     now = time.monotonic()
     ctl = st.controller
     reqs = batch.reqs
@@ -309,7 +391,7 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
         delivered, ctx = _deliveries(st, reqs)
         ctl.on_step_done(delivered, now, len(reqs))
         st.quiet_ts = None
-        _release_finished(ctl, self, reqs)  # quiet steps: serial clocks go below, no phase row left
+        _release_finished(st, scheduler, reqs)  # quiet steps: serial clocks go below, no phase row left
     else:  # serial rows only: their clocks matter only once a phase row joins (_resume_serial_clocks)
         ctl.on_step_done({}, now, len(reqs))
         if st.quiet_ts is None:
@@ -319,7 +401,6 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
     prev = st.last_step
     fi, ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
     if prev is not None and fi is not None and fi == prev.forward_iter + 1:
-        # consecutive decode launches: their gap is the realized latency of the previous step
         latency = ts - prev.launch_ts
         ctl.on_latency(prev.rows, prev.ctx, latency)
         if st.metrics:
@@ -332,4 +413,3 @@ def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, *
                     "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, s.steps,
                     s.planned_steps, s.rows_deferred, 100 * s.admission_rate, 1e3 * s.last_budget_s,
                     1e3 * s.last_predicted_s, 1e3 * s.planner_s / max(s.planned_steps, 1))
-    return result

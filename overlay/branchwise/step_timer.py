@@ -8,14 +8,19 @@ Every scheduler loop iteration (both event loops start it with `ingest_requests`
 JSON line:
 
     {"wall": s, "recv": s, "sched": s, "prep": s, "forward": s, "sample": s, "result": s,
-     "stream": s, "worker": s, "cpu": {span: s, "wall": s}, "run": [mode, bs], "res": [mode, bs]}
+     "stream": s, "taper_*": s, "worker": s, "cpu": {span: s, "wall": s}, "runq": s,
+     "run": [mode, bs], "res": [mode, bs], "launch": [forward_iter, launch_ts], "tags": {...}}
 
 Spans are exclusive (a nested span's time is taken out of its parent): `sched` = T1
 (get_next_batch_to_run), `prep` = T2 (run_batch minus forward and sample: ForwardBatch build,
 FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = T4, `result` = T5
 (process_batch_result without its output-stream part), `stream` = the output streamer's payload
 build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
-iteration (off the scheduler thread). On CPU the forward runs on the scheduler thread, so the
+iteration (off the scheduler thread), `taper_*` Branchwise's TAPER work (TAPER_SPANS, taken out
+of `sched` and `result`), `runq` the time the scheduler thread waited for a core (its
+/proc/thread-self/schedstat run delay: time lost to other processes), `launch` the forward_iter and
+launch_ts of the batch run (consecutive decode launches give the step the controller sees), `tags`
+counts the TAPER hook notes (e.g. rows deferred). On CPU the forward runs on the scheduler thread, so the
 exposed (non-forward) time of an iteration is `wall - forward`. With the forward thread
 (branchwise.albireo.forward_thread) `forward` and `sample` are the worker's spans and the record
 also has `fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it
@@ -39,9 +44,16 @@ import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any
 
-SPANS = ("recv", "sched", "prep", "forward", "sample", "result", "stream")
+# Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT): the TAPER rows
+# (batch -> Rows), the plan (controller.select; its policy.plan part is `taper_planner`), the subset
+# preparation (deferral.run_subset) and the deliveries (after process_batch_result).
+TAPER_SPANS = ("taper_rows", "taper_plan", "taper_planner", "taper_subset", "taper_deliver")
+PARENT = MappingProxyType({"taper_rows": "sched", "taper_plan": "sched", "taper_planner": "sched",
+                          "taper_subset": "sched", "taper_deliver": "result"})
+SPANS = ("recv", "sched", "prep", "forward", "sample", "result", "stream", *TAPER_SPANS)
 ENV = "BRANCHWISE_STEP_TIMER"
 FILE_ENV = "BRANCHWISE_STEP_TIMER_FILE"
 PROFILE_ENV = "BRANCHWISE_STEP_TIMER_PROFILE"  # a path: cProfile busy iterations, dump there when idle
@@ -83,18 +95,33 @@ class StepTimer:
     buf: list[str] = field(default_factory=list)
     profile: Any = None
     profiled: bool = False
+    launch: list[Any] | None = None
+    tags: dict[str, Any] = field(default_factory=dict)
+    schedstat: int | None = None  # fd of the scheduler thread's /proc/thread-self/schedstat
+    runq0: int = 0
 
     def __post_init__(self) -> None:
         if os.environ.get(PROFILE_ENV):
             import cProfile
 
             self.profile = cProfile.Profile()
+        try:
+            self.schedstat = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:  # not Linux: no run-queue figure
+            self.schedstat = None
+
+    def _runq_ns(self) -> int:
+        """The thread's total wait on a run queue (ns): time it was ready but another task had the core."""
+        if self.schedstat is None:
+            return 0
+        return int(os.pread(self.schedstat, 64, 0).split()[1])
 
     def begin_iteration(self, now: float) -> None:
-        cpu_now = time.thread_time()
+        cpu_now, runq_now = time.thread_time(), self._runq_ns()
         if self.t0:
             rec = {"wall": now - self.t0, **self.spans, "run": self.run, "res": self.res,
-                   "cpu": {**self.cpu, "wall": cpu_now - self.cpu0}}
+                   "cpu": {**self.cpu, "wall": cpu_now - self.cpu0}, "runq": 1e-9 * (runq_now - self.runq0),
+                   "launch": self.launch, "tags": self.tags}
             with self.lock:
                 rec["worker"], self.worker_s = self.worker_s, 0.0
                 fwd, self.fwd = self.fwd, {}
@@ -108,10 +135,11 @@ class StepTimer:
                 self.flush()  # idle iterations cost nothing to the measured steps
             if self.profile is not None:
                 self._profile(idle)
-        self.t0, self.cpu0 = now, cpu_now
+        self.t0, self.cpu0, self.runq0 = now, cpu_now, runq_now
         self.spans = dict.fromkeys(SPANS, 0.0)
         self.cpu = dict.fromkeys(SPANS, 0.0)
-        self.run = self.res = None
+        self.run = self.res = self.launch = None
+        self.tags = {}
 
     def _profile(self, idle: bool) -> None:
         self.profile.disable()
@@ -135,6 +163,19 @@ class StepTimer:
         if self.stack:
             self.stack[-1][2] += dt
             self.stack[-1][4] += dcpu
+
+    def carve(self, name: str, dt: float) -> None:
+        """Move `dt` seconds of the innermost open span to `name` (a sub-interval timed elsewhere,
+        e.g. the controller's own planner clock; its CPU share is taken as equal to its wall)."""
+        if not self.t0 or not self.stack:
+            return
+        self.spans[name] += dt
+        self.cpu[name] += dt
+        self.stack[-1][2] += dt
+        self.stack[-1][4] += dt
+
+    def tag(self, name: str, n: int = 1) -> None:
+        self.tags[name] = self.tags.get(name, 0) + n
 
     def add_worker(self, dt: float) -> None:
         with self.lock:
@@ -161,6 +202,27 @@ class StepTimer:
             self.buf.clear()
 
 
+# Module-level helpers for Branchwise's own code: each is a no-op without a timer (normal serving).
+def switch(t: StepTimer | None, name: str | None) -> None:
+    """Close the TAPER span open on top of the stack (if any) and open `name` (None: only close)."""
+    if t is None or not t.t0:
+        return
+    if t.stack and t.stack[-1][0] in TAPER_SPANS:
+        t.exit()
+    if name is not None:
+        t.enter(name)
+
+
+def carve(t: StepTimer | None, name: str, dt: float) -> None:
+    if t is not None:
+        t.carve(name, dt)
+
+
+def tag(t: StepTimer | None, name: str, n: int = 1) -> None:
+    if t is not None:
+        t.tag(name, n)
+
+
 def _timed(t: StepTimer | None, name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
     if t is None or not t.t0:
         return orig(*args, **kwargs)
@@ -181,7 +243,9 @@ ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
 
 
 def build(scheduler: Any, config: Any) -> StepTimer | None:
-    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file.
+    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file
+    and, beside it (`path + ".meta.json"`), the server's Branchwise settings, so a reader can tell
+    which policy wrote which records.
 
     Built after Albireo's components: their worker threads report to it."""
     from sglang.srt.runtime_context import get_parallel
@@ -193,6 +257,8 @@ def build(scheduler: Any, config: Any) -> StepTimer | None:
         return None
     path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
     open(path, "w").close()
+    with open(path + ".meta.json", "w") as f:
+        json.dump({"port": scheduler.server_args.port, "config": config.as_dict() if config is not None else None}, f)
     t = StepTimer(path)
     setattr(scheduler.tp_worker.model_runner, ATTR, t)
     setattr(scheduler.tree_cache, ATTR, t)
@@ -218,9 +284,13 @@ def around_get_next_batch(orig: Any, self: Any, *args: Any, **kwargs: Any) -> An
 
 def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
     t = self.branchwise.timer
-    if t is not None:
-        t.run = _batch_key(batch)
-    return _timed(t, "prep", orig, self, batch, *args, **kwargs)
+    if t is None:
+        return orig(self, batch, *args, **kwargs)
+    t.run = _batch_key(batch)
+    try:
+        return _timed(t, "prep", orig, self, batch, *args, **kwargs)
+    finally:
+        t.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
 
 
 def around_forward(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:

@@ -17,6 +17,10 @@ import json
 import random
 from pathlib import Path
 from types import MappingProxyType
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 SPECIALS = ("<s>", "</s>", "<pad>", "<unk>", "<|im_start|>", "<|im_end|>")
 BRANCH_TAGS = (
@@ -54,7 +58,7 @@ def _corpus(seed: int, lines: int = 2000) -> list[str]:
     return out
 
 
-def build_tokenizer(seed: int, vocab_size: int = 440):
+def build_tokenizer(seed: int, vocab_size: int = 440) -> PreTrainedTokenizerFast:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -66,7 +70,7 @@ def build_tokenizer(seed: int, vocab_size: int = 440):
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(_corpus(seed), trainer=trainer)
-    tok.add_tokens([AddedToken(t, normalized=False, special=False) for t in BRANCH_TAGS])
+    tok.add_tokens([AddedToken(tag, normalized=False, special=False) for tag in BRANCH_TAGS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>",
         additional_special_tokens=["<|im_start|>", "<|im_end|>"],

@@ -56,16 +56,16 @@ INT32_MAX = 2**31 - 1
 def check_sampling_params(sampling_params: Any) -> None:
     """ValueError (HTTP 400) for what SGLang would pass on unchecked, in a request's sampling_params
     (a dict or, for a batch, a list of dicts; wrong types are SGLang's to judge): a malformed
-    custom_params (request_meta.MetaError, naming the field), an n above MAX_N (SGLang copies the
-    request n times before anything else looks at it), top_k / min_new_tokens past int32, and
-    logit_bias / repetition_penalty values that would make the sampler's float32 logits infinite."""
+    custom_params (request_meta.MetaError, naming the field), an n that is not an integer in
+    [1, MAX_N] (SGLang copies the request n times before anything else looks at it), top_k /
+    min_new_tokens past int32, and logit_bias / repetition_penalty values that would make the
+    sampler's float32 logits infinite."""
     for sp in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
         if not isinstance(sp, dict):
             continue
         request_meta.parse(sp.get("custom_params"))
-        n = sp.get("n")
-        if _is_num(n) and n > MAX_N:
-            raise ValueError(f"sampling_params.n must be at most {MAX_N}, got {request_meta.show(n)}")
+        if "n" in sp:
+            check_n(sp["n"])
         for key, hi in (("top_k", MAX_TOP_K), ("min_new_tokens", INT32_MAX)):
             v = sp.get(key)
             if _is_num(v) and v > hi:
@@ -80,6 +80,13 @@ def check_sampling_params(sampling_params: Any) -> None:
                 if _is_num(v) and not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
                     raise ValueError(f"sampling_params.logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
                                      f"{MAX_LOGIT_BIAS:g}], got {request_meta.show(v)}")
+
+
+def check_n(n: Any) -> None:
+    """The number of parallel samples: an integer in [1, MAX_N]. SGLang itself answers 200 with one
+    sample for n < 1, and an n that is no integer fails while it copies the request."""
+    if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
+        raise ValueError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {request_meta.show(n)}")
 
 
 def check_vocab_bounds(obj: Any, vocab_size: Any) -> None:

@@ -1,4 +1,4 @@
-"""Penalised branch rows that sit out steps under the default --branch-policy off equal serial runs.
+"""Penalised branch rows that sit out steps under --branch-policy off equal serial runs.
 
 Under policy off a phase decodes one branch per step (width 1), so its other branches are deferred
 while the first decodes and resume later. SGLang's overlap rule feeds the penalizers the newest
@@ -44,7 +44,7 @@ def deferred_rows(url: str) -> int:
 
 
 def test_deferred_penalised_branches_equal_their_serial_runs(servers):
-    srv = servers.get()  # the defaults: --branch-policy off, overlap scheduling on
+    srv = servers.get("--branch-policy", "off")  # overlap scheduling on (the default); test_client_fork's server
     url = srv.url
     serial = [alone(url, b) for b in range(FANOUT)]
     before = deferred_rows(url)

@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from branchwise import client, frontend_hook
-from branchwise.launch import branchwise_reports, cpu_env
+from branchwise.launch import branchwise_reports, cpu_env, post_json
 from frontends import fork_join
 from frontends.common import prefix_hits
 
@@ -84,3 +84,20 @@ def test_metrics_carry_the_dp_rank(runs):
     for rank in (0, 1):
         assert f'branchwise:candidate_branches_total{{dp_rank="{rank}"}}' in text
     assert 'branchwise:candidate_branches_total{dp_rank="0"}' in runs["dp1"]["metrics"]
+
+
+def test_n_samples_of_a_request_share_one_rank_and_its_cached_prompt(servers, runs):
+    """sampling_params.n = 4: the prefix pass and the 4 samples of each request go to one DP rank
+    (n_sampling.py gives them one routing key), so every sample's prompt comes from the prefix
+    cache (all but its last token, which SGLang always recomputes)."""
+    url = servers.get(*POLICY, "--dp-size", "2", env=DP_ENV).url  # the dp2 server of `runs`
+    sp = {"max_new_tokens": 8, "temperature": 0, "ignore_eos": True, "n": FANOUT}
+    outs = {k: post_json(url + "/generate", {"text": f"n-sample {k}: the list of steps is", "rid": f"dpn{k}",
+                                           "sampling_params": sp}) for k in range(6)}
+    for k, samples in outs.items():
+        assert len(samples) == FANOUT
+        assert len({o["meta_info"]["dp_rank"] for o in samples}) == 1, k
+        assert all(o["meta_info"]["cached_tokens"] == o["meta_info"]["prompt_tokens"] - 1 for o in samples), k
+    reports = branchwise_reports(url)
+    for k in outs:
+        assert sorted(rep["phase_rows"].get(f"dpn{k}_0", 0) for rep in reports.values()) == [0, FANOUT], k

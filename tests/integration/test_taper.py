@@ -192,23 +192,50 @@ def test_deferral_and_grammar_rows_on_the_forward_thread_match_eager(servers):
     assert ft["samples"] > 0 and ft["inline"] == 0 and ft["reasons"] == {}, ft
 
 
+def _stream(url: str, payload: dict, chunks: list[dict]) -> None:
+    """POST a streamed /generate and collect its chunks (the caller watches them arrive)."""
+    req = urllib.request.Request(url + "/generate", data=json.dumps(dict(payload, stream=True)).encode(),
+                                 headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=300) as r:
+        for line in r:
+            text = line.decode().strip()
+            if text.startswith("data:") and text != "data: [DONE]":
+                chunks.append(json.loads(text[len("data:"):]))
+
+
+def until(cond, what: str, timeout_s: float = 120.0) -> None:
+    """Poll a condition on the server's state (what the test waits for, not a duration)."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, f"not reached within {timeout_s:.0f} s: {what}"
+        time.sleep(0.05)
+
+
 def test_abort_of_a_deferred_branch_frees_its_kv(servers):
+    """Three long branches of one phase under an SLO that runs one row per step: once all three hold
+    KV (each streamed a token) and TAPER deferred rows among them, aborting them ends each with an
+    abort and frees every KV token, deferred rows included."""
     srv = servers.get(*TIGHT)
     assert wait_idle(srv.url) == 0
-
-    def long_branch(b):
-        sp = stamp({"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}, phase="ab", branch=b, fanout=3)
-        return post_json(srv.url + "/generate", {"text": "abort test", "rid": f"ab/b{b}", "sampling_params": sp})
-
+    chunks: list[list[dict]] = [[], [], []]
+    sp = {"max_new_tokens": 1500, "temperature": 0, "ignore_eos": True}
+    payloads = [{"text": "abort test", "rid": f"ab/b{b}", "sampling_params": stamp(sp, phase="ab", branch=b, fanout=3)}
+                for b in range(3)]
     with ThreadPoolExecutor(3) as pool:
-        futures = [pool.submit(long_branch, b) for b in range(3)]
-        time.sleep(1.0)  # let all three start decoding; under a 2 ms SLO at most one runs per step
+        futures = [pool.submit(_stream, srv.url, p, c) for p, c in zip(payloads, chunks, strict=True)]
+        until(lambda: all(chunks) or any(f.done() for f in futures), "all three branches decoding")
+        deferred = branchwise_report(srv.url)["taper"]["rows_deferred"]
+        until(lambda: branchwise_report(srv.url)["taper"]["rows_deferred"] > deferred,
+              "rows of the three decoding branches deferred")
+        assert not any(f.done() for f in futures)  # none finished: every abort hits a live (deferred) row
         for b in (2, 1, 0):  # the HTTP server only forwards aborts of rids it knows: one per branch
             post_json(srv.url + "/abort_request", {"rid": f"ab/b{b}"})
-        outs = [f.result(timeout=120) for f in futures]
-    for out in outs:
-        assert out["meta_info"]["finish_reason"]["type"] == "abort"
-        assert out["meta_info"]["completion_tokens"] < 1500
+        for f in futures:
+            f.result(timeout=120)
+    for c in chunks:
+        fr = c[-1]["meta_info"]["finish_reason"]
+        assert fr["type"] == "abort", fr
+        assert c[-1]["meta_info"]["completion_tokens"] < 1500
     assert wait_idle(srv.url) == 0
 
 

@@ -35,7 +35,7 @@ class _Recording(ForwardExecutor):
 
 
 def _job(i: int, **kw) -> ForwardJob:
-    return ForwardJob({"id": i, **kw}, placeholder=None, run=lambda b: None, done=HostEvent(), bs=1)
+    return ForwardJob(snapshot={"id": i, **kw}, placeholder=None, run=lambda snap: None, done=HostEvent(), rows=1)
 
 
 def test_jobs_run_in_submission_order_and_drain_waits_for_all():
@@ -165,9 +165,17 @@ def test_host_event_is_a_copy_done_drop_in():
 
 
 def test_drain_with_nothing_submitted_returns():
+    """drain() before any job returns at once (there is nothing to wait for), leaves the worker
+    running, and the executor still takes and runs the next job; close() stops the worker."""
     ex = _Recording()
+    assert ex.last is None and not ex.busy()
+    ex.drain()  # would block on a job that never comes if it waited for one (the suite's timeout ends it)
+    assert ex.order == [] and ex.thread.is_alive()
+    ex.submit(_job(7))
     ex.drain()
+    assert ex.order == [7] and not ex.busy()
     ex.close()
+    assert not ex.thread.is_alive()
 
 
 def test_forward_thread_spans_do_not_touch_the_scheduler_threads_span_stack(tmp_path):
@@ -449,7 +457,7 @@ def test_checkpoint_rewrite_of_a_row_waits_for_the_forward_in_flight_only_when_i
     setattr(tree, ft.ATTR, ex)  # as build attaches it to a tree cache whose checkpoint is guarded
     try:
         tree.new = torch.tensor([0, 1, 2, 3], dtype=torch.int64)  # the tree's indices == the row's: no wait
-        ex.submit(ForwardJob(gate, None, lambda b: None, HostEvent(), 1))
+        ex.submit(ForwardJob(snapshot=gate, placeholder=None, run=lambda snap: None, done=HostEvent(), rows=1))
         ft.around_checkpoint(Tree.checkpoint, tree, 0, up_to=4)
         assert ex.busy() and ex.stats.checkpoint_drains == 0
         assert "write" not in vars(tree.req_to_token_pool)  # the checked write is gone after the call

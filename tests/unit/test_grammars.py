@@ -318,16 +318,16 @@ def test_branch_mode_nested_and_done():
     bdet = MultiverseDetector(mode=Mode.BRANCH, index=1, label="2", depth=0)
     assert bdet.feed("B = 5\n") == []
     (ev,) = bdet.feed("</Path>\n<Path>\n3: sibling text")
-    assert ev == BranchClosed(1, "2", 0, len("B = 5\n</Path>")) and bdet.done
+    assert ev == BranchClosed(index=1, label="2", depth=0, at=len("B = 5\n</Path>")) and bdet.done
     assert bdet.text == "B = 5\n</Path>" and bdet.feed("x") == [] and bdet.finish() == []
     nested = MultiverseDetector(mode=Mode.BRANCH, index=0, label="1", depth=0)
     (op,) = nested.feed("x\n<Parallel>\n<Goal>\n<Outline>\n1.1: a\n</Outline>\n</Goal>\n")
     assert op.depth == 1 and op.headers == ("<Path>\n1.1: ",) and nested.paused
     assert nested.join("<Path>\n1.1: y\n</Path>\n<Conclusion>\n") == []
-    assert nested.feed("done\n</Conclusion>\n</Parallel>\n") == [PhaseClosed(1, nested.pos - 1)]
-    assert nested.feed("end\n</Path>") == [BranchClosed(0, "1", 0, nested.pos)]
+    assert nested.feed("done\n</Conclusion>\n</Parallel>\n") == [PhaseClosed(depth=1, at=nested.pos - 1)]
+    assert nested.feed("end\n</Path>") == [BranchClosed(index=0, label="1", depth=0, at=nested.pos)]
     sb = SprintDetector(mode="branch", index=2, label="3")
-    assert sb.feed("r\n</Execution>\n") == [BranchClosed(2, "3", 0, len("r\n</Execution>"))]
+    assert sb.feed("r\n</Execution>\n") == [BranchClosed(index=2, label="3", depth=0, at=len("r\n</Execution>"))]
 
 
 # ---- malformed input: clear errors, identical when streamed -------------------------------------

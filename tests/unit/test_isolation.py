@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from branchwise import fork, request_meta
+from branchwise import fork_state, request_meta
 from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
-from branchwise.taper.controller import StepController
+from branchwise.phases import fork_limit_error
+from branchwise.taper.controller import Delivery, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
 
@@ -85,7 +86,7 @@ def test_deliveries_use_the_same_keys_and_bounds():
     st = sh.BranchwiseState(CFG)
     reqs = [req("victim"), req("h/0", "victim", 0, slo_ms=0.001), req("h/1", "victim", 1, slo_ms=0.001)]
     delivered, ctx = sh._deliveries(st, reqs)
-    assert delivered == {"rid:victim": (1, 0.05, False), "phase:victim": (2, 0.025, True)}
+    assert delivered == {"rid:victim": Delivery(1, 0.05, False), "phase:victim": Delivery(2, 0.025, True)}
     assert ctx == 300
     assert set(delivered) == {sh._row(r, CFG).key for r in reqs}
 
@@ -94,13 +95,13 @@ def test_deliveries_use_the_same_keys_and_bounds():
 
 
 def test_fork_limit_error():
-    assert fork.fork_limit_error(16, [100] * 16, 0, 16, 10_000) is None
-    assert "exceeds --branch-max-fanout 16" in fork.fork_limit_error(17, [1] * 17, 0, 16, 10_000)
-    msg = fork.fork_limit_error(3, [4000] * 3, 0, 16, 10_000)
+    assert fork_limit_error(16, [100] * 16, 0, 16, 10_000) is None
+    assert "exceeds --branch-max-fanout 16" in fork_limit_error(17, [1] * 17, 0, 16, 10_000)
+    msg = fork_limit_error(3, [4000] * 3, 0, 16, 10_000)
     assert "would grant 12000 decode tokens" in msg and "--branch-max-branch-tokens 10000" in msg
     # live branches of the same request (an enclosing phase, an earlier round) count too
-    assert fork.fork_limit_error(2, [3000] * 2, 3000, 16, 10_000) is None
-    assert fork.fork_limit_error(2, [3000] * 2, 4001, 16, 10_000) is not None
+    assert fork_limit_error(2, [3000] * 2, 3000, 16, 10_000) is None
+    assert fork_limit_error(2, [3000] * 2, 4001, 16, 10_000) is not None
 
 
 def test_fork_manager_encode_cache_is_bounded():
@@ -112,12 +113,12 @@ def test_fork_manager_encode_cache_is_bounded():
             return [len(text)]
 
     sched = SimpleNamespace(tokenizer=Tok(), max_total_num_tokens=16384)
-    mgr = fork.ForkManager(sched, BranchwiseConfig())
+    mgr = fork_state.ForkManager(sched, BranchwiseConfig())
     assert mgr.max_branch_tokens == 16384  # auto: the KV pool size
     assert mgr.cfg.branch_max_fanout == 16
-    for i in range(3 * fork.ENC_CACHE):  # headers carry client text: one new text per request
+    for i in range(3 * fork_state.ENC_CACHE):  # headers carry client text: one new text per request
         assert mgr.encode(f"<Path>\n{i}: ") == [len(f"<Path>\n{i}: ")]
-    assert mgr.report()["sizes"]["enc_cache"] == fork.ENC_CACHE
+    assert mgr.report()["sizes"]["enc_cache"] == fork_state.ENC_CACHE
     n = len(calls)
     assert mgr.encode("</Path>") == mgr.encode("</Path>") == [7] and len(calls) == n + 1  # still a cache
     assert mgr.encode("") == []

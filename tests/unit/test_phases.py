@@ -125,7 +125,7 @@ def test_release_and_drop_request():
     reg.open("r1/p0/b0", ("x", "y"), ("1", "2"))  # nested phase under branch 0
     open3(reg, "r10")  # shares the textual prefix "r1" but is another request
     assert len(reg) == 3
-    assert sorted(reg.drop_request("r1")) == ["r1/p0", "r1/p0/b0/p0"]
+    assert [p.phase_id for p in reg.drop_request("r1")] == ["r1/p0", "r1/p0/b0/p0"]  # outermost first
     assert ph.state is Stage.DONE and reg.of_branch("r1/p0/b0") is None
     assert reg.of_parent("r10") is not None and len(reg) == 1
     # phase names restart for a new request with the same rid; a finished parent can fork again
@@ -146,3 +146,29 @@ def test_branch_seed_is_stable_and_distinct():
     seeds = {branch_seed(7, f"r/p0/b{i}") for i in range(16)}
     assert len(seeds) == 16 and all(0 <= s < 2**63 for s in seeds)
     assert branch_seed(8, "r/p0/b0") != branch_seed(7, "r/p0/b0")
+
+
+def test_the_phase_state_is_the_record_the_lifecycle_reads():
+    """Parked parents, pending work and granted tokens are read off the phases, never kept beside them."""
+    reg = PhaseRegistry()
+    ph = reg.open("r", HDRS, ("1", "2", "3"), grants=[10, 20, 30])
+    assert ph.waiting and ph.pending and ph.granted() == 60  # cut at the fork: park and spawn pending
+    ph.park()
+    assert ph.waiting and not ph.pending and ph.granted() == 60
+    ph.close_branch(1, "x")
+    assert ph.granted() == 40 and not ph.pending  # an ended branch gives its grant back by ending
+    inner = reg.open("r/p0/b0", ("a", "b"), ("1", "2"), grants=[5, 5])  # branch 0 forks again
+    assert [p.phase_id for p in reg.subtree("r")] == ["r/p0", "r/p0/b0/p0"]
+    assert reg.root_of("r/p0/b0/p0/b1") == "r" and reg.root_of("r") == "r"
+    assert sum(p.granted() for p in reg.subtree("r")) == 50
+    assert reg.in_state(Stage.FORKING) == [inner]
+    ph.close_branch(2, "y")
+    assert not ph.pending  # branch 0 is parked on its own phase
+    inner.park()
+    inner.close_branch(0, "a")
+    inner.close_branch(1, "b")
+    assert inner.pending and inner.granted() == 0  # join pending
+    released = reg.drop_request("r")  # an abort of the parent ends the nested phase with it
+    assert [p.phase_id for p in released] == ["r/p0", "r/p0/b0/p0"]
+    assert all(p.state is Stage.DONE and not p.waiting and not p.pending for p in released)
+    assert len(reg) == 0 and not reg.by_branch and not reg.by_parent and not reg.counts

@@ -138,6 +138,30 @@ def test_program_is_serial_then_stamped_fork_then_join_in_branch_order():
     assert rec.finished and rec.decomposable and rec.output_tokens == 12
 
 
+def test_a_best_of_n_program_is_one_request_of_n_samples():
+    sent = []
+
+    async def samples(url, text, sp, rid, *, input_ids=None, session=None) -> list[Generation]:
+        sent.append((input_ids, sp, rid))
+        m, now = sp["max_new_tokens"], time.perf_counter()
+        times = [now + 1e-4 * i for i in range(m)]
+        return [Generation("", [7] * m, {"completion_tokens": m, "finish_reason": {"type": "length"}}, rid, now,
+                           times[-1], times, [1] * m) for _ in range(sp["n"])]
+
+    run = Run("taper", [Outcome(RequestSpec("b0", 0.0, 5, (1, (4, 4, 4)), samples=True))])
+    live.execute(run, Target(DEAD, 40.0, generate=FakeGenerate(), samples=samples), 30.0, poll_s=0, progress=False)
+    (o,) = run.outcomes
+    assert o.finished and o.error is None
+    ((ids, sp, rid),) = sent
+    assert ids == programs.prompt_ids("b0", 5, 0) and sp["n"] == 3 and sp["max_new_tokens"] == 5
+    assert request_meta.parse(sp["custom_params"]).slo_tpot_ms == 40.0  # the server stamps the phase
+    assert [(p, len(t)) for p, t in o.stages] == [(True, 15)]
+    rec = o.record()
+    assert rec.finished and rec.decomposable and rec.output_tokens == 15
+    scaled = programs.scale_spec(RequestSpec("b1", 0.0, 100, (1, (40, 40)), samples=True), programs.Scaling())
+    assert scaled.samples and scaled.stages == (1, (12, 12))
+
+
 def test_live_fluid_bound_prices_the_contexts_the_client_sends():
     """Brute force over what the client really sends: each /generate of m tokens on n input ids is
     one prefill token and m - 1 decode rows at contexts n + 1 .. n + m - 1."""

@@ -76,7 +76,7 @@ def test_well_formed_stamps_and_absent_meta():
     assert parse(None) is parse({}) is parse({"other": [1]}) is parse({KEY: None}) is request_meta.SERIAL
     m = parse({KEY: {"phase": "g", "branch": 3.0, "fanout": 4, "slo_tpot_ms": 40, "weight": 0,
                      "grammar": "sprint"}})
-    assert m == RequestMeta("g", 3, 4, 40.0, 0.0, "sprint")
+    assert m == RequestMeta(phase="g", branch=3, fanout=4, slo_tpot_ms=40.0, weight=0.0, grammar="sprint")
     assert type(m.branch) is int and type(m.slo_tpot_ms) is float
 
 
@@ -109,13 +109,15 @@ def test_http_side_hooks_answer_400_for_any_client_error():
     assert validate.around_create_tokenized_object(lambda s, o, x: x + 1, object(), Obj(), 1) == 2
 
 
-def test_n_is_bounded_before_sglang_copies_the_request():
+def test_n_is_an_integer_in_range_before_sglang_copies_the_request():
     from branchwise import validate
 
-    validate.check_sampling_params({"n": validate.MAX_N})
-    validate.check_sampling_params({"n": "many"})  # a wrong type is SGLang's own 400
-    for sp in ({"n": validate.MAX_N + 1}, [{}, {"n": 2**40}]):
-        with pytest.raises(ValueError, match="^sampling_params.n must be at most"):
+    for n in (1, 2, validate.MAX_N):
+        validate.check_sampling_params({"n": n})
+    validate.check_sampling_params({})
+    for sp in ({"n": validate.MAX_N + 1}, [{}, {"n": 2**40}], {"n": 0}, {"n": -2}, {"n": 2.5}, {"n": 2.0},
+               {"n": "3"}, {"n": [2]}, {"n": True}, {"n": None}, {"n": 10**400}):
+        with pytest.raises(ValueError, match=r"^sampling_params.n must be an integer in \[1, 128\]"):
             validate.check_sampling_params(sp)
 
 

@@ -64,10 +64,6 @@ def test_tokens_conserved_and_resources_released(small, policy: str) -> None:
 @pytest.mark.parametrize("policy", ["off", "eager", "taper", "taper-paper"])
 def test_multi_step_windows_are_exact(small, policy: str) -> None:
     """Running provably identical steps in one go gives the same deliveries as stepping one by one."""
-    from branchwise.taper import POLICY_NAMES
-
-    if policy not in POLICY_NAMES:
-        pytest.skip(f"{policy} not defined yet")
     specs = small[1][:100]
     runs = [_run(specs, policy, noise=0.0, macro_steps=m)[1] for m in (True, False)]
     assert runs[0].stats["iterations"] < runs[1].stats["iterations"]
@@ -192,7 +188,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
         sched.waiting_queue = [None] * waiting
         reqs = []
         for r in rows:
-            meta = (request_meta.RequestMeta(r.key.removeprefix("phase:"), r.order, r.fanout) if r.phase
+            meta = (request_meta.RequestMeta(r.key.removeprefix("phase:"), r.order) if r.phase
                     else request_meta.SERIAL)
             rid = r.key.removeprefix("rid:") if not r.phase else f"{r.key}/{r.order}"
             done = last_seen[(r.key, r.order)] == i
@@ -222,10 +218,6 @@ def test_simulator_drives_the_controller_as_the_scheduler_hook_does(policy: str,
     """One step sequence through both paths: the simulator's HookDriver, and the hook's own code on
     the same rows, clocks and queue length (max_running 5: requests wait). Every step's active rows
     agree, so the widths do."""
-    from branchwise.taper import POLICY_NAMES
-
-    if policy == "taper-paper" and policy not in POLICY_NAMES:
-        pytest.skip("taper-paper not defined yet")  # the paper's rule gets this name with the taper rework
     specs = [RequestSpec("a", 0.0, 50, (3, (30, 22, 41, 9), 5)), RequestSpec("b", 0.05, 400, (60,)),
              RequestSpec("c", 0.1, 80, (2, (25, 25, 25), 4, (12, 30), 3)), RequestSpec("d", 0.4, 3000, (70,)),
              RequestSpec("e", 0.45, 30, (4, (15, 20), 6))]

@@ -141,7 +141,7 @@ def test_armed_decode_forward_exchanges_once_and_restores_the_gatherer(st, monke
     assert vars(lp)[sp.ATTR] is st and st.model is r.model  # the model's processors found the state
     assert isinstance(lp.used[0], sp._AllToAll)  # swapped for the call, then restored
     assert lp._logits_gatherer == lp.stock_gather and lp.stock_calls == 0
-    assert fb._branchwise_sp_exchange.done and fb._branchwise_sp_exchange.bs == 5
+    assert fb._branchwise_sp_exchange.done and fb._branchwise_sp_exchange.batch_size == 5
     assert torch.equal(got["logits"], hidden[:3] * 2)  # rank 0's ceil(5/2) rows
     assert lp.get_logits(hidden, SimpleNamespace(forward_mode=mode(True))).shape == (5, V)  # not armed
     assert lp.stock_calls == 1
@@ -214,7 +214,7 @@ def test_row_block_gets_its_own_rows_of_bias_and_penalties(st, monkeypatch):
     bias = torch.arange(5 * V, dtype=torch.float32).view(5, V)
     add = torch.full((5, V), -0.5)
     fb = fbatch(5, logit_bias=bias, acc_additive_penalties=add)
-    fb._branchwise_sp_exchange = sp.ExchangePlan(bs=5, done=True)
+    fb._branchwise_sp_exchange = sp.ExchangePlan(batch_size=5, done=True)
     block = torch.ones(3, V)
     seen = {}
 

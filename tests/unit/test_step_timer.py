@@ -89,3 +89,50 @@ def test_build_wires_the_timer_where_its_hooks_and_albireos_workers_find_it(tmp_
     assert t.spans["stream"] >= 0.01
     sender.close()
     forward.close()
+
+
+def test_taper_spans_are_carved_out_of_their_sglang_span_and_tagged(tmp_path):
+    from branchwise import step_timer
+
+    t = StepTimer(str(tmp_path / "steps.jsonl"))
+    t.begin_iteration(time.perf_counter())
+    t.enter("sched")
+    step_timer.switch(t, "taper_rows")
+    time.sleep(0.002)
+    step_timer.switch(t, "taper_plan")
+    time.sleep(0.004)
+    step_timer.carve(t, "taper_planner", 0.003)  # of the plan's 4 ms, 3 were the policy's
+    step_timer.switch(t, None)
+    step_timer.tag(t, "deferred", 3)
+    time.sleep(0.001)
+    t.exit()
+    t.launch, t.run = [7, 1.5], ["decode", 4]
+    t.begin_iteration(time.perf_counter())
+    rec = json.loads(t.buf[0])
+    assert rec["taper_rows"] >= 0.002 and rec["taper_planner"] == 0.003 and rec["taper_plan"] >= 0.001
+    assert rec["sched"] >= 0.001  # its own millisecond; the TAPER spans are not in it (exclusive):
+    assert sum(rec[k] for k in ("sched", "taper_rows", "taper_plan", "taper_planner")) <= rec["wall"]
+    assert rec["tags"] == {"deferred": 3} and rec["launch"] == [7, 1.5] and rec["runq"] >= 0.0
+    step_timer.switch(None, "taper_rows")  # no timer (normal serving): nothing happens
+    step_timer.carve(None, "taper_planner", 1.0)
+
+
+def test_step_account_counts_consecutive_decode_launches_and_adds_up():
+    from bench.step_account import account, equal_rows, steps
+
+    def rec(it, ts, rows, phase=True, fwd=0.002, wall=0.003, res="decode"):
+        spans = dict.fromkeys(("recv", "sched", "prep", "sample", "result", "stream", "taper_rows", "taper_plan",
+                               "taper_planner", "taper_subset", "taper_deliver"), 0.0001)
+        return {**spans, "forward": fwd, "wall": wall, "runq": 0.0, "run": ["decode", rows], "res": [res, rows],
+                "launch": [it, ts], "tags": {"phase_rows": 1} if phase else {},
+                "cpu": {**spans, "forward": fwd, "wall": wall}}
+
+    recs = [rec(1, 0.0, 4), rec(2, 0.003, 4), rec(3, 0.006, 4, phase=False), rec(5, 0.012, 4), rec(6, 0.015, 5)]
+    counted = steps(recs)
+    assert [r["launch"][0] for r in counted] == [2, 6]  # a serial step and a gap in forward_iter do not count
+    acc = account(counted)
+    assert abs(acc["ms"]["step"] - 3.0) < 1e-9 and abs(acc["spans_ms"] - 3.1) < 1e-9  # 2 + 11 spans of 0.1
+    assert abs(acc["rows"] - 4.5) < 1e-9
+    many = [rec(i, 0.003 * i, 4) for i in range(1, 60)]
+    eq = equal_rows(steps(many), steps(many))
+    assert eq["points"][0]["rows"] == 4 and eq["mean_diff_ms"] == 0.0 and eq["cpu_diff_ms"] == 0.0

@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch, StepPlan
 from branchwise.taper.policies import Policy, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
@@ -42,16 +42,16 @@ class Spy:
 
 def rows_of(reqs: list[tuple]) -> list[Row]:
     """Request i has key "k{i}"; several rows make a phase. Listed in reverse, as a batch may be."""
-    rows = [Row(f"k{i}", b, c, SLO, w, len(lens) > 1, len(lens)) for i, (lens, _, _, w) in enumerate(reqs)
+    rows = [Row(key=f"k{i}", order=b, ctx=c, slo_s=SLO, weight=w, phase=len(lens) > 1) for i, (lens, _, _, w) in enumerate(reqs)
             for b, c in enumerate(lens)]
     return rows[::-1]
 
 
 def start_clocks(ctl: StepController, reqs: list[tuple], now: float) -> None:
     for i, (lens, age, tokens, _) in enumerate(reqs):
-        ctl.on_step_done({f"k{i}": (0, SLO, len(lens) > 1)}, now - age, 0)
+        ctl.on_step_done({f"k{i}": Delivery(0, SLO, len(lens) > 1)}, now - age, 0)
         if tokens:
-            ctl.on_step_done({f"k{i}": (tokens, SLO, len(lens) > 1)}, now - age / 2, 0)
+            ctl.on_step_done({f"k{i}": Delivery(tokens, SLO, len(lens) > 1)}, now - age / 2, 0)
 
 
 def by_hand(ctl: StepController, reqs: list[tuple], now: float, waiting: int) -> ArrayBatch:

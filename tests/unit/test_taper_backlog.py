@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch, StepPlan
 from branchwise.taper.policies import Policy, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
@@ -22,13 +22,13 @@ def trapped(ctl: StepController, serial: int = 24, phases: int = 8, fanout: int 
     """`steps` steps at `step_s` each (just inside the 16 ms SLO): every serial request got a token
     per step, every phase ran one branch per step (what taper-paper does once protected rows fill
     its budget). Returns the live rows and the time of the next plan (one more step later)."""
-    rows = [Row(f"s{i}", 0, 300, SLO) for i in range(serial)]
-    rows += [Row(f"p{p}", b, 300, SLO, phase=True, fanout=fanout) for p in range(phases) for b in range(fanout)]
+    rows = [Row(key=f"s{i}", ctx=300, slo_s=SLO) for i in range(serial)]
+    rows += [Row(key=f"p{p}", order=b, ctx=300, slo_s=SLO, phase=True) for p in range(phases) for b in range(fanout)]
     t = 0.0
-    ctl.on_step_done({r.key: (0, SLO, r.phase) for r in rows}, t, 0)  # clocks start (first tokens)
+    ctl.on_step_done({r.key: Delivery(0, SLO, r.phase) for r in rows}, t, 0)  # clocks start (first tokens)
     for _ in range(steps):
         t += step_s
-        ctl.on_step_done({r.key: (1, SLO, r.phase) for r in rows if r.order == 0}, t, serial + phases)
+        ctl.on_step_done({r.key: Delivery(1, SLO, r.phase) for r in rows if r.order == 0}, t, serial + phases)
     return rows, t + step_s
 
 
@@ -160,13 +160,13 @@ def test_taper_is_the_paper_rule_with_plentiful_slack_or_without_slo():
 
 def test_stage_mean_slack_banks_a_fast_stage():
     ctl = StepController(parse_policy("taper", model=CPU))
-    ctl.on_step_done({"s": (0, SLO, False)}, 0.0, 0)
+    ctl.on_step_done({"s": Delivery(0, SLO, False)}, 0.0, 0)
     for i in range(1, 11):
-        ctl.on_step_done({"s": (1, SLO, False)}, i * 0.010, 1)  # 10 ms per token against 16
+        ctl.on_step_done({"s": Delivery(1, SLO, False)}, i * 0.010, 1)  # 10 ms per token against 16
     assert ctl.trackers["s"].slack(0.100) == pytest.approx(11 * SLO - 0.100)
     paper = StepController(parse_policy("taper-paper", model=CPU))
-    paper.on_step_done({"s": (0, SLO, False)}, 0.0, 0)
-    paper.on_step_done({"s": (1, SLO, False)}, 0.1, 1)
+    paper.on_step_done({"s": Delivery(0, SLO, False)}, 0.0, 0)
+    paper.on_step_done({"s": Delivery(1, SLO, False)}, 0.1, 1)
     assert paper.trackers["s"].slack(0.1) == pytest.approx(SLO)
 
 
@@ -178,12 +178,12 @@ def test_keys_leave_with_their_last_row(policy):
     t = 0.0
     for p in range(10_000):
         key = f"ph{p % 97}"  # phase ids are reused: a reused id must start a fresh clock
-        rows = [Row(key, 0, 50, SLO, phase=True, fanout=2), Row(key, 1, 50, SLO, phase=True, fanout=2),
-                Row(f"r{p}", 0, 50, SLO)]
+        rows = [Row(key=key, ctx=50, slo_s=SLO, phase=True), Row(key=key, order=1, ctx=50, slo_s=SLO, phase=True),
+                Row(key=f"r{p}", ctx=50, slo_s=SLO)]
         for _ in range(2):
             active = ctl.select(rows, t)
             t += 0.005
-            ctl.on_step_done({rows[i].key: (1, SLO, rows[i].phase) for i in active}, t, len(active))
+            ctl.on_step_done({rows[i].key: Delivery(1, SLO, rows[i].phase) for i in active}, t, len(active))
         if p == 0:
             assert set(ctl.trackers) == {key, "r0"}
         ctl.on_finished([key, f"r{p}"])
@@ -201,7 +201,7 @@ class BrokenModel:
 
 def test_planner_error_runs_every_row_and_logs_once(caplog):
     ctl = StepController(Policy("broken", BrokenModel(), rho=0.8))  # type: ignore[arg-type]
-    rows = [Row("p", b, 10, SLO, phase=True, fanout=3) for b in range(3)] + [Row("s", 0, 10, SLO)]
+    rows = [Row(key="p", order=b, ctx=10, slo_s=SLO, phase=True) for b in range(3)] + [Row(key="s", ctx=10, slo_s=SLO)]
     with caplog.at_level("ERROR", logger="branchwise"):
         for i in range(3):
             assert ctl.select(rows, 0.01 * i) == [0, 1, 2, 3]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel, OnlineRefit
 
@@ -10,8 +10,8 @@ MODEL = LinearLatencyModel(c0=2e-3, c_seq=1e-3, c_ctx=0.0)
 
 
 def rows(phases: int = 2, fanout: int = 4, serial: int = 2, slo_s: float = 0.05) -> list[Row]:
-    out = [Row(f"ph{p}", b, 100, slo_s, phase=True, fanout=fanout) for p in range(phases) for b in range(fanout)]
-    return out + [Row(f"r{i}", 0, 100, slo_s) for i in range(serial)]
+    out = [Row(key=f"ph{p}", order=b, ctx=100, slo_s=slo_s, phase=True) for p in range(phases) for b in range(fanout)]
+    return out + [Row(key=f"r{i}", ctx=100, slo_s=slo_s) for i in range(serial)]
 
 
 def keys(rs: list[Row], active: list[int]) -> dict[str, int]:
@@ -31,7 +31,7 @@ def test_off_runs_one_row_per_request_and_eager_runs_all():
 
 def test_forced_rows_always_run():
     rs = rows(phases=1, serial=0)
-    rs[3] = Row("ph0", 3, 100, 0.05, phase=True, fanout=4, forced=True)  # abort pending
+    rs[3] = Row(key="ph0", order=3, ctx=100, slo_s=0.05, phase=True, forced=True)  # abort pending
     active = StepController(parse_policy("off", model=MODEL)).select(rs, 0.0)
     assert active == [0, 3]
 
@@ -41,7 +41,7 @@ def test_taper_paper_width_follows_slack():
     ctl = StepController(parse_policy("taper-paper", model=MODEL, rho=0.8))
     wide = keys(rs, ctl.select(rs, 0.0))  # fresh requests: full SLO of slack (40 ms budget)
     assert wide == {"ph0": 4, "ph1": 4, "r0": 1, "r1": 1}
-    ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
+    ctl.on_step_done({"r0": Delivery(1, 0.05, False)}, 0.0, 1)
     tight = keys(rs, ctl.select(rs, 0.046))  # r0 last delivered 46 ms ago: 4 ms slack, 3.2 ms budget
     assert tight == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
     assert ctl.stats.candidates == 12 and ctl.stats.admitted == 6 and ctl.stats.rows_deferred == 6
@@ -53,7 +53,7 @@ def test_pipeline_bubble_reserves_the_next_protected_step():
     rs = rows()
     plain, bubbled = (StepController(parse_policy("taper-paper", model=MODEL, rho=0.8)) for _ in range(2))
     for ctl in (plain, bubbled):
-        ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
+        ctl.on_step_done({"r0": Delivery(1, 0.05, False)}, 0.0, 1)
     # r0: 14 ms of slack -> budget 11.2 ms -> 9 rows; with the reserve: 8 ms -> 6.4 ms -> 4 rows
     assert len(plain.select(rs, 0.036)) == 9 and plain.stats.bubble_steps == 0
     assert keys(rs, bubbled.select(rs, 0.036, bubble=True)) == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
@@ -70,7 +70,7 @@ def test_no_replan_holds_width_fixed_at_phase_start():
     rs = rows(phases=1, serial=1)
     ctl = StepController(parse_policy("taper-no-replan", model=MODEL))
     assert keys(rs, ctl.select(rs, 0.0))["ph0"] == 4
-    ctl.on_step_done({"r0": (1, 0.05, False)}, 0.0, 1)
+    ctl.on_step_done({"r0": Delivery(1, 0.05, False)}, 0.0, 1)
     assert keys(rs, ctl.select(rs, 0.046))["ph0"] == 4  # a replanning taper would contract here
 
 
@@ -80,6 +80,6 @@ def test_latency_feeds_online_refit_and_forget_drops_state():
     for i in range(40):
         ctl.on_latency(1 + i % 8, 100 * (1 + i % 8) + 37 * (i % 3), 5e-3 + 2e-3 * (1 + i % 8))
     assert model.c_seq > 1e-3  # moved toward the realized 2 ms/row
-    ctl.on_step_done({"a": (1, 0.05, False), "b": (2, 0.05, True)}, 0.0, 3)
+    ctl.on_step_done({"a": Delivery(1, 0.05, False), "b": Delivery(2, 0.05, True)}, 0.0, 3)
     ctl.forget({"a"})
     assert set(ctl.trackers) == {"a"}

@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.controller import Row, StepController
+from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch
 from branchwise.taper.policies import CONST_REF, POLICY_NAMES, Policy, parse_policy, parse_policy_name
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
@@ -40,7 +40,7 @@ def ready(a: ArrayBatch) -> dict[str, int]:
     return dict(zip(a.rids, a.ready.tolist(), strict=True))
 
 
-@pytest.mark.parametrize("name", ["off", "eager", "taper", "taper-no-slack", "taper-no-replan",
+@pytest.mark.parametrize("name", ["stock", "off", "eager", "taper", "taper-no-slack", "taper-no-replan",
                                   "taper-const-predictor", "cap:1", "cap:3", " TAPER ", "cap:007"])
 def test_parse_valid_names(name):
     policy = parse_policy(name)
@@ -58,7 +58,7 @@ def test_parse_invalid_names_say_what_is_valid(name):
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
                             "taper-no-backlog", "taper-no-defer-cost", "taper-paper", "taper-no-slack",
-                            "taper-no-replan", "taper-const-predictor")
+                            "taper-no-replan", "taper-const-predictor", "stock")
 
 
 def test_bad_rho_and_utility_are_rejected():
@@ -76,10 +76,11 @@ def test_bad_rho_and_utility_are_rejected():
 def test_off_eager_and_caps(batch, k):
     off = widths(parse_policy("off"), batch)
     eager = widths(parse_policy("eager"), batch)
+    stock = widths(parse_policy("stock"), batch)
     cap = widths(parse_policy(f"cap:{k}"), batch)
     for rid, n in ready(batch).items():
         assert off[rid] == 1
-        assert eager[rid] == n
+        assert eager[rid] == stock[rid] == n
         assert cap[rid] == min(n, k)
 
 
@@ -136,11 +137,11 @@ def test_no_replan_pins_width_at_phase_start_and_holds_it():
 def test_pin_rule_pins_only_phases_and_only_once():
     """The controller keeps the pins: a phase's width at its first plan, never a serial request's;
     a pinned phase keeps its pin while its budget collapses. Replanning policies pin nothing."""
-    rows = [Row("par", b, 2000, 0.05, phase=True, fanout=6) for b in range(6)] + [Row("ser", 0, 3000, 0.05)]
+    rows = [Row(key="par", order=b, ctx=2000, slo_s=0.05, phase=True) for b in range(6)] + [Row(key="ser", ctx=3000, slo_s=0.05)]
     ctl = StepController(parse_policy("taper-no-replan", model=MODEL, rho=1.0))
     assert len(ctl.select(rows, 0.0)) == 7
     assert ctl.fixed == {"par": 6}
-    ctl.on_step_done({"ser": (1, 0.05, False)}, 0.0, 1)
+    ctl.on_step_done({"ser": Delivery(1, 0.05, False)}, 0.0, 1)
     assert len(ctl.select(rows[1:], 0.06)) == 6  # "ser" is 10 ms late: the pin holds all 5 rows
     assert ctl.fixed == {"par": 6}
     taper = StepController(parse_policy("taper", model=MODEL))

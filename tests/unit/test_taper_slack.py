@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from branchwise.taper.controller import SlackTracker, StepController
+from branchwise.taper.controller import Delivery, SlackTracker, StepController
 from branchwise.taper.planner import ArrayBatch
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
@@ -87,7 +87,7 @@ def test_tracker_serial_phase_serial():
     assert (0.08 - t.phase_start_s) / t.phase_tokens == pytest.approx(0.01)  # effective TPOT so far
     # after the reduce the request's serial rows carry their own key: a fresh clock from the reduce
     ctl = StepController(parse_policy("taper-paper", model=MODEL))
-    ctl.on_step_done({"rid:a": (0, SLO, False)}, 0.10, 0)
+    ctl.on_step_done({"rid:a": Delivery(0, SLO, False)}, 0.10, 0)
     assert not ctl.trackers["rid:a"].in_phase and ctl.trackers["rid:a"].slack(0.12) == pytest.approx(0.03)
 
 

@@ -194,3 +194,17 @@ def test_stationary_schedule_holds_its_rate_from_any_place(azure: Trace) -> None
         assert s.arrival_s.max() < 1200.0 and len(set(s.row.tolist())) == len(s)
     assert len({int(s.row[0]) for s in runs}) == 3  # each seed reads another part of the trace
     np.testing.assert_array_equal(stationary_schedule(azure, 0.8, 1200.0, 1).arrival_s, runs[1].arrival_s)
+
+
+def test_best_of_n_requests_are_n_samples_of_the_traces_output(azure: Trace) -> None:
+    sched = build_schedule(azure, "rate:2", compress=6)
+    reqs = compose(azure, sched, "best-of-n", seed=1)
+    want = np.maximum(azure.output_tokens[sched.row], 2)
+    samples = [r for r in reqs if r.samples]
+    assert len(samples) / len(reqs) == pytest.approx(PRESETS["best-of-n"].pdr, abs=0.03)
+    assert {len(r.stages[1]) for r in samples} == set(range(2, 9))  # n drawn from 2..8
+    for r, length in zip(reqs, want, strict=True):
+        if r.samples:  # the prefill's first token, then n samples of the rest: each as long as the trace's
+            assert r.stages[0] == 1 and len(r.stages) == 2 and set(r.stages[1]) == {max(length - 1, 1)}
+        else:
+            assert r.stages == (length,) and not r.decomposable

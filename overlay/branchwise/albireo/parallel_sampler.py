@@ -1,31 +1,27 @@
-"""Sequence-parallel sampling (from Albireo) for SGLang's torch sampling path.
+"""Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import.
 
-Stock SGLang all-gathers the vocab-sharded logits and every TP rank samples the whole batch.
-Here each of the t ranks samples only its block of ceil(bs/t) rows and the token ids are
-all-gathered, so the sampler's cost per rank drops by ~t:
-
-    vocab-sharded [bs, V/t] --all_to_all_single--> batch-sharded [bs/t, V] --sample--> ids
-    --all_gather--> [bs] on every rank
-
-Sampling math mirrors SGLang 0.5.23 `Sampler.forward` (srt/layers/sampler.py): argmax when the
-whole batch is greedy; else temperature, softmax, then `sampling_from_probs_torch` (no filters)
-or `top_k_top_p_min_p_sampling_from_probs_torch`. With per-request seeds the noise is the
-counter-based `multinomial_with_seed` (seeded_rng.py), so a row's token does not depend on which
-rank samples it, and t = 1, 2, 4 ... give identical tokens. Deviations from stock, both needed for
-that guarantee: the descending sort is stable (ties ordered by token id, whatever the batch
-shape), and min-p works with seeds (stock asserts; Gumbel-max needs no renormalisation).
-Without seeds each rank uses its own torch RNG: still one draw per row and consistent ids on all
-ranks (they are gathered), just not reproducible across t.
+Each of the t TP ranks samples only its block of ceil(bs/t) rows and the token ids are
+all-gathered, so the sampler's cost per rank drops by ~t. `sample_rows` mirrors SGLang 0.5.23's
+`Sampler.forward`; with per-request seeds its noise is the counter-based `multinomial_with_seed`
+(seeded_rng.py), so a row's token does not depend on the rank that samples it and t = 1, 2, 4 ...
+give identical tokens. `exchange_rows` is the all-to-all that turns vocab-sharded logits into
+batch-sharded ones. The math, the two deviations from stock that the guarantee needs, and the
+exchange's traffic: docs/design/albireo-parallel-sampling.md.
 """
+
+from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, fields
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from branchwise.albireo.seeded_rng import multinomial_with_seed
+
+if TYPE_CHECKING:
+    from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 # In place on a row block's logits [k, V], given the block's batch rows (a slice of length k):
 # what SGLang applies to full rows before sampling (penalties, logit_bias), restricted to the block.
@@ -69,21 +65,21 @@ class RowParams:
         seed: list[int] | None = None,
         position: list[int] | None = None,
         device: torch.device | str = "cpu",
-    ) -> "RowParams":
+    ) -> RowParams:
         """From per-request values, normalised like SGLang's SamplingParams (temperature 0 -> greedy)."""
-        n = len(temperature)
-        top_p = top_p or [1.0] * n
-        top_k = [TOP_K_ALL if k == -1 else k for k in top_k or [-1] * n]
-        min_p = min_p or [0.0] * n
-        greedy = [t < _SAMPLING_EPS for t in temperature]
-        temps = [1.0 if g else t for g, t in zip(greedy, temperature, strict=True)]
-        top_k = [1 if g else k for g, k in zip(greedy, top_k, strict=True)]
+        rows = len(temperature)
+        top_p = top_p or [1.0] * rows
+        top_k = [TOP_K_ALL if k == -1 else k for k in top_k or [-1] * rows]
+        min_p = min_p or [0.0] * rows
+        greedy = [temp < _SAMPLING_EPS for temp in temperature]
+        temps = [1.0 if is_greedy else temp for is_greedy, temp in zip(greedy, temperature, strict=True)]
+        top_k = [1 if is_greedy else k for is_greedy, k in zip(greedy, top_k, strict=True)]
 
-        def f32(v: list[float]) -> torch.Tensor:
-            return torch.tensor(v, dtype=torch.float32, device=device)
+        def f32(values: list[float]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.float32, device=device)
 
-        def i64(v: list[int] | None) -> torch.Tensor | None:
-            return None if v is None else torch.tensor(v, dtype=torch.int64, device=device)
+        def i64(values: list[int] | None) -> torch.Tensor | None:
+            return None if values is None else torch.tensor(values, dtype=torch.int64, device=device)
 
         return cls(
             temperatures=f32(temps),
@@ -94,13 +90,13 @@ class RowParams:
             positions=i64(position),
             all_greedy=all(k <= 1 for k in top_k),
             need_top_k=any(k != TOP_K_ALL for k in top_k),
-            need_top_p=any(p != 1.0 for p in top_p),
-            need_min_p=any(p > 0 for p in min_p),
+            need_top_p=any(prob != 1.0 for prob in top_p),
+            need_min_p=any(prob > 0 for prob in min_p),
         )
 
     @classmethod
-    def from_sampling_info(cls, info: Any, positions: torch.Tensor) -> "RowParams":
-        """From SGLang's SamplingBatchInfo (duck-typed: no sglang import) and forward positions."""
+    def from_sampling_info(cls, info: SamplingBatchInfo, positions: torch.Tensor) -> RowParams:
+        """From SGLang's SamplingBatchInfo (read by attribute: no sglang import) and forward positions."""
         seeds = info.sampling_seed  # set only under --enable-deterministic-inference
         return cls(
             temperatures=info.temperatures.view(-1),
@@ -115,70 +111,73 @@ class RowParams:
             need_min_p=info.need_min_p_sampling,
         )
 
-    def _map(self, fn: Any) -> "RowParams":
-        vals = {f.name: getattr(self, f.name) for f in fields(self)}
-        return RowParams(**{k: fn(k, v) if isinstance(v, torch.Tensor) else v for k, v in vals.items()})
+    def _map(self, fn: Callable[[str, torch.Tensor], torch.Tensor]) -> RowParams:
+        """A copy with `fn(field name, tensor)` applied to every tensor field."""
+        values = {fld.name: getattr(self, fld.name) for fld in fields(self)}
+        return RowParams(**{name: fn(name, value) if isinstance(value, torch.Tensor) else value
+                            for name, value in values.items()})
 
-    def rows(self, idx: slice | torch.Tensor) -> "RowParams":
+    def rows(self, index: slice | torch.Tensor) -> RowParams:
         """A subset of rows (slice or index tensor); the batch-wide switches are kept."""
-        return self._map(lambda _, v: v[idx])
+        return self._map(lambda _, tensor: tensor[index])
 
-    def to(self, device: torch.device | str) -> "RowParams":
-        return self._map(lambda _, v: v.to(device))
+    def to(self, device: torch.device | str) -> RowParams:
+        return self._map(lambda _, tensor: tensor.to(device))
 
-    def padded(self, n: int) -> "RowParams":
-        """Append n - self.n dummy greedy rows (they sample padding logits and are discarded)."""
-        extra = n - self.n
+    def padded(self, rows: int) -> RowParams:
+        """Append rows - self.n dummy greedy rows (they sample padding logits and are discarded)."""
+        extra = rows - self.n
         if extra <= 0:
             return self
         fill = {"temperatures": 1.0, "top_ps": 1.0, "top_ks": 1, "min_ps": 0.0, "seeds": 0, "positions": 0}
-        return self._map(lambda k, v: torch.cat([v, v.new_full((extra,), fill[k])]))
+        return self._map(lambda name, tensor: torch.cat([tensor, tensor.new_full((extra,), fill[name])]))
 
 
-def sample_rows(logits: torch.Tensor, p: RowParams) -> torch.Tensor:
+def sample_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """[n, V] logits (penalties, logit_bias, grammar masks already applied) -> [n] token ids.
 
     int64 ids when the batch is all greedy, int32 otherwise, as SGLang returns. Does not modify
     `logits`.
     """
-    assert logits.shape[0] == p.n, (logits.shape, p.n)
-    if p.all_greedy:
+    assert logits.shape[0] == params.n, (logits.shape, params.n)
+    if params.all_greedy:
         return torch.argmax(logits, -1)
     # SGLang divides in place (logits.div_): same rounding as dividing then casting back.
-    x = torch.div(logits, p.temperatures.view(-1, 1)).to(logits.dtype)
-    probs = torch.softmax(x, dim=-1)
-    if p.need_top_k or p.need_top_p or p.need_min_p:
-        return _sample_filtered(probs, p)
-    return _sample_plain(probs, p)
+    scaled = torch.div(logits, params.temperatures.view(-1, 1)).to(logits.dtype)
+    probs = torch.softmax(scaled, dim=-1)
+    if params.need_top_k or params.need_top_p or params.need_min_p:
+        return _sample_filtered(probs, params)
+    return _sample_plain(probs, params)
 
 
-def _sample_plain(probs: torch.Tensor, p: RowParams) -> torch.Tensor:
+def _sample_plain(probs: torch.Tensor, params: RowParams) -> torch.Tensor:
     """sampling_from_probs_torch: noise indexed by vocab id."""
-    if p.seeds is None:  # SGLang's default Gumbel trick (SGLANG_OPT_USE_GUMBEL_SAMPLE)
-        q = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0)
-        idx = (probs.float() / q.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
+    if params.seeds is None:  # SGLang's default Gumbel trick (SGLANG_OPT_USE_GUMBEL_SAMPLE)
+        noise = torch.empty_like(probs, dtype=torch.float32).exponential_(1.0)
+        ids = (probs.float() / noise.clamp_min_(torch.finfo(torch.float32).tiny)).argmax(-1)
     else:
-        assert p.positions is not None, "seeded sampling needs positions"
-        idx = multinomial_with_seed(torch.log(probs), p.seeds, p.positions)
-    return idx.view(-1).to(torch.int32)
+        assert params.positions is not None, "seeded sampling needs positions"
+        ids = multinomial_with_seed(torch.log(probs), params.seeds, params.positions)
+    return ids.view(-1).to(torch.int32)
 
 
-def _sample_filtered(probs: torch.Tensor, p: RowParams) -> torch.Tensor:
+def _sample_filtered(probs: torch.Tensor, params: RowParams) -> torch.Tensor:
     """top_k_top_p_min_p_sampling_from_probs_torch: noise indexed by sorted rank."""
+    # stable, unlike stock: ties ordered by token id whatever the batch shape (rank-independent noise)
     probs_sort, probs_idx = probs.sort(dim=-1, descending=True, stable=True)
     probs_sum = torch.cumsum(probs_sort, dim=-1)
     rank = torch.arange(probs_sort.shape[-1], device=probs.device).view(1, -1)
     # SGLang assigns through boolean masks; masked_fill_ is the same without a host sync.
-    probs_sort.masked_fill_(rank >= p.top_ks.view(-1, 1), 0.0)
-    probs_sort.masked_fill_((probs_sum - probs_sort) > p.top_ps.view(-1, 1), 0.0)
-    if p.need_min_p:
-        probs_sort.masked_fill_(probs_sort < (probs_sort[:, 0] * p.min_ps).view(-1, 1), 0.0)
-    if p.seeds is None:
-        idx = torch.multinomial(probs_sort, num_samples=1)
+    probs_sort.masked_fill_(rank >= params.top_ks.view(-1, 1), 0.0)
+    probs_sort.masked_fill_((probs_sum - probs_sort) > params.top_ps.view(-1, 1), 0.0)
+    if params.need_min_p:  # with seeds too (stock asserts): Gumbel-max needs no renormalisation
+        probs_sort.masked_fill_(probs_sort < (probs_sort[:, 0] * params.min_ps).view(-1, 1), 0.0)
+    if params.seeds is None:
+        picked = torch.multinomial(probs_sort, num_samples=1)
     else:
-        assert p.positions is not None, "seeded sampling needs positions"
-        idx = multinomial_with_seed(probs_sort.to(torch.float64).log_(), p.seeds, p.positions)
-    return torch.gather(probs_idx.to(torch.int32), 1, idx).view(-1)
+        assert params.positions is not None, "seeded sampling needs positions"
+        picked = multinomial_with_seed(probs_sort.to(torch.float64).log_(), params.seeds, params.positions)
+    return torch.gather(probs_idx.to(torch.int32), 1, picked).view(-1)
 
 
 def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
@@ -187,66 +186,67 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
     return dist.get_world_size(group), dist.get_rank(group)
 
 
-def rows_per_rank(bs: int, t: int) -> int:
-    """Row block of each rank: bs padded up to a multiple of t (collectives want equal blocks)."""
-    return -(-bs // t)
+def rows_per_rank(batch_size: int, tp_size: int) -> int:
+    """Row block of each rank: the batch padded up to a multiple of tp_size (collectives want equal blocks)."""
+    return -(-batch_size // tp_size)
 
 
-def own_rows(bs: int, t: int, rank: int) -> slice:
-    """The batch rows `rank` samples: its block of rows_per_rank rows, less padding past bs (maybe empty)."""
-    r = rows_per_rank(bs, t)
-    return slice(min(rank * r, bs), min((rank + 1) * r, bs))
+def own_rows(batch_size: int, tp_size: int, rank: int) -> slice:
+    """The batch rows `rank` samples: its block of rows_per_rank rows, less padding past the batch (maybe empty)."""
+    block = rows_per_rank(batch_size, tp_size)
+    return slice(min(rank * block, batch_size), min((rank + 1) * block, batch_size))
 
 
-def transform_own_rows(mine: torch.Tensor, bs: int, t: int, rank: int, fn: RowTransform) -> None:
-    """Apply `fn` to the real rows of my block [r, V] (padding rows are sampled, then discarded)."""
-    rows = own_rows(bs, t, rank)
+def transform_own_rows(mine: torch.Tensor, batch_size: int, tp_size: int, rank: int,
+                       transform: RowTransform) -> None:
+    """Apply `transform` to the real rows of my block [r, V] (padding rows are sampled, then discarded)."""
+    rows = own_rows(batch_size, tp_size, rank)
     if rows.stop > rows.start:
-        fn(mine[: rows.stop - rows.start], rows)
+        transform(mine[: rows.stop - rows.start], rows)
 
 
-def _pad_rows(x: torch.Tensor, n: int) -> torch.Tensor:
-    return x if x.shape[0] == n else torch.cat([x, x.new_zeros((n - x.shape[0], *x.shape[1:]))])
+def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
+    if tensor.shape[0] == rows:
+        return tensor
+    return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
-def _gather_ids(ids: torch.Tensor, bs: int, t: int, group: dist.ProcessGroup | None) -> torch.Tensor:
-    out = ids.new_empty((t * ids.shape[0],))
+def _gather_ids(ids: torch.Tensor, batch_size: int, tp_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+    out = ids.new_empty((tp_size * ids.shape[0],))
     _all_gather(out, ids.contiguous(), group=group)
-    return out[:bs]
+    return out[:batch_size]
 
 
-def exchange_rows(
-    shard: torch.Tensor, t: int, a2a: Callable[[torch.Tensor, torch.Tensor], Any]
-) -> torch.Tensor:
+AllToAll = Callable[[torch.Tensor, torch.Tensor], object]  # all_to_all_single(out, inp), equal splits
+
+
+def exchange_rows(shard: torch.Tensor, tp_size: int, all_to_all: AllToAll) -> torch.Tensor:
     """Vocab-sharded [bs, Vs] (every row, my columns) -> batch-sharded [r, t*Vs] (my rows, every column).
 
     The batch is padded to r*t rows (r = ceil(bs/t)); row block j is sent to rank j and block j of
-    what arrives is rank j's columns of my rows, so the reassembly is SGLang's
-    `_reassemble_tp_lm_head_all_to_all_output`. Each rank sends and receives bs*Vs*(t-1)/t values
-    instead of the all-gather's bs*Vs*(t-1), and keeps r*t*Vs instead of bs*t*Vs.
-    `a2a(out, inp)` is an `all_to_all_single` with equal splits over the TP group.
+    what arrives is rank j's columns of my rows (SGLang's `_reassemble_tp_lm_head_all_to_all_output`).
+    `all_to_all(out, inp)` is an `all_to_all_single` with equal splits over the TP group.
     """
-    r = rows_per_rank(shard.shape[0], t)
-    send = _pad_rows(shard, r * t).contiguous()
+    block = rows_per_rank(shard.shape[0], tp_size)
+    send = _pad_rows(shard, block * tp_size).contiguous()
     recv = torch.empty_like(send)
-    a2a(recv, send)
-    return recv.view(t, r, -1).transpose(0, 1).reshape(r, -1)
+    all_to_all(recv, send)
+    return recv.view(tp_size, block, -1).transpose(0, 1).reshape(block, -1)
 
 
-def sample_own_rows(
-    mine: torch.Tensor, p: RowParams, bs: int, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
-    """My row block [r, V] of a bs-row batch (full-batch `p`) -> [bs] ids on every rank."""
-    t, rank = _group_info(group)
-    r = rows_per_rank(bs, t)
-    assert mine.shape[0] == r, (mine.shape, bs, t)
-    ids = sample_rows(mine, p.padded(r * t).rows(slice(rank * r, (rank + 1) * r)))
-    return _gather_ids(ids, bs, t, group)
+def sample_own_rows(mine: torch.Tensor, params: RowParams, batch_size: int,
+                    group: dist.ProcessGroup | None = None) -> torch.Tensor:
+    """My row block [r, V] of a batch (full-batch `params`) -> [batch_size] ids on every rank."""
+    tp_size, rank = _group_info(group)
+    block = rows_per_rank(batch_size, tp_size)
+    assert mine.shape[0] == block, (mine.shape, batch_size, tp_size)
+    ids = sample_rows(mine, params.padded(block * tp_size).rows(slice(rank * block, (rank + 1) * block)))
+    return _gather_ids(ids, batch_size, tp_size, group)
 
 
 def sp_sample(
     shard: torch.Tensor,
-    p: RowParams,
+    params: RowParams,
     vocab_size: int,
     group: dist.ProcessGroup | None = None,
     transform: RowTransform | None = None,
@@ -254,30 +254,29 @@ def sp_sample(
     """Albireo path: this rank's vocab shard [bs, Vpad/t] of the lm_head -> [bs] ids on every rank.
 
     Shards are contiguous column blocks in rank order (SGLang's ParallelLMHead layout); columns past
-    `vocab_size` are padding and trimmed. `p` holds the FULL batch's rows (every TP rank has them).
-    `transform` (penalties, bias) runs on each rank's own rows only, after the exchange.
+    `vocab_size` are padding and trimmed. `params` holds the FULL batch's rows (every TP rank has
+    them). `transform` (penalties, bias) runs on each rank's own rows only, after the exchange.
     """
-    t, rank = _group_info(group)
-    bs = shard.shape[0]
-    if t == 1 or bs == 0:
+    tp_size, rank = _group_info(group)
+    batch_size = shard.shape[0]
+    if tp_size == 1 or batch_size == 0:
         logits = shard[:, :vocab_size]
         if transform is not None:
             logits = logits.clone()  # the caller's shard stays as it was, as on t > 1
-            transform_own_rows(logits, bs, 1, 0, transform)
-        return sample_rows(logits, p)
-    mine = exchange_rows(shard, t, lambda out, inp: dist.all_to_all_single(out, inp, group=group))[:, :vocab_size]
+            transform_own_rows(logits, batch_size, 1, 0, transform)
+        return sample_rows(logits, params)
+    mine = exchange_rows(shard, tp_size,
+                         lambda out, inp: dist.all_to_all_single(out, inp, group=group))[:, :vocab_size]
     if transform is not None:
-        transform_own_rows(mine, bs, t, rank, transform)
-    return sample_own_rows(mine, p, bs, group)
+        transform_own_rows(mine, batch_size, tp_size, rank, transform)
+    return sample_own_rows(mine, params, batch_size, group)
 
 
-def sp_sample_full(
-    logits: torch.Tensor, p: RowParams, group: dist.ProcessGroup | None = None
-) -> torch.Tensor:
+def sp_sample_full(logits: torch.Tensor, params: RowParams, group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Simpler path: logits already all-gathered ([bs, V] on every rank); sample own rows, gather ids."""
-    t, rank = _group_info(group)
-    bs = logits.shape[0]
-    if t == 1 or bs == 0:
-        return sample_rows(logits, p)
-    r = rows_per_rank(bs, t)
-    return sample_own_rows(_pad_rows(logits[rank * r : (rank + 1) * r], r), p, bs, group)
+    tp_size, rank = _group_info(group)
+    batch_size = logits.shape[0]
+    if tp_size == 1 or batch_size == 0:
+        return sample_rows(logits, params)
+    block = rows_per_rank(batch_size, tp_size)
+    return sample_own_rows(_pad_rows(logits[rank * block : (rank + 1) * block], block), params, batch_size, group)

@@ -1,24 +1,16 @@
-"""Shared machinery for incremental branch-structure detectors: events, tag lexer, stack machine.
+"""Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure).
 
-A detector reads one sequence's generated text in arbitrary chunks (one character at a time works)
-and reports structure as events. Decisions depend only on the text, never on how it was chunked, so
-streaming and whole-text runs give the same events. Offsets (`at`) count characters of everything
-this detector kept: fed text plus joined reduce text, minus text dropped after a pause.
-
-Modes (one detector per sequence):
-  OBSERVE  watch a complete serial text; every phase/branch/close event, never pauses (parse, clients)
-  PARENT   serial stream; at a fork point emit PhaseOpened and pause until `join(reduce text)`
-  BRANCH   a branch's own stream, starting just after its header; emits BranchClosed at its close
-           tag and stops; a nested phase inside it pauses/joins exactly like PARENT
-
-What the server side (branchwise.fork) uses: feed, join, finish, branch, and the read-only state
-text, pos, fmt, done (branch mode: own close tag seen) and deciding (a fork tag closed, the next
-character places the fork point). The pause between a fork and its join is the detector's own
-parsing state; the phase's lifecycle lives in branchwise.phases.
+A detector reads one sequence's generated text in arbitrary chunks and reports structure as events
+(`PhaseOpened`, `BranchClosed`, `PhaseClosed`); decisions depend only on the text, never on how it
+was chunked. Modes: OBSERVE watches a complete text and never pauses, PARENT pauses at a fork
+until `join(reduce text)`, BRANCH reads one branch's stream and stops at its close tag. The
+grammars (multiverse.py, sprint.py) implement the stack machine's hooks. Modes, offsets and the
+state the server side reads: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -42,11 +34,11 @@ class Mode(StrEnum):
     BRANCH = "branch"
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseOpened:
     """Fork point. The parent keeps text[:at]; branch i continues from it plus headers[i]."""
 
-    n: int
+    n: int  # fanout: the number of branches
     headers: tuple[str, ...]
     labels: tuple[str, ...]  # grammar ids, e.g. ("1", "2") or ("1.1", "1.2")
     header: str  # phase-level header H (goal / plan inner text)
@@ -54,7 +46,7 @@ class PhaseOpened:
     at: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class BranchClosed:
     """Branch `index` wrote its close tag; its output is this stream's text[:at]."""
 
@@ -64,8 +56,10 @@ class BranchClosed:
     at: int
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class PhaseClosed:
+    """The phase at `depth` is complete (its close tag, or SPRINT's last execution of a round)."""
+
     depth: int
     at: int
 
@@ -89,13 +83,13 @@ class Node:
 
     def iter(self, tag: str | None = None) -> Iterator[Node]:
         """Descendants in document order, optionally only one tag."""
-        for c in self.children:
-            if tag is None or c.tag == tag:
-                yield c
-            yield from c.iter(tag)
+        for child in self.children:
+            if tag is None or child.tag == tag:
+                yield child
+            yield from child.iter(tag)
 
     def kids(self, tag: str) -> list[Node]:
-        return [c for c in self.children if c.tag == tag]
+        return [child for child in self.children if child.tag == tag]
 
 
 _TAG = re.compile(r"<(/?)([A-Za-z][\w-]*)(\s[^<>\n]*)?>")
@@ -120,33 +114,34 @@ class TagLexer:
         self.buf, self.base = "", 0  # base: offset of buf[0]
 
     def _tag(self, cand: str) -> re.Match[str] | None:
-        m = _TAG.fullmatch(cand)
-        if m is None or m[2] not in self.names:
+        match = _TAG.fullmatch(cand)
+        if match is None or match[2] not in self.names:
             return None
-        if m[3] and m[3].strip() and (m[1] or m[2] not in self.attr_names):
+        if match[3] and match[3].strip() and (match[1] or match[2] not in self.attr_names):
             return None
-        return m
+        return match
 
     def push(self, text: str, final: bool = False) -> list[Lexeme]:
         buf, out = self.buf + text, []
-        i = tstart = 0  # scan position; start of the current text run
+        scan = tstart = 0  # scan position; start of the current text run
         hold = len(buf)  # buf[hold:] is kept back for the next chunk
-        while (j := buf.find("<", i)) >= 0:
-            k = buf.find(">", j)
-            if k < 0 and not final and len(buf) - j < MAX_TAG and "\n" not in buf[j:]:
-                hold = j  # "<Pa": undecidable until more text arrives
+        while (lt := buf.find("<", scan)) >= 0:
+            gt = buf.find(">", lt)
+            if gt < 0 and not final and len(buf) - lt < MAX_TAG and "\n" not in buf[lt:]:
+                hold = lt  # "<Pa": undecidable until more text arrives
                 break
-            m = self._tag(buf[j : k + 1]) if 0 <= k - j < MAX_TAG else None
-            if m is None:
-                i = j + 1
+            match = self._tag(buf[lt : gt + 1]) if 0 <= gt - lt < MAX_TAG else None
+            if match is None:
+                scan = lt + 1
                 continue
-            if j > tstart:
-                out.append(Lexeme(self.base + tstart, self.base + j, buf[tstart:j]))
-            attrs = (m[3] or "").strip()
-            out.append(Lexeme(self.base + j, self.base + k + 1, tag=m[2], closing=bool(m[1]), attrs=attrs))
-            i = tstart = k + 1
+            if lt > tstart:
+                out.append(Lexeme(start=self.base + tstart, end=self.base + lt, text=buf[tstart:lt]))
+            attrs = (match[3] or "").strip()
+            out.append(Lexeme(start=self.base + lt, end=self.base + gt + 1, tag=match[2], closing=bool(match[1]),
+                              attrs=attrs))
+            scan = tstart = gt + 1
         if hold > tstart:
-            out.append(Lexeme(self.base + tstart, self.base + hold, buf[tstart:hold]))
+            out.append(Lexeme(start=self.base + tstart, end=self.base + hold, text=buf[tstart:hold]))
             tstart = hold
         self.buf, self.base = buf[tstart:], self.base + tstart
         return out
@@ -167,7 +162,7 @@ class Detector:
         self.mode = Mode(mode)
         self._cfg = cfg  # constructor kwargs, so branch() builds a sibling with the same config
         self.lexer = TagLexer(names, attr_names)
-        self.root = Node("root", 0, 0)
+        self.root = Node(tag="root", start=0, inner=0)
         self.stack: list[Node] = [self.root]
         self.paused = False  # at a fork, waiting for join()
         self.done = False  # branch mode: own close tag seen
@@ -255,10 +250,10 @@ class Detector:
     def _run(self, lexemes: list[Lexeme]) -> list[Event]:
         self._out, self._stop = [], None
         try:
-            for lx in lexemes:
+            for lexeme in lexemes:
                 if self._stop is not None:
                     break
-                self._lexeme(lx)
+                self._lexeme(lexeme)
         except GrammarError as e:
             raise self._fail(e) from None
         if self._stop is not None:  # paused or done: forget everything after the stop point
@@ -267,57 +262,57 @@ class Detector:
             self.lexer.reset(self._stop)
         return self._out
 
-    def _lexeme(self, lx: Lexeme) -> None:
+    def _lexeme(self, lexeme: Lexeme) -> None:
         if self._pending is not None:
-            ev = self._pending
-            if lx.tag is None and lx.text.startswith("\n"):
-                self._fire(PhaseOpened(ev.n, ev.headers, ev.labels, ev.header, ev.depth, ev.at + 1))
-                lx = Lexeme(lx.start + 1, lx.end, lx.text[1:])
-                if not lx.text or self._stop is not None:
+            event = self._pending
+            if lexeme.tag is None and lexeme.text.startswith("\n"):
+                self._fire(dataclasses.replace(event, at=event.at + 1))  # the newline joins the prefix
+                lexeme = Lexeme(start=lexeme.start + 1, end=lexeme.end, text=lexeme.text[1:])
+                if not lexeme.text or self._stop is not None:
                     return
             else:
-                self._fire(ev)
+                self._fire(event)
                 if self._stop is not None:
                     return
-        if lx.tag is None:
-            self._text(lx.text, lx.start)
-        elif lx.closing:
-            self._close(lx.tag, lx)
+        if lexeme.tag is None:
+            self._text(lexeme.text, lexeme.start)
+        elif lexeme.closing:
+            self._close(lexeme.tag, lexeme)
         else:
-            self._open(lx.tag, lx)
+            self._open(lexeme.tag, lexeme)
 
-    def _emit(self, ev: Event) -> None:
-        if self._joining is not None and not (isinstance(ev, PhaseClosed) and ev.depth == self._joining):
+    def _emit(self, event: Event) -> None:
+        if self._joining is not None and not (isinstance(event, PhaseClosed) and event.depth == self._joining):
             return  # structure inside joined branches was reported by the branches themselves
-        self._out.append(ev)
+        self._out.append(event)
 
-    def _fork(self, ev: PhaseOpened) -> None:
+    def _fork(self, event: PhaseOpened) -> None:
         """Fork tag closed. Fire once we know whether a newline follows (tags sit on own lines)."""
         if self._joining is None:
-            self._pending = ev
+            self._pending = event
 
-    def _fire(self, ev: PhaseOpened) -> None:
+    def _fire(self, event: PhaseOpened) -> None:
         self._pending = None
-        self._emit(ev)
+        self._emit(event)
         if self.mode is not Mode.OBSERVE:
-            self.paused, self._stop, self._fork_depth = True, ev.at, ev.depth
+            self.paused, self._stop, self._fork_depth = True, event.at, event.depth
 
-    def _branch_done(self, ev: BranchClosed) -> None:
-        self._emit(ev)
-        self.done, self._stop = True, ev.at
+    def _branch_done(self, event: BranchClosed) -> None:
+        self._emit(event)
+        self.done, self._stop = True, event.at
 
-    def _push(self, tag: str, lx: Lexeme, label: str = "", depth: int = 0) -> Node:
-        node = Node(tag, lx.start, lx.end, label, depth)
+    def _push(self, tag: str, lexeme: Lexeme, label: str = "", depth: int = 0) -> Node:
+        node = Node(tag=tag, start=lexeme.start, inner=lexeme.end, label=label, depth=depth)
         self.stack[-1].children.append(node)
         self.stack.append(node)
         return node
 
-    def _pop(self, tag: str, lx: Lexeme) -> Node:
+    def _pop(self, tag: str, lexeme: Lexeme) -> Node:
         top = self.stack[-1]
         if top.tag != tag:
             where = "at top level" if top is self.root else f"inside <{top.tag}>"
-            raise GrammarError(f"unexpected </{tag}> {where}", lx.start)
-        top.close, top.end = lx.start, lx.end
+            raise GrammarError(f"unexpected </{tag}> {where}", lexeme.start)
+        top.close, top.end = lexeme.start, lexeme.end
         self.stack.pop()
         return top
 
@@ -325,10 +320,10 @@ class Detector:
         return self.text[node.inner : upto]
 
     # ---- grammar hooks ----------------------------------------------------------------------------
-    def _open(self, tag: str, lx: Lexeme) -> None:
+    def _open(self, tag: str, lexeme: Lexeme) -> None:
         raise NotImplementedError
 
-    def _close(self, tag: str, lx: Lexeme) -> None:
+    def _close(self, tag: str, lexeme: Lexeme) -> None:
         raise NotImplementedError
 
     def _text(self, text: str, start: int) -> None:
@@ -340,6 +335,6 @@ class Detector:
 
 def fill_text(root: Node, src: str) -> Node:
     """Set every node's inner text (parse() output)."""
-    for n in [root, *root.iter()]:
-        n.text = src[n.inner : n.close if n.close >= 0 else len(src)]
+    for node in [root, *root.iter()]:
+        node.text = src[node.inner : node.close if node.close >= 0 else len(src)]
     return root

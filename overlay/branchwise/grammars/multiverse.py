@@ -1,30 +1,10 @@
-"""Multiverse Map/Process/Reduce detector for the tag format below.
+"""Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags).
 
-    <Parallel>
-    <Goal>
-    <Outline>
-    1: ...
-    </Outline>
-    ...
-    </Goal>
-    <Path>
-    1: ...              (may nest a <Parallel> whose outline ids are 1.1:, 1.2:, ...)
-    </Path>
-    ...
-    <Conclusion>
-    ...
-    </Conclusion>
-    </Parallel>
-
-Fork point: the end of the `</Goal>` line (fanout = number of outlines; branch i's header is
-"<Path>\\nK: " with K the i-th outline id). Branch end: its own `</Path>`. Join: the parent resumes
-from prefix + paths in outline order + "<Conclusion>\\n" (`fmt`).
-
-Checks: <Goal> first and <Conclusion> last, exactly one each; <Goal>/<Path>/<Conclusion> only directly
-in <Parallel>, <Outline> only in <Goal>; every outline starts with an id "K:"; paths never outnumber
-outlines and equal them before <Conclusion>; path ids match outline ids (strict_ids); <Parallel> only
-under <Think> or <Path> (or at top level unless require_think); nesting depth < max_depth; no
-<Parallel> left open at end of stream.
+A <Parallel> holds a <Goal> whose <Outline>s number the branches ("1:", "2:"; nested "1.1:"), one
+<Path> per outline and a final <Conclusion>. Fork point: the end of the `</Goal>` line; branch i
+starts with "<Path>\\nK: " (K the i-th outline id) and ends at its own `</Path>`; the parent resumes
+from prefix + paths in outline order + "<Conclusion>\\n" (`fmt`). The tag format and every check
+this detector makes: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations
@@ -75,124 +55,126 @@ class MultiverseDetector(Detector):
         strict_ids: bool = True,
         force_conclusion: bool = True,
     ) -> None:
-        t = self.tags = tags or MultiverseTags()
+        tags = self.tags = tags or MultiverseTags()
         cfg = dict(
-            tags=t,
+            tags=tags,
             max_depth=max_depth,
             require_think=require_think,
             strict_ids=strict_ids,
             force_conclusion=force_conclusion,
         )
-        super().__init__(frozenset(asdict(t).values()), frozenset(), mode, cfg)
+        super().__init__(frozenset(asdict(tags).values()), frozenset(), mode, cfg)
         self.max_depth, self.require_think, self.strict_ids = max_depth, require_think, strict_ids
-        self.fmt = ReduceFormat(f"\n</{t.path}>", "\n", f"<{t.conclusion}>\n" if force_conclusion else "")
+        self.fmt = ReduceFormat(close=f"\n</{tags.path}>", sep="\n",
+                                suffix=f"<{tags.conclusion}>\n" if force_conclusion else "")
         self.index, self.depth = index, depth
         self._own: Node | None = None
         self._base = 0  # depth of a <Parallel> opened with no enclosing <Parallel> on the stack
         if self.mode is Mode.BRANCH:  # we start just after "<Path>\nK: " of a phase at `depth`
-            self._own = self._push(t.path, Lexeme(0, 0), label, depth)
+            self._own = self._push(tags.path, Lexeme(start=0, end=0), label, depth)
             self._base = depth + 1
 
     def header(self, label: str) -> str:
         return f"<{self.tags.path}>\n{label}: "
 
     def _depth(self) -> int:
-        return self._base + sum(n.tag == self.tags.parallel for n in self.stack)
+        return self._base + sum(node.tag == self.tags.parallel for node in self.stack)
 
     def _check_path_id(self, path: Node, upto: int) -> None:
         if not self.strict_ids or path is self._own:
             return
-        m = _ID.match(self._inner(path, upto))
-        if m is None:
+        match = _ID.match(self._inner(path, upto))
+        if match is None:
             raise GrammarError(f"<{path.tag}> {path.label} has no id (expected '{path.label}: ')", path.inner)
-        if m[1] != path.label:
-            raise GrammarError(f"path id {m[1]!r} does not match outline id {path.label!r}", path.inner)
+        if match[1] != path.label:
+            raise GrammarError(f"path id {match[1]!r} does not match outline id {path.label!r}", path.inner)
 
-    def _open(self, tag: str, lx: Lexeme) -> None:
-        t, top = self.tags, self.stack[-1]
-        if tag == t.think:
+    def _open(self, tag: str, lexeme: Lexeme) -> None:
+        tags, top = self.tags, self.stack[-1]
+        if tag == tags.think:
             if top is not self.root:
-                raise GrammarError(f"<{tag}> only at top level, found inside <{top.tag}>", lx.start)
-            self._push(tag, lx)
-        elif tag == t.parallel:
-            ok = {t.path, t.think} | (set() if self.require_think else {"root"})
+                raise GrammarError(f"<{tag}> only at top level, found inside <{top.tag}>", lexeme.start)
+            self._push(tag, lexeme)
+        elif tag == tags.parallel:
+            ok = {tags.path, tags.think} | (set() if self.require_think else {"root"})
             if top.tag not in ok:
-                raise GrammarError(f"<{tag}> not allowed inside <{top.tag}>", lx.start)
-            if top.tag == t.path:
-                self._check_path_id(top, lx.start)
-            d = self._depth()
-            if d >= self.max_depth:
+                raise GrammarError(f"<{tag}> not allowed inside <{top.tag}>", lexeme.start)
+            if top.tag == tags.path:
+                self._check_path_id(top, lexeme.start)
+            depth = self._depth()
+            if depth >= self.max_depth:
                 raise GrammarError(
-                    f"<{tag}> nested {d + 1} deep exceeds max_depth {self.max_depth}", lx.start
+                    f"<{tag}> nested {depth + 1} deep exceeds max_depth {self.max_depth}", lexeme.start
                 )
-            self._push(tag, lx, depth=d)
-        elif tag == t.outline:
-            if top.tag != t.goal:
-                raise GrammarError(f"<{tag}> only inside <{t.goal}>", lx.start)
-            self._push(tag, lx)
+            self._push(tag, lexeme, depth=depth)
+        elif tag == tags.outline:
+            if top.tag != tags.goal:
+                raise GrammarError(f"<{tag}> only inside <{tags.goal}>", lexeme.start)
+            self._push(tag, lexeme)
         else:  # goal, path, conclusion: direct children of <Parallel>
-            if top.tag != t.parallel:
-                raise GrammarError(f"<{tag}> only directly inside <{t.parallel}>", lx.start)
+            if top.tag != tags.parallel:
+                raise GrammarError(f"<{tag}> only directly inside <{tags.parallel}>", lexeme.start)
             kids = top.children
-            if tag == t.goal:
+            if tag == tags.goal:
                 if kids:
-                    raise GrammarError(f"<{tag}> must come first in <{t.parallel}>", lx.start)
-                self._push(tag, lx, depth=top.depth)
+                    raise GrammarError(f"<{tag}> must come first in <{tags.parallel}>", lexeme.start)
+                self._push(tag, lexeme, depth=top.depth)
                 return
-            if not kids or kids[0].tag != t.goal:
-                raise GrammarError(f"<{tag}> before <{t.goal}>", lx.start)
-            if top.kids(t.conclusion):
-                raise GrammarError(f"<{tag}> after <{t.conclusion}> (it must be last)", lx.start)
-            ids, n_paths = [o.label for o in kids[0].kids(t.outline)], len(top.kids(t.path))
-            if tag == t.path:
+            if not kids or kids[0].tag != tags.goal:
+                raise GrammarError(f"<{tag}> before <{tags.goal}>", lexeme.start)
+            if top.kids(tags.conclusion):
+                raise GrammarError(f"<{tag}> after <{tags.conclusion}> (it must be last)", lexeme.start)
+            ids, n_paths = [o.label for o in kids[0].kids(tags.outline)], len(top.kids(tags.path))
+            if tag == tags.path:
                 if n_paths >= len(ids):
-                    raise GrammarError(f"more <{tag}> than <{t.outline}> ({len(ids)})", lx.start)
-                self._push(tag, lx, ids[n_paths], top.depth)
+                    raise GrammarError(f"more <{tag}> than <{tags.outline}> ({len(ids)})", lexeme.start)
+                self._push(tag, lexeme, ids[n_paths], top.depth)
             else:
                 if n_paths != len(ids):
-                    raise GrammarError(f"path count mismatch: {len(ids)} outlines, {n_paths} paths", lx.start)
-                self._push(tag, lx, depth=top.depth)
+                    raise GrammarError(f"path count mismatch: {len(ids)} outlines, {n_paths} paths", lexeme.start)
+                self._push(tag, lexeme, depth=top.depth)
 
-    def _close(self, tag: str, lx: Lexeme) -> None:
-        t = self.tags
-        node = self._pop(tag, lx)
-        if tag == t.outline:
-            m = _ID.match(self._inner(node, lx.start))
-            if m is None:
+    def _close(self, tag: str, lexeme: Lexeme) -> None:
+        tags = self.tags
+        node = self._pop(tag, lexeme)
+        if tag == tags.outline:
+            match = _ID.match(self._inner(node, lexeme.start))
+            if match is None:
                 raise GrammarError(f"<{tag}> without id (expected 'K: ...')", node.inner)
             goal = self.stack[-1]
-            if m[1] in (o.label for o in goal.kids(t.outline)):
-                raise GrammarError(f"duplicate outline id {m[1]!r}", node.inner)
-            node.label = m[1]
-        elif tag == t.goal:
-            ids = tuple(o.label for o in node.kids(t.outline))
+            if match[1] in (outline.label for outline in goal.kids(tags.outline)):
+                raise GrammarError(f"duplicate outline id {match[1]!r}", node.inner)
+            node.label = match[1]
+        elif tag == tags.goal:
+            ids = tuple(o.label for o in node.kids(tags.outline))
             if not ids:
-                raise GrammarError(f"<{tag}> with zero <{t.outline}>", node.start)
-            hdr = tuple(self.header(k) for k in ids)
-            self._fork(PhaseOpened(len(ids), hdr, ids, self._inner(node, lx.start), node.depth, lx.end))
-        elif tag == t.path:
+                raise GrammarError(f"<{tag}> with zero <{tags.outline}>", node.start)
+            self._fork(PhaseOpened(n=len(ids), headers=tuple(self.header(label) for label in ids), labels=ids,
+                                   header=self._inner(node, lexeme.start), depth=node.depth, at=lexeme.end))
+        elif tag == tags.path:
             if node is self._own:
-                return self._branch_done(BranchClosed(self.index, node.label, node.depth, lx.end))
-            self._check_path_id(node, lx.start)
-            i = len(self.stack[-1].kids(t.path)) - 1
-            self._emit(BranchClosed(i, node.label, node.depth, lx.end))
-        elif tag == t.parallel:
+                return self._branch_done(BranchClosed(index=self.index, label=node.label, depth=node.depth,
+                                                      at=lexeme.end))
+            self._check_path_id(node, lexeme.start)
+            index = len(self.stack[-1].kids(tags.path)) - 1
+            self._emit(BranchClosed(index=index, label=node.label, depth=node.depth, at=lexeme.end))
+        elif tag == tags.parallel:
             kids = node.children
-            if not kids or kids[-1].tag != t.conclusion:
-                raise GrammarError(f"<{tag}> closed without a final <{t.conclusion}>", lx.start)
-            self._emit(PhaseClosed(node.depth, lx.end))
+            if not kids or kids[-1].tag != tags.conclusion:
+                raise GrammarError(f"<{tag}> closed without a final <{tags.conclusion}>", lexeme.start)
+            self._emit(PhaseClosed(depth=node.depth, at=lexeme.end))
 
     def _text(self, text: str, start: int) -> None:
         if self.stack[-1].tag == self.tags.parallel and (lead := len(text) - len(text.lstrip())) < len(text):
-            t = self.tags
+            tags = self.tags
             msg = (
-                f"text directly inside <{t.parallel}> (only <{t.goal}>, <{t.path}>, <{t.conclusion}> allowed)"
+                f"text directly inside <{tags.parallel}> (only <{tags.goal}>, <{tags.path}>, <{tags.conclusion}> allowed)"
             )
             raise GrammarError(msg, start + lead)
 
     def _eof(self) -> None:
-        for n in reversed(self.stack):
-            if n is self._own:
-                raise GrammarError(f"branch {n.label} ended without </{n.tag}>", self.pos)
-            if n.tag == self.tags.parallel:
-                raise GrammarError(f"unclosed <{n.tag}> at end of stream (opened at {n.start})", self.pos)
+        for node in reversed(self.stack):
+            if node is self._own:
+                raise GrammarError(f"branch {node.label} ended without </{node.tag}>", self.pos)
+            if node.tag == self.tags.parallel:
+                raise GrammarError(f"unclosed <{node.tag}> at end of stream (opened at {node.start})", self.pos)

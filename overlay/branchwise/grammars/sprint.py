@@ -1,39 +1,10 @@
-"""SPRINT detector: rounds of planning and parallel execution (tags configurable via SprintTags).
+"""SPRINT detector: rounds of planning and parallel execution (tags via SprintTags).
 
-    <Plan>
-    free planner text
-    <Task id=1>
-    prompt for task 1
-    </Task>
-    <Task id=2>
-    prompt for task 2
-    </Task>
-    </Plan>
-    <Execution id=1>
-    executor 1's work
-    </Execution>
-    <Execution id=2>
-    executor 2's work
-    </Execution>
-    <Plan>
-    ... next round ...
-    </Plan>
-    ...
-    <Answer>
-    final answer
-    </Answer>
-
-Fork point: the end of the `</Plan>` line; fanout = number of tasks; branch i's header is
-"<Execution id=K>\\n" with K the i-th task id. Every executor sees the cumulative context (all earlier
-rounds) plus the plan, which is the shared prefix, plus its own header. Branch end: `</Execution>`.
-Join: executions are appended in task order (`fmt`), then the planner continues freely with the next
-<Plan> or <Answer>; the phase closes when the last execution of the round is in (PhaseClosed).
-`id=K`, `id="K"` and `id='K'` are accepted; ids are digits/dots/word characters.
-
-Checks: a plan announces >= 1 task, each with a unique id; tasks only inside a plan; executions come
-after their plan, one per task, in task order with matching ids; no new <Plan> or <Answer> before the
-round's executions are all in; no <Plan> inside an execution (SPRINT does not nest); nothing left open
-and no round half-executed at end of stream. Free text is allowed anywhere.
+A <Plan> announces <Task id=K> prompts; one <Execution id=K> per task follows, in task order, then
+the planner continues with the next <Plan> or an <Answer>. Fork point: the end of the `</Plan>`
+line; branch i starts with "<Execution id=K>\\n" and ends at `</Execution>`; executions are
+joined in task order (`fmt`) and the round's phase closes with its last execution. SPRINT does not
+nest. The tag format and every check this detector makes: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations
@@ -75,78 +46,80 @@ class SprintDetector(Detector):
         label: str = "1",
         depth: int = 0,
     ) -> None:
-        t = self.tags = tags or SprintTags()
-        names = frozenset((t.plan, t.task, t.execution, t.answer))
-        super().__init__(names, frozenset((t.task, t.execution)), mode, dict(tags=t))
-        self._attr = re.compile(rf"{re.escape(t.id_attr)}\s*=\s*([\"']?)([\w.]+)\1")
-        self.fmt = ReduceFormat(f"\n</{t.execution}>", "\n", "")
+        tags = self.tags = tags or SprintTags()
+        names = frozenset((tags.plan, tags.task, tags.execution, tags.answer))
+        super().__init__(names, frozenset((tags.task, tags.execution)), mode, dict(tags=tags))
+        self._attr = re.compile(rf"{re.escape(tags.id_attr)}\s*=\s*([\"']?)([\w.]+)\1")
+        self.fmt = ReduceFormat(close=f"\n</{tags.execution}>", sep="\n", suffix="")
         self.index, self.depth = index, depth
         self._own: Node | None = None
         self._round: list[str] = []  # task ids of the plan being executed
         self._done = 0  # executions of that plan seen so far
         if self.mode is Mode.BRANCH:  # we start just after "<Execution id=K>\n"
-            self._own = self._push(t.execution, Lexeme(0, 0), label, depth)
+            self._own = self._push(tags.execution, Lexeme(start=0, end=0), label, depth)
 
     def header(self, label: str) -> str:
         return f"<{self.tags.execution} {self.tags.id_attr}={label}>\n"
 
-    def _id(self, tag: str, lx: Lexeme) -> str:
-        if not lx.attrs:
-            raise GrammarError(f"<{tag}> without {self.tags.id_attr}", lx.start)
-        m = self._attr.fullmatch(lx.attrs)
-        if m is None:
-            raise GrammarError(f"<{tag} {lx.attrs}>: expected {self.tags.id_attr}=K", lx.start)
-        return m[2]
+    def _id(self, tag: str, lexeme: Lexeme) -> str:
+        if not lexeme.attrs:
+            raise GrammarError(f"<{tag}> without {self.tags.id_attr}", lexeme.start)
+        match = self._attr.fullmatch(lexeme.attrs)
+        if match is None:
+            raise GrammarError(f"<{tag} {lexeme.attrs}>: expected {self.tags.id_attr}=K", lexeme.start)
+        return match[2]
 
-    def _open(self, tag: str, lx: Lexeme) -> None:
-        t, top = self.tags, self.stack[-1]
+    def _open(self, tag: str, lexeme: Lexeme) -> None:
+        tags, top = self.tags, self.stack[-1]
         pending = len(self._round) - self._done
-        if tag == t.task:
-            if top.tag != t.plan:
-                raise GrammarError(f"<{tag}> outside <{t.plan}>", lx.start)
-            k = self._id(tag, lx)
-            if k in (c.label for c in top.kids(t.task)):
-                raise GrammarError(f"duplicate task id {k!r}", lx.start)
-            self._push(tag, lx, k)
+        if tag == tags.task:
+            if top.tag != tags.plan:
+                raise GrammarError(f"<{tag}> outside <{tags.plan}>", lexeme.start)
+            task_id = self._id(tag, lexeme)
+            if task_id in (task.label for task in top.kids(tags.task)):
+                raise GrammarError(f"duplicate task id {task_id!r}", lexeme.start)
+            self._push(tag, lexeme, task_id)
             return
         if top is not self.root:
-            what = "nested plans are not supported" if tag == t.plan else "only at top level"
-            raise GrammarError(f"<{tag}> inside <{top.tag}>: {what}", lx.start)
-        if tag == t.execution:
-            k = self._id(tag, lx)
+            what = "nested plans are not supported" if tag == tags.plan else "only at top level"
+            raise GrammarError(f"<{tag}> inside <{top.tag}>: {what}", lexeme.start)
+        if tag == tags.execution:
+            task_id = self._id(tag, lexeme)
             if not pending:
                 raise GrammarError(
-                    f"<{tag} {t.id_attr}={k}> without an open task (more executions than tasks)", lx.start
+                    f"<{tag} {tags.id_attr}={task_id}> without an open task (more executions than tasks)",
+                    lexeme.start,
                 )
-            if k != self._round[self._done]:
+            if task_id != self._round[self._done]:
                 raise GrammarError(
-                    f"execution id {k!r} out of order, expected {self._round[self._done]!r}", lx.start
+                    f"execution id {task_id!r} out of order, expected {self._round[self._done]!r}", lexeme.start
                 )
-            self._push(tag, lx, k)
+            self._push(tag, lexeme, task_id)
         else:  # plan, answer
             if pending:
                 raise GrammarError(
-                    f"<{tag}> before the {pending} remaining executions of the last plan", lx.start
+                    f"<{tag}> before the {pending} remaining executions of the last plan", lexeme.start
                 )
-            self._push(tag, lx)
+            self._push(tag, lexeme)
 
-    def _close(self, tag: str, lx: Lexeme) -> None:
-        t = self.tags
-        node = self._pop(tag, lx)
-        if tag == t.plan:
-            ids = tuple(c.label for c in node.kids(t.task))
+    def _close(self, tag: str, lexeme: Lexeme) -> None:
+        tags = self.tags
+        node = self._pop(tag, lexeme)
+        if tag == tags.plan:
+            ids = tuple(task.label for task in node.kids(tags.task))
             if not ids:
                 raise GrammarError(f"<{tag}> with zero tasks", node.start)
             self._round, self._done = list(ids), 0
-            hdr = tuple(self.header(k) for k in ids)
-            self._fork(PhaseOpened(len(ids), hdr, ids, self._inner(node, lx.start), self.depth, lx.end))
-        elif tag == t.execution:
+            self._fork(PhaseOpened(n=len(ids), headers=tuple(self.header(label) for label in ids), labels=ids,
+                                   header=self._inner(node, lexeme.start), depth=self.depth, at=lexeme.end))
+        elif tag == tags.execution:
             if node is self._own:
-                return self._branch_done(BranchClosed(self.index, node.label, self.depth, lx.end))
-            self._emit(BranchClosed(self._done, node.label, self.depth, lx.end))
+                return self._branch_done(BranchClosed(index=self.index, label=node.label, depth=self.depth,
+                                                      at=lexeme.end))
+            self._emit(BranchClosed(index=self._done, label=node.label, depth=self.depth, at=lexeme.end))
             self._done += 1
             if self._done == len(self._round):
-                self._emit(PhaseClosed(self.depth, lx.end))
+                self._emit(PhaseClosed(depth=self.depth, at=lexeme.end))
 
     def _eof(self) -> None:
         top = self.stack[-1]

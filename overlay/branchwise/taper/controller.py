@@ -52,16 +52,29 @@ logger = logging.getLogger("branchwise")
 _COUNTED = ("per_gap", "overload", "backlog")  # StepPlan.notes counted in StepStats.terms
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True, kw_only=True)
 class Row:
+    """One live row of the decode batch, as the scheduler hook (and bench.engine) hands it in.
+    A value: nothing changes one after it is built (not frozen: one is built per row per step,
+    and a frozen dataclass takes twice as long to build)."""
+
     key: str  # phase id for branch rows, rid for serial requests
-    order: int  # admission order inside the phase (branch index)
+    order: int = 0  # admission order inside the phase (branch index)
     ctx: int  # KV length of the row
     slo_s: float
     weight: float = 1.0
     phase: bool = False
-    fanout: int = 1
     forced: bool = False  # must run this step (abort pending)
+
+
+@dataclass(frozen=True, slots=True)
+class Delivery:
+    """What one key's rows delivered in a step: tokens, and the key's SLO and stage (for a clock
+    the controller starts on this delivery)."""
+
+    tokens: int
+    slo_s: float
+    in_phase: bool
 
 
 @dataclass(slots=True)
@@ -147,8 +160,8 @@ class StepController:
         waiting: requests queued for admission (SGLang: len(waiting_queue)); taper's backlog term.
         `rows` must be every live row of the running batch (deferred ones included)."""
         groups: dict[str, list[int]] = {}
-        for i in sorted(range(len(rows)), key=lambda i: (rows[i].key, rows[i].order)):
-            groups.setdefault(rows[i].key, []).append(i)
+        for key, _, i in sorted([(r.key, r.order, i) for i, r in enumerate(rows)]):
+            groups.setdefault(key, []).append(i)
         self.stats.steps += 1
         if len(groups) == len(rows):
             return list(range(len(rows)))  # nothing to defer: skip the planner
@@ -199,12 +212,12 @@ class StepController:
             f = [self.fixed.get(k, 0) for k in groups]
             fixed = np.array(f, dtype=np.int64) if any(f) else None
         return ArrayBatch(
-            list(groups), np.fromiter(map(len, groups.values()), np.int64, n),
-            np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
-            np.array(slack, dtype=np.float64), np.array([h.weight for h in heads], dtype=np.float64),
-            np.array([h.phase for h in heads], dtype=bool), fixed, 0,
-            np.array([h.slo_s for h in heads], dtype=np.float64), max(int(waiting), 0),
-            np.array(gap, dtype=np.float64) if gap is not None else None)
+            rids=list(groups), ready=np.fromiter(map(len, groups.values()), np.int64, n),
+            ctx=np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
+            slack_s=np.array(slack, dtype=np.float64), weight=np.array([h.weight for h in heads], dtype=np.float64),
+            phase=np.array([h.phase for h in heads], dtype=bool), fixed_width=fixed,
+            slo_s=np.array([h.slo_s for h in heads], dtype=np.float64), waiting=max(int(waiting), 0),
+            gap_slack_s=np.array(gap, dtype=np.float64) if gap is not None else None)
 
     def _tracker(self, key: str, slo_s: float, phase: bool, now: float) -> SlackTracker:
         """The key's clock; a key seen for the first time starts one now (in a phase for phases)."""
@@ -227,11 +240,11 @@ class StepController:
             if term in plan.notes:
                 st.terms[term] = st.terms.get(term, 0) + 1
 
-    def on_step_done(self, delivered: dict[str, tuple[int, float, bool]], now: float, n_rows: int) -> None:
-        """Record token deliveries of the rows that ran: key -> (tokens, slo_s, in a phase)."""
+    def on_step_done(self, delivered: dict[str, Delivery], now: float, n_rows: int) -> None:
+        """Record token deliveries of the rows that ran, per key."""
         self.stats.rows_run += n_rows
-        for key, (n, slo_s, phase) in delivered.items():
-            self._tracker(key, slo_s, phase, now).on_tokens(now, n)
+        for key, d in delivered.items():
+            self._tracker(key, d.slo_s, d.in_phase, now).on_tokens(now, d.tokens)
 
     def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float) -> None:
         """A realized pure-decode step latency; feeds the predictor's rolling refit."""

@@ -2,7 +2,7 @@
 
 A policy decides, for one decode step, how many ready rows of each request run (`Policy.plan`):
 
-* Static rule (off = cap 1, cap:K, eager = no cap): min(ready, cap) rows per request, no clock.
+* Static rule (off = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows per request, no clock.
 * Budget rule (the taper family): every request's protected row runs, then opportunistic rows are
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
@@ -83,10 +83,11 @@ from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, defau
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
+                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
+                "stock")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
                  "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
-                 "taper-const-predictor"
+                 "taper-const-predictor, stock"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
@@ -238,7 +239,7 @@ def parse_policy(name: str, *, model: LatencyModel | None = None, rho: float = 0
     u = parse_utility(utility)
     if s == "off":
         return Policy(s, model, cap=1)
-    if s == "eager":
+    if s in ("eager", "stock"):  # stock: every ready row, as eager (the server runs no controller for it)
         return Policy(s, model)
     if s.startswith("cap:"):
         return Policy(s, model, cap=int(s[4:]))

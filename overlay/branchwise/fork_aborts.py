@@ -1,0 +1,69 @@
+"""Ending parked parents from outside the stream: aborts, and the idle leak check.
+
+A parked parent is in no SGLang queue or batch, so SGLang's abort (by rid prefix, or abort_all)
+reaches its branches but not the parent itself: `abort_parked` ends it. Ending a parent releases
+its phases and every phase nested in them, so one pass over the parked phases ends each parked
+request exactly once, nested ones included.
+
+The leak check runs when SGLang reports its scheduler idle (no running, waiting, chunked or
+in-flight request). Then no branch can be running, so a parked parent whose phase has no join or
+park pending waits for branches that no queue holds: it is an orphan. It is logged with its rid,
+ended with an error (its prefix pin released), and counted (`orphans_freed` in /server_info,
+Prometheus `branchwise:orphans_freed`). Nothing is freed while SGLang still holds a request.
+"""
+
+from __future__ import annotations
+
+import logging
+from http import HTTPStatus
+from typing import TYPE_CHECKING, Any
+
+from branchwise.fork_lifecycle import finish_outside_batch
+from branchwise.phases import Stage
+
+if TYPE_CHECKING:
+    from branchwise.fork_state import ForkManager, Track
+
+logger = logging.getLogger("branchwise.fork")
+ORPHAN_MESSAGE = "Branchwise: a parked request lost its branches; freed by the idle leak check"
+
+
+def end_parked(mgr: ForkManager, t: Track, reason: Any) -> None:
+    t.req.finished_reason = reason
+    finish_outside_batch(mgr, t)
+
+
+def abort_parked(mgr: ForkManager, recv_req: Any) -> None:
+    """SGLang's abort matched rids by prefix over its queues and batches; parked parents are in neither."""
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    hit = [ph for ph in mgr.parked() if recv_req.abort_all or ph.parent_rid.startswith(recv_req.rid)]
+    if not hit:
+        return
+    before, msg = len(mgr.parked()), recv_req.abort_message
+    for ph in hit:
+        if ph.state is Stage.PARALLEL:  # not released with an enclosing phase aborted before it
+            end_parked(mgr, ph.owner, FINISH_ABORT(msg, HTTPStatus.SERVICE_UNAVAILABLE) if msg else FINISH_ABORT())
+    mgr.stats["parked_aborted"] += before - len(mgr.parked())
+
+
+def idle(mgr: ForkManager) -> bool:
+    """SGLang's scheduler holds no request: free orphaned parked parents. Whether Branchwise is
+    idle too (nothing parked and no park or join for the next scheduling point)."""
+    if not mgr.busy():
+        return True
+    if mgr.pending():
+        return False  # the next scheduling point parks, spawns or joins
+    from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+    for ph in mgr.parked():
+        if ph.state is not Stage.PARALLEL or ph.depth:
+            continue  # a nested parent goes with its root, which is parked too
+        lost = [b.rid for b in ph.branches if not b.finished]
+        logger.error("Branchwise leak check: request %s is parked on branches %s that no scheduler queue "
+                     "holds; freed (prefix pin released, request ended with an error)", ph.parent_rid, lost)
+        end_parked(mgr, ph.owner, FINISH_ABORT(ORPHAN_MESSAGE, HTTPStatus.INTERNAL_SERVER_ERROR))
+        mgr.stats["orphans_freed"] += 1
+        if mgr.metrics is not None:
+            mgr.metrics.orphans.inc()
+    return not mgr.busy()

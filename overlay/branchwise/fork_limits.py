@@ -1,0 +1,59 @@
+"""Which client requests branch server-side, and how much one request's forks may take.
+
+One client must not take the server: a fork of more than --branch-max-fanout branches, or one whose
+branches would together be granted more than --branch-max-branch-tokens decode tokens (counting
+the request's live branches of all its phases, nested ones included), is not taken; the request
+continues serially and its finish_reason says why in `branchwise_error`. What a request holds is
+derived from its open phases (`ParallelPhase.granted`), so a branch that ends gives its grant back
+by ending, whatever ended it.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from branchwise.phases import PhaseRegistry, fork_limit_error
+
+
+@dataclass(frozen=True, slots=True)
+class ForkLimits:
+    max_fanout: int
+    max_branch_tokens: int
+
+    def refusal(self, reg: PhaseRegistry, rid: str, grants: Sequence[int]) -> str | None:
+        """Why `rid` may not fork into branches granted `grants` decode tokens, or None."""
+        return fork_limit_error(len(grants), grants, held(reg, reg.root_of(rid)), self.max_fanout,
+                                self.max_branch_tokens)
+
+
+def held(reg: PhaseRegistry, root_rid: str) -> int:
+    """Decode tokens granted to the live branches (and the forks about to spawn) of one request."""
+    return sum(ph.granted() for ph in reg.subtree(root_rid))
+
+
+def unsupported(req: Any, recv_req: Any) -> bool:
+    """Requests whose output a server-side fork could not reproduce: they run serially."""
+    sp = req.sampling_params
+    return bool(req.return_logprob or req.return_hidden_states or req.input_embeds is not None
+                or getattr(recv_req, "mm_inputs", None) is not None or req.session is not None
+                or req.lora_id
+                or sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag
+                or (sp.beam_width or 1) > 1)
+
+
+def grammar_for(default: str | None, req: Any, recv_req: Any, stats: Counter[str]) -> str | None:
+    """The grammar to watch a new client request with, or None (serial). `default`: the server's
+    --branch-grammar, for requests that do not name one."""
+    meta = getattr(req, "bw_meta", None)
+    if meta is None or meta.is_branch or req.to_finish is not None:
+        return None
+    g = meta.grammar if meta.grammar is not None else default
+    if g in (None, "none"):
+        return None
+    if unsupported(req, recv_req):
+        stats["not_branched_unsupported"] += 1
+        return None
+    return g

@@ -1,0 +1,167 @@
+"""What one scheduler keeps for server-side fork/join: a `Track` per tracked sequence, the phase
+registry, counters, and the entry points the hooks in fork.py call.
+
+Where a sequence stands is recorded once, in phases.py: a parent's place is its phase's `state`
+(FORKING: cut at the fork, to be parked; PARALLEL: parked; REDUCE: decoding after its join), a
+branch's is its `Branch` in its phase (finished or not), and whether a sequence ended is SGLang's
+own `req.finished()`. Parked parents, live branches and the work of the next scheduling point are
+derived from the registry when asked (`parked`, `live_branches`, `pending`), never kept in lists
+of their own, so no race can leave two records that disagree.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter, deque
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from branchwise import fork_aborts, fork_lifecycle
+from branchwise.config import BranchwiseConfig
+from branchwise.fork_limits import ForkLimits
+from branchwise.grammars import Detector
+from branchwise.phases import ParallelPhase, PhaseRegistry, Stage, TextStream
+
+MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
+RECENT = 64  # phase records kept for /server_info
+ENC_CACHE = 4096  # encoded texts kept (headers carry client text: the cache must not grow per request)
+
+
+@dataclass(slots=True, eq=False)
+class Track:
+    """Per-sequence data of a tracked sequence (a client request or a server-side branch): its
+    detector and text. Where it stands is in its phase (`phase`, `waiting`), not here."""
+
+    mgr: ForkManager
+    req: Any  # sglang Req
+    det: Detector | None  # None: structure tracking stopped (grammar error, or the sequence ended)
+    text: TextStream
+    grammar: str
+    branch: bool = False  # a server-side branch (internal rid, never streamed to the client)
+    close_at: int | None = None  # branch closed by its tag: output text ends here
+    close_keep: int = 0
+    close_leftover: str = ""
+    error: str | None = None  # the first grammar error, until the end puts it into the finish reason
+
+    @property
+    def rid(self) -> str:
+        return self.req.rid
+
+    @property
+    def phase(self) -> ParallelPhase | None:
+        """The phase this sequence opened and that is still open."""
+        return self.mgr.reg.of_parent(self.req.rid)
+
+    @property
+    def waiting(self) -> bool:
+        """A parent between its fork and its join: it does not decode."""
+        ph = self.phase
+        return ph is not None and ph.waiting
+
+    def fail(self, msg: str) -> None:
+        """Stop structure tracking; the sequence continues as plain serial text."""
+        if self.error is None:
+            self.error = msg
+        self.det = None
+
+    def undecided(self) -> bool:
+        """True while text already decoded may still be cut (a fork, or one waiting for its next char)."""
+        return self.waiting or (self.det is not None and self.det.deciding)
+
+
+class ForkManager:
+    """Server-side fork/join of one scheduler. The hooks call `on_tokens`, `end`, `reconcile`,
+    `abort` and `idle`; the work is done by fork_lifecycle (fork, park, spawn, close, join) and
+    fork_aborts (aborts of parked parents, the idle leak check)."""
+
+    def __init__(self, sched: Any, cfg: BranchwiseConfig) -> None:
+        self.sched = sched
+        self.cfg = cfg
+        self.reg = PhaseRegistry(max_depth=MAX_DEPTH)
+        self.stats: Counter[str] = Counter()
+        self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
+        # auto: a request's branches may not claim more decode tokens than the whole KV pool holds
+        self.limits = ForkLimits(cfg.branch_max_fanout, cfg.branch_max_branch_tokens
+                                 or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
+        self.metrics: Any = None  # BranchwiseMetrics (fork.build hands over taper's, under --enable-metrics)
+        # Set by the first track() and never reset: until then no output row can need filtering,
+        # later a finished branch may still sit in an in-flight batch whose output must be dropped.
+        self.tracking = False
+        self._tok = sched.tokenizer
+        # headers, close tags, separators: bounded, since headers carry each request's own text
+        self._enc = functools.lru_cache(maxsize=ENC_CACHE)(self._encode_uncached)
+
+    @property
+    def max_branch_tokens(self) -> int:
+        return self.limits.max_branch_tokens
+
+    # ---- text --------------------------------------------------------------------------------
+    def decode(self, ids: Sequence[int]) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=True)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self._enc(text)) if text else []
+
+    def _encode_uncached(self, text: str) -> tuple[int, ...]:
+        return tuple(self._tok.encode(text, add_special_tokens=False))
+
+    def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
+        from branchwise.fork import hook_tracked_request
+
+        t = Track(self, req, det, TextStream(self.decode), grammar, branch)
+        req.bw_fork = t
+        hook_tracked_request(req)
+        self.tracking = True
+        return t
+
+    # ---- entry points (hooks in fork.py) ----------------------------------------------------------
+    def on_tokens(self, t: Track) -> None:
+        fork_lifecycle.on_tokens(self, t)
+
+    def end(self, t: Track) -> None:
+        fork_lifecycle.end(self, t)
+
+    def reconcile(self) -> None:
+        fork_lifecycle.reconcile(self)
+
+    def abort(self, recv_req: Any) -> None:
+        fork_aborts.abort_parked(self, recv_req)
+
+    def idle(self) -> bool:
+        return fork_aborts.idle(self)
+
+    # ---- derived views ----------------------------------------------------------------------------
+    def busy(self) -> bool:
+        """A parent waits at a fork or on its branches (it is in no SGLang queue while parked)."""
+        return any(ph.waiting for ph in self.reg.phases.values())
+
+    def pending(self) -> bool:
+        """The next scheduling point has a park, a spawn or a join to do."""
+        return any(ph.pending for ph in self.reg.phases.values())
+
+    def parked(self) -> list[ParallelPhase]:
+        return self.reg.in_state(Stage.PARALLEL)
+
+    def live_branches(self) -> int:
+        return sum(len(ph.open_branches) for ph in self.parked())
+
+    def record(self, ph: ParallelPhase) -> dict[str, Any]:
+        """The phase's entry in `recent` (/server_info), made on first use."""
+        for rec in reversed(self.recent):
+            if rec["phase"] == ph.phase_id:
+                return rec
+        rec = {"phase": ph.phase_id, "parent": ph.parent_rid, "fanout": ph.fanout, "depth": ph.depth,
+               "prefix_tokens": ph.prefix_len, "shared_tokens": ph.shared,
+               "cached_tokens": [None] * ph.fanout, "reasons": [None] * ph.fanout, "joined_tokens": None}
+        self.recent.append(rec)
+        return rec
+
+    def report(self) -> dict[str, Any]:
+        reg = self.reg
+        sizes = {"forking": len(reg.in_state(Stage.FORKING)), "join_ready": sum(ph.pending for ph in self.parked()),
+                 "by_branch": len(reg.by_branch), "by_parent": len(reg.by_parent),
+                 "phase_counts": len(reg.counts), "enc_cache": self._enc.cache_info().currsize}
+        return {"counters": dict(self.stats), "parked": len(self.parked()), "open_phases": len(reg),
+                "live_branches": self.live_branches(), "sizes": sizes, "recent": list(self.recent),
+                "limits": {"max_fanout": self.limits.max_fanout, "max_branch_tokens": self.max_branch_tokens}}
