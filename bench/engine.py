@@ -447,7 +447,7 @@ class Simulator:
                  deferred: int = 0) -> None:
         """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step;
         the first one `first` longer), each with the rows it deferred. Straight to the refit, as
-        StepController.on_latency forwards them (which does not take the deferred rows yet)."""
+        StepController.on_latency forwards them."""
         rf = self.ctl.refit
         if rf is None or self.static:
             return
