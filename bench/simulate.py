@@ -63,7 +63,7 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
     jobs = [Job(p, p, rho, calibrated) for p in policies]
     if ablations:
         names = {j.key for j in jobs}
-        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-no-defer-cost", "taper-no-slack",
+        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-defer-cost", "taper-no-slack",
                "taper-no-replan",
                "taper-const-predictor")
         jobs += [Job(p, p, rho, calibrated) for p in abl if p in POLICY_NAMES and p not in names]

@@ -57,7 +57,7 @@ def test_parse_invalid_names_say_what_is_valid(name):
 
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
-                            "taper-no-backlog", "taper-no-defer-cost", "taper-paper", "taper-no-slack",
+                            "taper-no-backlog", "taper-defer-cost", "taper-paper", "taper-no-slack",
                             "taper-no-replan", "taper-const-predictor", "stock")
 
 
@@ -209,18 +209,18 @@ def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
 
 
 def test_taper_prices_a_deferral_over_the_steps_it_is_held():
-    """taper holds a deferral for (opportunistic rows' cost / room above the forced rows) steps,
-    at least one, and prices it per step held: with no room above the protected rows any measured
-    price makes it run every row; with room for all of them the price counts once. taper-no-defer-cost
-    and a free deferral plan as before."""
+    """taper-defer-cost holds a deferral for (opportunistic rows' cost / room above the forced rows)
+    steps, at least one, and prices it per step held: with no room above the protected rows any
+    measured price makes it run every row; with room for all of them the price counts once. taper
+    (no price term) and a free deferral plan as before."""
     priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.1e-3)
     free = LinearLatencyModel(0.010, 1e-3, 0.0)
     tight = _phase_batch(8, slack=0.012 / 0.8)  # budget 12 ms = the protected rows: no room
-    assert parse_policy("taper", model=free).plan(tight).widths.tolist() == [1, 1]
-    assert parse_policy("taper-no-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 1]
-    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 8]
+    assert parse_policy("taper-defer-cost", model=free).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 8]
     roomy = _phase_batch(8, slack=0.0185 / 0.8)  # budget 18.5 ms: room 6.5 ms, opportunistic rows 7 ms
-    pol = parse_policy("taper", model=priced)
+    pol = parse_policy("taper-defer-cost", model=priced)
     budget, floor, _ = pol.budget(roomy)
     assert pol.held_price(roomy, budget, floor) == pytest.approx((1e-3 * 7 / 6.5, 0.1e-3 * 7 / 6.5))
 

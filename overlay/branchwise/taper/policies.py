@@ -7,7 +7,8 @@ A policy decides, for one decode step, how many ready rows of each request run (
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
   per gap. taper-no-slack (infinite budget) and taper-const-predictor (a constant T) are its
-  ablations. taper adds four terms (`Terms`, below), each with an ablation that turns it off.
+  ablations. taper adds three terms (`Terms`, below), each with an ablation that turns it off;
+  taper-defer-cost is taper with a fourth, a price on deferral itself (not the default: below).
 * Pin rule (`replan`): taper-no-replan holds the width of a phase's first plan for the rest of the
   phase (capped by its ready rows), even when the budget later shrinks; the step controller keeps
   the pins. Every other policy replans every step.
@@ -17,7 +18,7 @@ T = c0 + c_seq * rows + c_ctx * ctx, a deferred row still runs later at the same
 only moves work: it lowers this step's T and pays for that with a longer phase (its slot held, its
 protected row in more steps, each of which pays c0 again, queued requests waiting). Moving work is
 worth it only when the steps it moves to are less tight. `weighed_budget` holds the first three
-terms, the planner the fourth:
+terms, the planner the fourth (taper-defer-cost only):
 
 * SLO-matched budget (off: taper-no-mean). A serial stage is judged on its mean TPOT, so its slack
   is (tokens + 1) * slo - elapsed since the stage began (controller.SlackTracker, mean=True), like
@@ -50,7 +51,7 @@ terms, the planner the fourth:
   never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less
   (the term binds only while some request is behind its pace).
   Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
-* Deferral price (off: taper-no-defer-cost). Deferring is itself work: a step that runs a subset
+* Deferral price (taper-defer-cost only). Deferring is itself work: a step that runs a subset
   prepares its sub-batch and carries its deferred rows (on a CPU box ~0.5 ms + 0.05 ms a row, a
   tenth of a 5 ms SLO, against ~0.13 ms saved per row), and it pays that in every step until the
   rows run. A deferred row runs once a step has room for it: the budget left above the forced
@@ -62,7 +63,9 @@ terms, the planner the fourth:
   shorter than running every ready row; otherwise every row runs (planner.plan_step, `deferral`).
   The price is measured, never set: the step controller's refit learns it from realized steps and
   the rows they deferred (OnlineRefit with deferral=True), and a price the refit cannot tell from
-  the steps' noise is 0, so where deferral is free (the default simulator) the term is inert.
+  the steps' noise is 0. It is not taper's default: in the default simulator, where deferral is
+  free, the refit still found a price in the SPRINT workload and lowered taper's capacity there
+  below taper-paper's, so the significance rule does not yet keep the term inert where it should.
 
 With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
 The extra inputs are per-request SLOs (ArrayBatch.slo_s) and the queue length (ArrayBatch.waiting);
@@ -83,10 +86,10 @@ from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, defau
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
+                "taper-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
                 "stock")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
-                 "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
+                 "taper-no-backlog, taper-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
                  "taper-const-predictor, stock"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
@@ -108,10 +111,10 @@ class Terms:
 
 
 PAPER = Terms()
-_TERMS = MappingProxyType({"taper": Terms(True, True, True, True), "taper-no-mean": Terms(False, True, True, True),
-                          "taper-no-overload": Terms(True, False, True, True),
-                          "taper-no-backlog": Terms(True, True, False, True),
-                          "taper-no-defer-cost": Terms(True, True, True, False)})
+_TERMS = MappingProxyType({"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
+                          "taper-no-overload": Terms(True, False, True),
+                          "taper-no-backlog": Terms(True, True, False),
+                          "taper-defer-cost": Terms(True, True, True, True)})
 
 
 @dataclass(frozen=True, slots=True)
