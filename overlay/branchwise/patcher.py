@@ -99,11 +99,26 @@ def _run_patch(site: Path, patch: Path, *extra: str) -> None:
         raise PatchError(f"{patch.name} does not apply cleanly:\n{proc.stdout}{proc.stderr}")
 
 
+def series_digest(patch_dir: Path) -> str:
+    """One digest of the series: its patches' names and bytes, in order."""
+    h = hashlib.sha256()
+    for patch in series(patch_dir):
+        h.update(patch.name.encode() + b"\0" + patch.read_bytes() + b"\0")
+    return h.hexdigest()
+
+
 def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
     target = find_target()
     states = file_states(target, patch_dir)
+    digest, stamp = series_digest(patch_dir), target.state_dir / "series.sha256"
+    note = ""
     if states and all(state == "applied" for state in states.values()):
-        return f"already applied ({len(states)} files): nothing to do"
+        if stamp.exists() and stamp.read_text() == digest:
+            return f"already applied ({len(states)} files): nothing to do"
+        # applied from another version of the series (an upgraded checkout): start from pristine
+        _restore_pristine(target, states)
+        states = file_states(target, patch_dir)
+        note = " (replacing an earlier version of the series)"
     bad = {rel: state for rel, state in states.items() if state != "pristine"}
     if bad:
         raise PatchError(f"refusing to patch: files are not pristine sglang {SGLANG_VERSION}: {bad}")
@@ -118,14 +133,12 @@ def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
         _run_patch(target.site, patch)
     manifest = {rel: _sha(target.site / rel) for rel in states}
     (target.state_dir / "applied.json").write_text(json.dumps(manifest, indent=1, sort_keys=True))
-    return f"applied {len(series(patch_dir))} patch(es) to {len(states)} file(s) in {target.site}"
+    stamp.write_text(digest)
+    return f"applied {len(series(patch_dir))} patch(es) to {len(states)} file(s) in {target.site}{note}"
 
 
-def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
-    target = find_target()
-    states = file_states(target, patch_dir)
-    if all(state == "pristine" for state in states.values()):
-        return "not applied: sglang is already pristine"
+def _restore_pristine(target: Target, states: dict[str, str]) -> None:
+    """Put back the pristine copy of every touched file, checked against sglang's RECORD."""
     backup = target.state_dir / "pristine"
     for rel, state in states.items():
         if state == "pristine":
@@ -136,6 +149,14 @@ def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
         shutil.copy2(src, target.site / rel)
         if _sha(target.site / rel) != target.record[rel]:
             raise PatchError(f"restored {rel} does not match sglang's RECORD checksum")
+
+
+def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
+    target = find_target()
+    states = file_states(target, patch_dir)
+    if all(state == "pristine" for state in states.values()):
+        return "not applied: sglang is already pristine"
+    _restore_pristine(target, states)
     shutil.rmtree(target.state_dir, ignore_errors=True)
     return f"reverted {len(states)} file(s); checksums match sglang {SGLANG_VERSION}'s RECORD"
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 
@@ -54,6 +55,27 @@ def test_patch_series_apply_revert_check():
     finally:
         assert "applied" in patcher.apply()
     assert patcher.check()[0].startswith("state: applied")
+
+
+def test_an_upgraded_patch_series_replaces_the_applied_one(tmp_path):
+    """An environment patched by another version of the series (an upgraded checkout) is patched
+    again from the pristine files, not left as it was because every file looks applied."""
+    old = tmp_path / "patches"
+    shutil.copytree(patcher.DEFAULT_PATCHES, old)
+    first = patcher.series(old)[0]
+    text = first.read_text()
+    assert '] = "stock"' in text
+    first.write_text(text.replace('] = "stock"', '] = "off"', 1))
+    target = patcher.find_target()
+    rel = patcher.touched_files(first)[0]
+    try:
+        assert "replacing" in patcher.apply(old)
+        assert '] = "off"' in (target.site / rel).read_text().split("branch_policy", 1)[1][:600]
+        assert "already applied" in patcher.apply(old)
+    finally:
+        assert "replacing" in patcher.apply()
+    assert "already applied" in patcher.apply()
+    assert '] = "stock"' in (target.site / rel).read_text().split("branch_policy", 1)[1][:600]
 
 
 def test_plugin_runs_inside_scheduler_process(servers):
