@@ -226,8 +226,9 @@ def _spawn(mgr: ForkManager, t: Track, ph: ParallelPhase) -> None:
     for b in ph.branches:
         i = b.index
         br = _make_branch(req, b.rid, ph.branch_input(i, prefix), ph.keep + len(ph.header_ids[i]))
-        br.bw_meta = RequestMeta(ph.phase_id, i, ph.fanout, parent_meta.slo_tpot_ms, parent_meta.weight,
-                                 t.grammar)
+        br.bw_meta = RequestMeta(phase=ph.phase_id, branch=i, fanout=ph.fanout,
+                                 slo_tpot_ms=parent_meta.slo_tpot_ms, weight=parent_meta.weight,
+                                 grammar=t.grammar)
         bdet = t.det.branch(i, b.label, ph.depth) if t.det is not None else None
         mgr.track(br, bdet, t.grammar, branch=True)
         sched.init_req_max_new_tokens(br)
