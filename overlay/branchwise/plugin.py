@@ -1,4 +1,4 @@
-"""SGLang plugin entry point (`sglang.srt.plugins` group): the only place that names hook targets.
+"""SGLang plugin entry point (`sglang.srt.plugins` group) and the table of every HookRegistry target.
 
 `load_plugins()` runs `register()` in every SGLang process (HTTP server, scheduler, detokenizer)
 before the Scheduler is built. Registration must stay cheap and must not log: logging is not yet
