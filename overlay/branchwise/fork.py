@@ -1,73 +1,14 @@
-"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies, and the overview.
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies and `build`.
 
-A grammar detector (branchwise.grammars) watches a request's generated text through a TextStream;
-the phase it opens lives in a PhaseRegistry and goes through one lifecycle (branchwise.phases:
-FORKING -> PARALLEL -> REDUCE -> DONE). This module moves SGLang requests and KV along it:
-
-  fork   (-> FORKING) the parent's output is cut at the fork point (`PhaseOpened.at`) before
-         anything past it is streamed.
-  park   (-> PARALLEL, at the next scheduling point) the parent is parked like a retraction: its KV
-         goes into the radix tree with `release_kv_cache(checkpoint=True)`, a tree lock pins that
-         prefix, and the Req leaves running_batch/last_batch and holds no KV row. One real Req per
-         branch (rid f"{parent}/p{n}/b{i}", input = parent ids up to the fork + header_i) goes to the
-         waiting queue; its prefill matches the pinned prefix, so only the header is computed
-         (`cached_tokens` >= the shared prefix). Branches decode as ordinary running rows tagged with
-         `bw_meta = RequestMeta(phase, branch, fanout, slo, weight)` for the TAPER planner.
-  close  a branch ends at its own close tag (finished like a stop string, so SGLang releases and
-         caches its KV itself), or by EOS / max_new_tokens / abort (the reduce appends the close tag).
-  join   (-> REDUCE) when all branches of a phase are closed, their ids are appended to the parent's
-         output in canonical (branch-index) order and the parent is re-queued as a retracted request
-         (`_add_request_to_queue(is_retracted=True)`): its prefill matches prefix + branch 0 in the
-         radix tree and computes the rest, then it continues decoding. The phase is released (DONE)
-         when the parent's grammar closes it, or with its request.
-  nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
-
-Modules: fork_state.py (`ForkManager`, `Track`: what one scheduler keeps), fork_lifecycle.py (fork,
-park, spawn, close, join), fork_aborts.py (aborts of parked parents, the idle leak check),
-fork_limits.py (which requests branch, the fanout and branch-token limits), phases.py (pure: the
-phase state machine, the one record of where each sequence stands). Aborts reach a fork anywhere in
-its life: SGLang's abort by rid prefix (or abort_all) ends the branches in its queues and batches,
-`abort_parked` ends a parked parent, and a parent aborted while it waits at its fork is parked and
-ended at the scheduling point; ending a sequence releases its phases, nested ones and pins
-included, so nothing is left for a later step to find.
-
-Where: detection runs per sequence right after SGLang appends a step's tokens (a hook on
-Req.update_finish_state, before KV release and streaming, installed on the tracked Req instances
-only, so the rows of every other request pay nothing per step); parking, spawning and joining
-run at the top of the next loop iteration (AFTER Scheduler.ingest_requests), the scheduling point
-where SGLang itself changes queues, so get_next_batch_to_run always sees a consistent state.
-A grammar error stops branching for that sequence (it continues serial, already joined text kept);
-the request's finish_reason then carries `branchwise_error` with the detector's message (HTTP 200).
-Limits (one request must not take the server): a fork of more than --branch-max-fanout branches, or
-one whose branches would together be granted more than --branch-max-branch-tokens decode tokens
-(counting the request's live branches of all its phases, nested ones included), is not taken: the
-request continues serially and its finish_reason says why in `branchwise_error`. Under
---branch-grammar-clients deny a request naming a grammar other than "none" or the server's own
---branch-grammar is rejected with HTTP 400.
-
-Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
-the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
-row's result as it does for rows retracted or preempted while in flight; FutureMap slots are keyed
-by req_pool_idx and a reused slot is rewritten by its new owner's prefill before being read. Tokens
-past the fork point are cut before `stream_output` runs and parents are not streamed while a fork is
-undecided, so the client never sees them. The in-flight step also wrote the KV of the fork token, so
-the branches' prefill hits the whole prefix; without overlap that token's KV does not exist yet and
-the hit is one token shorter.
-
-Budget (max_new_tokens): the parent's max_new_tokens bounds the whole response, joined branch text
-included. Each branch may use the budget left at the fork (parent max - kept tokens - header); a
-join that reaches the parent's budget finishes the request with finish_reason length, truncated at
-max_new_tokens tokens, i.e. exactly where a serial writer of the same text would have been cut.
-
-Tensor parallelism: every rank runs these hooks on identical token ids with the same tokenizer, and
-every decision (fork, cut, budget, join, abort by rid prefix) depends only on token ids, request
-ids and the order of events within a step, never on wall clocks, so all ranks spawn, park and join
-the same requests in the same iteration.
-
-Not branched (the request runs serial): return_logprob, hidden states, constrained decoding
-(json/regex/ebnf), input embeds, multimodal, sessions, LoRA, beam search, client-side branches;
-and the whole feature is off under disaggregation, PP, speculative decoding, DP attention, dLLM,
-hisparse and mamba caches.
+A grammar detector watches a tracked request's text; the phase it opens goes FORKING -> PARALLEL ->
+REDUCE -> DONE (branchwise.phases). These bodies move SGLang requests and KV along it: detection
+runs on each tracked Req instance right after SGLang appends a step's tokens (`hook_tracked_request`),
+parking, spawning and joining run at the scheduling point (AFTER Scheduler.ingest_requests), and
+abort, idle and streaming hooks keep parked parents and branches out of SGLang's way. The state
+is in fork_state.py, the transitions in fork_lifecycle.py, aborts and the leak check in
+fork_aborts.py, which requests branch in fork_limits.py. Every decision depends on token ids,
+rids and event order only, so all TP ranks agree without a broadcast. The lifecycle, overlap
+scheduling, budgets and what is not branched: docs/design/server-fork.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
 """The parallel-phase lifecycle, pure (no SGLang import): what a phase is, the one state machine it
 goes through from fork to join, and the text a sequence's detector reads.
 
-A phase is (shared prefix P, phase header H, branch headers h_i, fanout n). Two rules make any
-branch schedule give the same output as one serial writer, and they are enforced here:
-  * isolation: branch i's input is P + h_i, never a sibling's text (`ParallelPhase.branch_input`);
-  * canonical reduce: branch outputs are joined in branch-index order, never in the order the
-    branches finished (`reduce`).
-
-Lifecycle of a server-side phase (`Stage`), driven by branchwise.fork:
-
-    FORKING   the parent's detector saw a fork; its output was cut at the fork point; it is parked
-              and the branches are spawned at the next scheduling point
-    PARALLEL  the parent is parked (`park`); its branches decode (`close_branch` records each
-              one's output)
-    REDUCE    every branch closed; the parent resumed with the reduce text (`join`) and decodes
-              until its grammar closes the phase
-    DONE      released (closed by the grammar, or dropped with its request)
-
-A phase is the one record of where its sequences stand: its `state` says whether the parent waits
-(FORKING, PARALLEL) or decodes (REDUCE), each `Branch` says whether that branch still runs, and work
-for the next scheduling point is derived from them (`pending`), never queued beside them.
-
-Branch request ids are derived, not random: f"{parent_rid}/p{n}/b{i}". SGLang aborts every request
-whose rid starts with the aborted rid, so aborting a parent reaches all its branches (and nested ones).
+A phase (shared prefix, phase header, branch headers, fanout) is the one record of where its
+sequences stand: `state` (FORKING -> PARALLEL -> REDUCE -> DONE, driven by branchwise.fork), each
+`Branch` open until closed, and the next scheduling point's work derived from them (`pending`).
+Isolation (`ParallelPhase.branch_input`: branch i reads prefix + its own header) and canonical
+reduce (`reduce`: branch-index order) make any schedule give a serial writer's output. Branch rids
+are f"{parent_rid}/p{n}/b{i}", so SGLang's abort-by-prefix reaches every branch.
+The states and invariants: docs/design/server-fork.md.
 """
 
 from __future__ import annotations
