@@ -1,24 +1,13 @@
 """Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
 
-With `--dp-size N` SGLang's DataParallelController sends each request to a DP rank by its
-`--load-balance-method`. A client-side phase's branches are separate requests, so that would
-spread one phase over ranks: its prefix is prefilled on each, and each rank's TAPER sees part of
-the phase. Here the controller's own dispatch decides the rank of a phase's first request; the
-rank is remembered under the phase's affinity key, and later requests of that key carry it as
-SGLang's `routed_dp_rank` (the controller's external-routing path). Requests without a key (serial
-requests, health checks) and requests the client routed itself are untouched.
-
-Affinity key: the part before the first "/" of `custom_params.branchwise.phase`, else of SGLang's
-own `routing_key` field. The part before "/" is the group of Branchwise's structured ids, so a
-nested fork inside a branch (phase "g/b1/f0") stays with its parent phase "g", and the frontend's
-fork-point prefix request (sent with routing_key = the fork's group) lands where its branches do.
-
-The map is an LRU of bounded size: a phase ends and is never seen again, so the oldest key goes;
-an evicted key that comes back is placed afresh (placement only, outputs do not depend on it).
-
-The pure parts (affinity_key, PhaseRanks) import no SGLang; the hook bodies run in the DP
-controller process (plugin.py registers them), and each scheduler keeps a SchedulerDp
-(runtime.py builds it and reports it).
+Under `--dp-size N` SGLang's DataParallelController would spread a client-side phase's requests
+over ranks (its prefix prefilled on each, each rank's TAPER seeing part of the phase). Here the
+controller's own dispatch places a phase's first request; the rank is remembered in a bounded LRU
+under the phase's affinity key (the group before the first "/" of the stamp's phase, else of
+SGLang's routing_key), and later requests of that key carry it as `routed_dp_rank`. Requests
+without a key, or routed by the client, are untouched. The pure parts (affinity_key, PhaseRanks)
+import no SGLang; the hook bodies run in the DP controller process, and each scheduler keeps a
+SchedulerDp (built by runtime.py). Why, and the key's rules: docs/design/dp-dispatch.md.
 """
 
 from __future__ import annotations

@@ -1,29 +1,13 @@
 """SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process.
 
-How SGLang 0.5.23 runs a request with `sampling_params.n` > 1 (`/generate`, or `n` of
-`/v1/completions` and `/v1/chat/completions`), in `TokenizerManager._handle_batch_request`: for each
-prompt one prefix pass (a copy with max_new_tokens = 0, which puts the prompt in the radix cache),
-then n children, each a copy of the prompt's tokenized request with a fresh uuid from
-`GenerateReqInput.regenerate_rid()` (it is called there and nowhere else). In the scheduler the n
-samples would be n unrelated serial requests. Four hooks (plugin.py) make them one phase:
-
-- `_handle_batch_request` (AROUND): each prompt's sub-request `obj[i]` gets an `Expansion` (phase
-  id = the prompt's rid, fanout n, the client's own slo_tpot_ms / weight / grammar, a routing key).
-  The copies SGLang makes of the sub-request share it.
-- `GenerateReqInput.regenerate_rid` (AROUND): the first call of a prompt is its prefix pass (its
-  uuid stays); the next n are its samples, which get `branch_rid(phase, i)` = f"{phase}/b{i}/0"
-  instead of a uuid: the same request gives the same sample rids, so --parallel-sampling's keyed
-  seeds are a function of the client's rid, and SGLang's abort-by-prefix reaches every sample.
-- `_send_one_request` (AROUND): a request sent for a `Sample` is stamped: sample i carries
-  custom_params.branchwise {phase, branch i, fanout n, ...}; the prefix pass carries none; both carry
-  the routing key (dp_dispatch: one DP rank for the prefix pass and every sample).
-- `abort_request` (AROUND): the HTTP server forwards only aborts of rids it knows, and the rid a
-  client knows for an n > 1 request is none of them; an abort of an unknown rid ends every live
-  sample whose rid it prefixes (SGLang's own abort rule in the scheduler).
-
-A client keeps control: a request whose stamp names a phase keeps it on every sample (only the
-routing key is added); `custom_params.branchwise.phase = null` opts a request out (SGLang's own n > 1,
-nothing stamped or routed). The pure part (`plan`) imports no SGLang.
+SGLang expands an `n > 1` request per prompt into a prefix pass and n copies with fresh uuids, which
+the scheduler would see as n unrelated serial requests. Four hooks make them one phase: each
+prompt's sub-request gets an `Expansion` (phase id = the prompt's rid, fanout n, the client's
+SLO/weight/grammar, a routing key); sample i gets rid f"{phase}/b{i}/0" instead of a uuid (so keyed
+seeds follow the client's rid and abort-by-prefix reaches every sample); each sample is sent
+stamped, the prefix pass unstamped, both with the routing key; and an abort of the client's rid
+ends every live sample it prefixes. A stamp naming a phase is kept; `phase = null` opts out.
+The pure part (`plan`) imports no SGLang. The hooks in detail: docs/design/n-sampling.md.
 """
 
 from __future__ import annotations

@@ -1,39 +1,13 @@
-"""Per-iteration time split of the SGLang scheduler loop (T1..T5 below): a diagnostics instrument.
+"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only).
 
-Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise;
-"stock": the timer's hooks and the runtime that builds it, nothing else, so stock SGLang is measured
-with the same instrument; "albireo": plus Albireo's hooks and components only, so --async-output /
---parallel-sampling are measured against stock alone).
-Every scheduler loop iteration (both event loops start it with `ingest_requests`) becomes one
-JSON line:
-
-    {"wall": s, "recv": s, "sched": s, "prep": s, "forward": s, "sample": s, "result": s,
-     "stream": s, "taper_*": s, "worker": s, "cpu": {span: s, "wall": s}, "runq": s,
-     "run": [mode, bs], "res": [mode, bs], "launch": [forward_iter, launch_ts], "tags": {...}}
-
-Spans are exclusive (a nested span's time is taken out of its parent): `sched` = T1
-(get_next_batch_to_run), `prep` = T2 (run_batch minus forward and sample: ForwardBatch build,
-FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = T4, `result` = T5
-(process_batch_result without its output-stream part), `stream` = the output streamer's payload
-build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
-iteration (off the scheduler thread), `taper_*` Branchwise's TAPER work (TAPER_SPANS, taken out
-of `sched` and `result`), `runq` the time the scheduler thread waited for a core (its
-/proc/thread-self/schedstat run delay: time lost to other processes), `launch` the forward_iter and
-launch_ts of the batch run (consecutive decode launches give the step the controller sees), `tags`
-counts the TAPER hook notes (e.g. rows deferred). On CPU the forward runs on the scheduler thread, so the
-exposed (non-forward) time of an iteration is `wall - forward`. With the forward thread
-(branchwise.albireo.forward_thread) `forward` and `sample` are the worker's spans and the record
-also has `fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it
-started in this iteration (its exposed time: the scheduler thread's work no longer adds to it when
-it overlaps the forward). `cpu` holds the same spans in scheduler-thread CPU time
-(time.thread_time): on a shared machine wall time includes waiting for a core, CPU time does not
-(but it also misses GIL waits and the forward's intra-op threads).
-
-`build` makes one StepTimer per scheduler (`scheduler.branchwise.timer`) and attaches it, as
-`_branchwise_step_timer`, to the model runner and the tree cache (the output streamer, a slotted
-dataclass, reaches it through its tree cache), whose hooks do not receive the scheduler; the
-async-output send worker and the forward thread get it as their `timer`. bench.overhead reads the
-records (`records_path`).
+Registered only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise; "stock": the
+timer alone, so stock SGLang is measured with the same instrument; "albireo": plus Albireo only).
+Every scheduler loop iteration becomes one JSON line of exclusive spans (`sched` T1, `prep` T2,
+`forward` T3, `sample` T4, `result` T5, `stream`, `taper_*`, ...), the same spans in
+scheduler-thread CPU time and the thread's run-queue wait. `build` makes one StepTimer per
+scheduler and attaches it to the model runner and the tree cache, whose hooks do not receive the
+scheduler. bench.overhead and bench.step_account read the records (`records_path`).
+The record's fields and what each span times: docs/design/step-timer.md.
 """
 
 from __future__ import annotations

@@ -1,34 +1,13 @@
 """Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
 
-SGLang's tokenizer manager answers HTTP 400 for a ValueError raised while it prepares a request;
-any other exception there (a TypeError from a sampling_params key its SamplingParams does not take,
-an invalid session_params, ...) is an HTTP 500. Four hooks (registered in plugin.py) close that:
-
-- GenerateReqInput.normalize_batch_and_arguments, the first step of every generate request
-  (/generate, the OpenAI routes, the Engine API): Branchwise's custom_params are parsed here, so
-  a malformed stamp is a 400 naming the field and never crosses into the scheduler, and `n` is
-  bounded before SGLang makes n copies of the request;
-- TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
-  stop token ids and top_logprobs_num are checked against the vocabulary, an empty prompt is
-  refused, and an exception other than ValueError there is about the request, so it becomes a
-  ValueError;
-- TokenizerManager._validate_one_request: prompt ids given as `input_ids` lie in the vocabulary
-  (SGLang checks their number, not their values: an id outside [0, vocab) reaches the embedding
-  lookup in the scheduler, which dies with every other request: IndexError on CPU, a device-side
-  assert on GPU);
-- TokenizerManager.create_abort_task: a streamed response's task that aborts its rid after the
-  stream reads `obj.is_single`, which only normalization sets. For a request that normalization
-  refused before setting it, or that never got normalized (the client left before the stream's
-  generator started), the task would raise after the response, and uvicorn would then close the
-  keep-alive connection, losing the same client's next request on it. Such a request never reached
-  the scheduler, so there is nothing to abort: the task is skipped.
-
-The bounds are values SGLang's own checks let through to the scheduler: there they raise inside
-its loop (an int32 tensor overflow, an index past the vocabulary, a zero-length prefill) or make
-the sampler's logits infinite.
-
-The scheduler parses custom_params again (scheduler_hook.on_request_created), so a
-request that reaches it by another path still cannot raise in the scheduler loop.
+SGLang answers HTTP 400 only for a ValueError raised while it prepares a request (anything else is
+a 500), and lets through values that later raise inside the scheduler loop (an int32 overflow, an
+id past the vocabulary, an empty prefill) and take every other request with them. Four hooks
+close that: normalization (the custom_params stamp, `n`), the tokenized object (token ids in
+sampling params, empty prompts, any other error as a ValueError), `_validate_one_request`
+(`input_ids` within the vocabulary) and `create_abort_task` (no abort task for a request that was
+refused before it was normalized). The scheduler parses the stamp again, so a request arriving by
+another path cannot raise there either. Each hook's reason: docs/design/request-validation.md.
 """
 
 from __future__ import annotations
