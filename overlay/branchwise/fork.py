@@ -16,17 +16,23 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise.config import BranchwiseConfig
 from branchwise.fork_limits import grammar_for
 from branchwise.fork_state import ForkManager
 from branchwise.grammars import get_detector
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
 logger = logging.getLogger("branchwise.fork")
 
 
-def _plain_mode(sched: Any) -> str | None:
+def _plain_mode(sched: Scheduler) -> str | None:
     """Why server-side branching is off in this scheduler, or None when it is on."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -44,7 +50,7 @@ def _plain_mode(sched: Any) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
+def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
     """The scheduler's fork manager, or None where server-side branching cannot run. It counts freed
     orphans in taper's Prometheus series (under --enable-metrics). The scheduler's tree cache, which
     the output streamer shares, gets a reference to it for the stream_output hook."""
@@ -63,7 +69,8 @@ def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
 # hooks find the manager at `self.branchwise.fork`.
 
 
-def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGenerateReqInput,
+                                *args: Any, **kwargs: Any) -> Req:
     """A new client request (runtime calls it after taper has set `req.bw_meta`): a grammar the
     server refuses ends it with HTTP 400; a grammar it serves starts tracking its text."""
     bw = self.branchwise
@@ -76,12 +83,13 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
                 bw.taper.bump("bad_requests")
             return req
     mgr = bw.fork
-    if mgr is not None and (g := grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats)) is not None:
-        mgr.track(req, get_detector(g), g)
+    grammar = grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats) if mgr is not None else None
+    if grammar is not None:
+        mgr.track(req, get_detector(grammar), grammar)
     return req
 
 
-def hook_tracked_request(req: Any) -> None:
+def hook_tracked_request(req: Req) -> None:
     """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
     Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
     (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
@@ -91,17 +99,17 @@ def hook_tracked_request(req: Any) -> None:
     req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
 
 
-def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_update_finish_state(orig: Callable[..., None], req: Req, *args: Any, **kwargs: Any) -> None:
     """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
     streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
     out = orig(req, *args, **kwargs)
-    t = getattr(req, "bw_fork", None)
-    if t is not None:
-        t.mgr.on_tokens(t)
+    track = getattr(req, "bw_fork", None)
+    if track is not None:
+        track.mgr.on_tokens(track)
     return out
 
 
-def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def after_ingest_requests(result: list, self: Scheduler, *args: Any, **kwargs: Any) -> list:
     """The scheduling point: park and spawn the phases cut at a fork, join those whose branches closed."""
     mgr = self.branchwise.fork
     if mgr is not None and mgr.reg.phases and mgr.pending():
@@ -109,48 +117,49 @@ def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> 
     return result
 
 
-def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_abort_request(result: None, self: Scheduler, recv_req: AbortReq, *args: Any, **kwargs: Any) -> None:
     mgr = self.branchwise.fork
     if mgr is not None and mgr.reg.phases:
         mgr.abort(recv_req)
     return result
 
 
-def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any, req: Any) -> Any:
+def around_send_abort_output(orig: Callable[..., None], self: Scheduler, abort_req: AbortReq, req: Req) -> None:
     """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
-    t = getattr(req, "bw_fork", None)
+    track = getattr(req, "bw_fork", None)
     mgr = self.branchwise.fork
-    if t is None or mgr is None:
+    if track is None or mgr is None:
         return orig(self, abort_req, req)
     if req.finished_reason is None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.finished_reason = req.to_finish or FINISH_ABORT()
-    mgr.end(t)
-    if t.branch:
+    mgr.end(track)
+    if track.branch:
         return None  # internal rid: the tokenizer manager never heard of it
     return orig(self, abort_req, req)
 
 
-def around_stream_output(orig: Callable[..., Any], self: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
+def around_stream_output(orig: Callable[..., None], self: SchedulerOutputStreamer, reqs: list[Req],
+                         *args: Any, **kwargs: Any) -> None:
     """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it.
     Until the manager tracks a first request no row can need filtering: no per-row scan."""
     mgr = getattr(getattr(self, "tree_cache", None), "_branchwise_fork", None)
-    if mgr is not None and mgr.tracking and any(getattr(r, "bw_fork", None) is not None for r in reqs):
-        reqs = [r for r in reqs if _streamable(r)]
+    if mgr is not None and mgr.tracking and any(getattr(req, "bw_fork", None) is not None for req in reqs):
+        reqs = [req for req in reqs if _streamable(req)]
     return orig(self, reqs, *args, **kwargs)
 
 
-def _streamable(req: Any) -> bool:
-    t = getattr(req, "bw_fork", None)
-    if t is None:
+def _streamable(req: Req) -> bool:
+    track = getattr(req, "bw_fork", None)
+    if track is None:
         return True
-    if t.branch:
+    if track.branch:
         return False
-    return req.finished() or not t.undecided()
+    return req.finished() or not track.undecided()
 
 
-def after_is_fully_idle(result: bool, self: Any, *args: Any, **kwargs: Any) -> bool:
+def after_is_fully_idle(result: bool, self: Scheduler, *args: Any, **kwargs: Any) -> bool:
     """Not idle while a request is parked or a fork/join waits for the next scheduling point: the
     idle sleeper would otherwise wait for a new request before joining. When SGLang itself is fully
     idle (a plain call: nothing running, waiting or in flight), this is where the leak check runs
