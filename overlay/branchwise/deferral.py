@@ -1,8 +1,9 @@
 """Run a chosen subset of a decode batch for one step; the rest stay in running_batch, untouched.
 
-Deferred rows never leave `running_batch`, so aborts, retraction, prefill reservation and SGLang's memory checks still see
-them; their KV, radix locks and pending next token (FutureMap slot keyed by req_pool_idx) stay
-put. Only the sub-batch is prepared; its new seq_lens are written back into the full batch.
+Deferred rows never leave `running_batch`, so aborts, retraction, prefill reservation and SGLang's
+memory checks still see them; their KV, radix locks and pending next token (FutureMap slot keyed by
+req_pool_idx) stay put. Only the sub-batch is prepared; its new seq_lens are written back into the
+full batch.
 """
 
 from __future__ import annotations

@@ -124,7 +124,8 @@ def after_abort_request(result: None, self: Scheduler, recv_req: AbortReq, *args
     return result
 
 
-def around_send_abort_output(orig: Callable[..., None], self: Scheduler, abort_req: AbortReq, req: Req) -> None:
+def around_send_abort_output(orig: Callable[..., None], self: Scheduler, abort_req: AbortReq,
+                             req: Req) -> None:
     """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
     track = getattr(req, "bw_fork", None)
     mgr = self.branchwise.fork

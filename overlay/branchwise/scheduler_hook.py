@@ -88,8 +88,8 @@ class BranchwiseState:
             stats = ctl.stats
             rep["taper"] = {
                 "policy": ctl.policy.name, "steps": stats.steps, "planned_steps": stats.planned_steps,
-                "rows_run": stats.rows_run, "rows_deferred": stats.rows_deferred, "candidates": stats.candidates,
-                "admitted": stats.admitted, "admission_rate": stats.admission_rate,
+                "rows_run": stats.rows_run, "rows_deferred": stats.rows_deferred,
+                "candidates": stats.candidates, "admitted": stats.admitted, "admission_rate": stats.admission_rate,
                 "planner_ms_mean": 1e3 * stats.planner_s / max(stats.planned_steps, 1),
                 "last_budget_s": stats.last_budget_s if math.isfinite(stats.last_budget_s) else None,
                 "last_predicted_s": stats.last_predicted_s, "bubble_steps": stats.bubble_steps,
