@@ -17,9 +17,18 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from branchwise.config import BranchwiseConfig
 
 # Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT): the TAPER rows
 # (batch -> Rows), the plan (controller.select; its policy.plan part is `taper_planner`), the subset
@@ -46,7 +55,7 @@ def records_path(port: int | str, tp_rank: int = 0) -> str:
     return os.path.join(folder, f"branchwise-steps-{port}-tp{tp_rank}.jsonl")
 
 
-def _batch_key(batch: Any) -> list[Any] | None:
+def _batch_key(batch: ScheduleBatch | None) -> list[Any] | None:
     if batch is None:
         return None
     return [batch.forward_mode.name.lower(), batch.batch_size()]
@@ -171,52 +180,52 @@ class StepTimer:
 
     def flush(self) -> None:
         if self.buf:
-            with open(self.path, "a") as f:
-                f.write("\n".join(self.buf) + "\n")
+            with open(self.path, "a") as records:
+                records.write("\n".join(self.buf) + "\n")
             self.buf.clear()
 
 
 # Module-level helpers for Branchwise's own code: each is a no-op without a timer (normal serving).
-def switch(t: StepTimer | None, name: str | None) -> None:
+def switch(timer: StepTimer | None, name: str | None) -> None:
     """Close the TAPER span open on top of the stack (if any) and open `name` (None: only close)."""
-    if t is None or not t.t0:
+    if timer is None or not timer.t0:
         return
-    if t.stack and t.stack[-1][0] in TAPER_SPANS:
-        t.exit()
+    if timer.stack and timer.stack[-1][0] in TAPER_SPANS:
+        timer.exit()
     if name is not None:
-        t.enter(name)
+        timer.enter(name)
 
 
-def carve(t: StepTimer | None, name: str, dt: float) -> None:
-    if t is not None:
-        t.carve(name, dt)
+def carve(timer: StepTimer | None, name: str, dt: float) -> None:
+    if timer is not None:
+        timer.carve(name, dt)
 
 
-def tag(t: StepTimer | None, name: str, n: int = 1) -> None:
-    if t is not None:
-        t.tag(name, n)
+def tag(timer: StepTimer | None, name: str, n: int = 1) -> None:
+    if timer is not None:
+        timer.tag(name, n)
 
 
-def _timed(t: StepTimer | None, name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
-    if t is None or not t.t0:
+def _timed(timer: StepTimer | None, name: str, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if timer is None or not timer.t0:
         return orig(*args, **kwargs)
-    if threading.get_ident() != t.owner:  # the forward thread: its own clock, no shared span stack
+    if threading.get_ident() != timer.owner:  # the forward thread: its own clock, no shared span stack
         t0 = time.perf_counter()
         try:
             return orig(*args, **kwargs)
         finally:
-            t.add_forward(name, time.perf_counter() - t0)
-    t.enter(name)
+            timer.add_forward(name, time.perf_counter() - t0)
+    timer.enter(name)
     try:
         return orig(*args, **kwargs)
     finally:
-        t.exit()
+        timer.exit()
 
 
 ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
 
 
-def build(scheduler: Any, config: Any) -> StepTimer | None:
+def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | None:
     """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file
     and, beside it (`path + ".meta.json"`), the server's Branchwise settings, so a reader can tell
     which policy wrote which records.
@@ -231,56 +240,60 @@ def build(scheduler: Any, config: Any) -> StepTimer | None:
         return None
     path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
     open(path, "w").close()
-    with open(path + ".meta.json", "w") as f:
-        json.dump({"port": scheduler.server_args.port, "config": config.as_dict() if config is not None else None}, f)
-    t = StepTimer(path)
-    setattr(scheduler.tp_worker.model_runner, ATTR, t)
-    setattr(scheduler.tree_cache, ATTR, t)
+    with open(path + ".meta.json", "w") as meta_file:
+        json.dump({"port": scheduler.server_args.port,
+                   "config": config.as_dict() if config is not None else None}, meta_file)
+    timer = StepTimer(path)
+    setattr(scheduler.tp_worker.model_runner, ATTR, timer)
+    setattr(scheduler.tree_cache, ATTR, timer)
     bw = scheduler.branchwise
     for part in (getattr(bw.async_output, "sender", None), bw.forward):
         if isinstance(part, OrderedSender | ForwardExecutor):
-            part.timer = t
-    return t
+            part.timer = timer
+    return timer
 
 
 # ---- hook bodies (targets named in plugin.py) ----
 
-def around_ingest(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is not None:
-        t.begin_iteration(time.perf_counter())
-    return _timed(t, "recv", orig, self, *args, **kwargs)
+def around_ingest(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is not None:
+        timer.begin_iteration(time.perf_counter())
+    return _timed(timer, "recv", orig, self, *args, **kwargs)
 
 
-def around_get_next_batch(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_get_next_batch(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
     return _timed(self.branchwise.timer, "sched", orig, self, *args, **kwargs)
 
 
-def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is None:
+def around_run_batch(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+                     *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is None:
         return orig(self, batch, *args, **kwargs)
-    t.run = _batch_key(batch)
+    timer.run = _batch_key(batch)
     try:
-        return _timed(t, "prep", orig, self, batch, *args, **kwargs)
+        return _timed(timer, "prep", orig, self, batch, *args, **kwargs)
     finally:
-        t.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
+        timer.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
 
 
-def around_forward(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_forward(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self, ATTR, None), "forward", orig, self, *args, **kwargs)
 
 
-def around_sample(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_sample(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self, ATTR, None), "sample", orig, self, *args, **kwargs)
 
 
-def around_process_batch_result(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is not None:
-        t.res = _batch_key(batch)
-    return _timed(t, "result", orig, self, batch, *args, **kwargs)
+def around_process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+                                *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is not None:
+        timer.res = _batch_key(batch)
+    return _timed(timer, "result", orig, self, batch, *args, **kwargs)
 
 
-def around_stream_output(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_stream_output(orig: Callable[..., Any], self: SchedulerOutputStreamer,
+                         *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self.tree_cache, ATTR, None), "stream", orig, self, *args, **kwargs)
