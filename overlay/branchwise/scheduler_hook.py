@@ -338,8 +338,8 @@ def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Deli
         else:
             count[0] += 1
     ctx = sum(map(_KV_LEN, reqs))
-    return {key: Delivery(tokens=rows, slo_s=fields.slo_s, in_phase=fields.meta.is_branch)
-            for key, (rows, fields) in counts.items()}, ctx
+    # positional (tokens, slo_s, in_phase): once per key per step, and keywords cost ~150 ns a call
+    return {key: Delivery(rows, fields.slo_s, fields.meta.is_branch) for key, (rows, fields) in counts.items()}, ctx
 
 
 def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:
@@ -418,7 +418,8 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
         ctl.on_latency(prev.rows, prev.ctx, latency)
         if taper.metrics:
             taper.metrics.observe_step(latency, ctl.stats, taper.counters)
-    taper.last_step = (LastStep(forward_iter=forward_iter, launch_ts=launch_ts, rows=len(reqs), ctx=ctx)
+    # positional (forward_iter, launch_ts, rows, ctx): every decode step, where keywords cost ~150 ns
+    taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx)
                        if forward_iter is not None and launch_ts is not None else None)
     if now - taper.last_summary >= SUMMARY_EVERY_S:
         taper.last_summary = now
