@@ -46,9 +46,11 @@ import numpy as np
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
+from bench.programs import Scaling
+from bench.regimes import get_regime, regime_specs
 from bench.report import Col, blank, fmt, num, render, write_json
-from bench.workload import PRESETS, compose, load_trace, stationary_schedule, workload_stats
-from branchwise.taper import LinearLatencyModel, default_model, load_model, parse_policy_name
+from bench.workload import PRESETS, load_trace, workload_stats
+from branchwise.taper import LinearLatencyModel, load_model, parse_policy_name
 
 GRID = (0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15)  # x the fluid bound
 TARGET = 0.95  # attainment over all arrivals that counts as holding the SLO
@@ -106,6 +108,8 @@ class SimSetup:
     warmup_s: float = WARMUP_S
     window_s: float = WINDOW_S
     drain_s: float = DRAIN_S
+    scaling: Scaling | None = None  # the regime's program scaling (bench.regimes); None: trace lengths
+    drain_arrivals: bool = True  # False: arrivals stop when the window ends (live points)
 
 
 @functools.cache
@@ -124,7 +128,8 @@ class _SimPoint:
         s = self.setup
         trace = _trace(s.trace)
         t_end = s.warmup_s + s.window_s + s.drain_s
-        specs = compose(trace, stationary_schedule(trace, rate, t_end, seed), s.preset, seed)
+        arrivals_s = t_end if s.drain_arrivals else s.warmup_s + s.window_s
+        specs = regime_specs(trace, rate, arrivals_s, seed, s.preset, s.scaling)
         model = LinearLatencyModel(*s.model)
         ctl = build_controller(policy, model, s.rho, s.calibrated)
         res = Simulator(specs, ctl, model, s.cfg, t_end, seed).run()
@@ -137,16 +142,19 @@ class _SimPoint:
 
 def sim_engine(a: CapacityOptions) -> Engine:
     trace = load_trace(a.trace)
-    model = load_model(a.latency_model) if a.latency_model else default_model()
+    reg = get_regime(a.regime)
+    model = load_model(a.latency_model) if a.latency_model else reg.model
     if not isinstance(model, LinearLatencyModel):
         raise ValueError("the simulator needs a linear latency model")
     slo_s = a.slo_tpot_ms / 1e3
     # the workload's means at a nominal rate (the bound and the SLO-sized cap use them)
-    ref = compose(trace, stationary_schedule(trace, 1.0, 3600.0, 0), a.preset, 0)
-    cfg = EngineConfig(slo_s=slo_s, max_running=resolve_max_running(a.max_running, model, slo_s, ref))
-    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(), bool(a.latency_model), cfg)
+    ref = regime_specs(trace, 1.0, 3600.0, 0, a.preset, reg.scaling)
+    cfg = reg.engine_for(slo_s, resolve_max_running(a.max_running, model, slo_s, ref))
+    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(),
+                     bool(a.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s, reg.drain_s,
+                     reg.scaling, reg.drain_arrivals)
     bound = fluid_bound_rps(model, slo_s, ref)
-    conf = {"engine": "sim", "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
+    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
             "drain_s": setup.drain_s}
@@ -444,6 +452,7 @@ class CapacityOptions:
     server_threads: int = 1
     max_total_tokens: int = 65536
     rates: str = ""  # comma-separated req/s instead of the grid (no bisection)
+    regime: str = "default"  # sim: bench.regimes (latency model, SLO, engine costs, program scale)
 
 
 def _rates(text: str) -> list[float]:
@@ -460,7 +469,7 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     ap.add_argument("--trace", required=True)
     ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
-    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: the regime's (50 ms by default)")
     ap.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target that attainment also requires")
     ap.add_argument("--seeds", default="0,1,2")
     ap.add_argument("--out", required=True)
@@ -476,11 +485,18 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     where.add_argument("--launch", action="store_true", help="replay: start a server per policy")
     where.add_argument("--url", help="replay: a running server")
     ap.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
+    ap.add_argument("--regime", default="default",
+                    help="sim: bench.regimes' setting (default, live, live-fast): latency model, SLO, engine "
+                         "costs, program scale, point length")
     ap.add_argument("--no-plot", action="store_true")
     a = ap.parse_args(argv)
+    try:
+        a.slo_tpot_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * get_regime(a.regime).slo_s
+    except ValueError as e:
+        ap.error(str(e))
     return CapacityOptions(a.trace, a.out, a.policies, a.slo_tpot_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
                            a.rho, a.max_running, a.latency_model, a.jobs, a.launch, a.url, a.server_args,
-                           not a.no_plot, rates=a.rates)
+                           not a.no_plot, rates=a.rates, regime=a.regime)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ deliveries.
 
 from __future__ import annotations
 
+import heapq
 import math
 import time
 from collections import deque
@@ -64,22 +65,63 @@ def sglang_max_running(kv_tokens: int, context_len: int = CONTEXT_LEN) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class Cost:
+    """Host time of one event: fixed_s + row_s x the rows it concerns (seconds)."""
+
+    fixed_s: float = 0.0
+    row_s: float = 0.0
+
+    def __call__(self, rows: int) -> float:
+        return self.fixed_s + self.row_s * rows
+
+    def __bool__(self) -> bool:
+        return bool(self.fixed_s or self.row_s)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCosts:
+    """Scheduler-side time per step that the latency model does not hold (all 0: the default regime).
+
+    A probed T(S) (bench.probe: serial streams, no phases) already holds SGLang's own per-step work
+    at the probe's batches; these are what a live workload and Branchwise add to it. Each is charged
+    to the step it happens in, so every row of that step waits for it."""
+
+    step: Cost = Cost()  # every decode step, rows = rows run (output processing, other processes)
+    plan: Cost = Cost()  # a decode step whose widths a budget rule planned, rows = live rows (snapshot, plan)
+    subset: Cost = Cost()  # a step that defers rows, its active set changed since the last step; rows = deferred
+    same_subset: Cost = Cost()  # a step that defers rows with the last step's active set; rows = deferred
+    prefill: Cost = Cost()  # a prefill forward beyond T(0, 0, tokens), rows = its requests (arrivals, branches, joins)
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
     slo_s: float = 0.050
     kv_tokens: int = 1_500_000  # KV pool (Qwen3-32B, 8xA100-80GB, ~62% of memory; TAPER D)
     max_running: int = 0  # running requests incl. branches (SGLang --max-running-requests); 0: SGLang's default
+    context_len: int = CONTEXT_LEN  # the served model's context length (SGLang's default limit uses it)
     admit_kv_frac: float = 0.9  # admit only while the pool is below this (headroom for decode growth)
     chunk_tokens: int = 8192  # chunked-prefill tokens per step (SGLang default for 80 GB GPUs)
     noise: float = 0.02  # lognormal sigma of realized vs modelled step latency
     drain_s: float = 600.0  # keep stepping this long after the schedule ends
     macro_steps: bool = True  # run provably identical steps in one go (exact; False for checking)
+    # False: prefill chunks ride in decode steps (mixed batches). True: a prefill runs as a forward of
+    # its own before the next decode step, as SGLang does by default: T(requests, 0, tokens).
+    prefill_steps: bool = False
+    # True: programs are client-side fork/join (bench.client, the live sweep's): a phase's branches
+    # and the join after it are new requests sent by the client client_gap_s after the stage that
+    # precedes them; a branch prefills its 2-token header on the cached prefix, the join the tokens
+    # that are not in the radix cache (every branch but the first, headers, the separator).
+    client_programs: bool = False
+    client_gap_s: float = 0.0
+    host: HostCosts = HostCosts()
 
     @property
     def running_cap(self) -> int:
-        return self.max_running if self.max_running > 0 else sglang_max_running(self.kv_tokens)
+        return self.max_running if self.max_running > 0 else sglang_max_running(self.kv_tokens, self.context_len)
 
 
 _DEF = EngineConfig()
+HEADER = 2  # tokens that open a client-side branch (bench.programs.branch_head)
 
 
 def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, calibrated: bool = False,
@@ -90,9 +132,10 @@ def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, c
     pol = parse_policy(policy, model=LinearLatencyModel(*model.coefs()), rho=rho, **kw)
     if pol.model is None:
         return StepController(pol)
+    learn = pol.terms.defer_cost  # the policy prices deferral: the refit learns its price
     if calibrated:
-        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True))
-    return StepController(pol, OnlineRefit(pol.model))
+        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True, deferral=learn))
+    return StepController(pol, OnlineRefit(pol.model, deferral=learn))
 
 
 class _Req:
@@ -101,7 +144,7 @@ class _Req:
     __slots__ = (
         "spec", "rid", "key", "phase_key", "fanout", "prefill_left", "ctx", "saved_ctx", "stage", "serial_left",
         "done", "stage_start", "stage_tok", "last_tok", "branch_left", "branch_ctx", "branch_index", "phase_start",
-        "phase_tok", "record", "gone_s",
+        "phase_tok", "record", "gone_s", "phase_extra", "prefill_kind", "prefill_reqs", "gated",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -123,10 +166,17 @@ class _Req:
         self.phase_start, self.phase_tok = 0.0, 0
         self.record = RequestRecord(spec.rid, spec.arrival_s, decomposable=spec.decomposable)
         self.gone_s = 0.0  # last delivery before a retraction
+        self.phase_extra = 0  # KV of the open phase beyond its tokens: client-side branch headers
+        # what the pending prefill is: "prompt" (the arrival), "fork" (a client phase's branch
+        # headers, one request per branch) or "join" (a client join: compute only, its KV is the
+        # branches'); a retracted request re-prefills what it held (saved_ctx >= 0) whatever this says
+        self.prefill_kind = "prompt"
+        self.prefill_reqs = 1  # SGLang requests the pending prefill stands for
+        self.gated = False  # between a client's stages: from a stage's end until the next request's prefill
 
     @property
     def kv(self) -> int:
-        return self.ctx + self.phase_tok if self.branch_left else self.ctx
+        return self.ctx + self.phase_tok + self.phase_extra if self.branch_left else self.ctx
 
 
 class HookDriver:
@@ -229,6 +279,11 @@ class _Step:
     base: float = 0.0
     growth: float = 0.0
     noise: float = 1.0
+    first_extra: float = 0.0  # host time only the first of the k steps pays (its active set changed)
+    prefill_only: bool = False  # a prefill forward of its own (EngineConfig.prefill_steps)
+    host: float = 0.0  # host seconds in `base` (HostCosts)
+    subset: bool = False  # some live row is deferred (set only where HostCosts charge for it)
+    changed: bool = False  # ... and the active set differs from the last step's
 
 
 class Simulator:
@@ -276,16 +331,30 @@ class Simulator:
         self.lag, self.lag_t = 0, 0.0
         self.serial_ctx = 0  # context tokens over the serial rows, lag included
         self.serial_steps = _BIG  # steps until the first serial row closes its stage
+        # client-side programs: (time the next request reaches the server, seq, request)
+        self.gated: list[tuple[float, int, _Req]] = []
+        self.gate_seq = 0
+        self.gen = 0  # partition generation: the active set can only be the same within one
+        self.last_subset: tuple[int, tuple[int, ...] | None] | None = None  # the last step's subset, if any
+        self.host = cfg.host
+        self.tally = {"decode_steps": 0, "decode_s": 0.0, "rows_run": 0, "rows_deferred": 0,
+                      "prefill_steps": 0, "prefill_s": 0.0, "host_s": 0.0, "subset_steps": 0,
+                      "changed_subsets": 0}
 
     # ----------------------------------------------------------------------------- stage machine
     def _next_stage(self, r: _Req, t: float) -> None:
-        """Open stage r.stage + 1 at time t, or finish the request."""
+        """Open stage r.stage + 1 at time t, or finish the request. Client-side programs: the
+        request that ran the stage ends here and the client sends the next one (`_gate`)."""
         self.dirty = True
         r.stage += 1
         stages = r.spec.stages
+        client = self.cfg.client_programs
+        if client:
+            self.slots -= 1  # the stage's request (a phase's last branch) ends
         if r.stage == len(stages):
             r.done = r.record.finished = True
-            self.slots -= 1
+            if not client:
+                self.slots -= 1
             self.kv -= r.ctx
             return
         st = stages[r.stage]
@@ -295,27 +364,47 @@ class Simulator:
             r.branch_left, r.branch_ctx, r.branch_index = list(st), [r.ctx] * n, list(range(n))
             r.phase_key, r.fanout = f"phase:{r.rid}.{r.stage}", n
             r.phase_start, r.phase_tok = t, 0
-            self.slots += n - 1
+            if client:
+                r.branch_ctx, r.phase_extra = [r.ctx + HEADER] * n, HEADER * n
+                self._gate(r, "fork", HEADER * n, t)
+            else:
+                self.slots += n - 1
         else:
             r.serial_left = st
             r.last_tok = t
+            if client:  # the join: every branch but the first is new to the radix cache, and a separator
+                self._gate(r, "join", sum(HEADER + b for b in stages[r.stage - 1][1:]) + 1, t)
 
-    def _prefilled(self, r: _Req, t: float) -> None:
-        """Prefill done at t: first token (or, after a retraction, resume where it was)."""
+    def _prefilled(self, r: _Req, t: float) -> bool:
+        """Prefill done at t: first token (or, after a retraction, resume where it was); a client
+        fork's branches get their first tokens, a client join the first token of its stage. True
+        while the request decodes on."""
         self.dirty = True
         if r.saved_ctx >= 0:
             r.ctx, r.saved_ctx = r.saved_ctx, -1
             gap = t - r.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
             r.record.max_gap_s = gap if not r.record.max_gap_s >= gap else r.record.max_gap_s
-            return
-        r.record.first_token_s = t
+            return True
+        kind, r.prefill_kind, r.prefill_reqs, r.gated = r.prefill_kind, "prompt", 1, False
+        if kind == "fork":
+            self.kv += len(r.branch_left)
+            self._advance_phase(r, len(r.branch_left), 1, t)
+            return not (r.done or r.gated)
         r.ctx += 1
         self.kv += 1
+        r.last_tok = t
+        if kind == "join":
+            r.stage_tok, r.serial_left = 1, r.serial_left - 1
+            if r.serial_left == 0:
+                self._close_serial(r, t)
+            return not (r.done or r.gated)
+        r.record.first_token_s = t
         r.stage = 0
-        r.stage_start, r.stage_tok, r.last_tok = t, 0, t
+        r.stage_start, r.stage_tok = t, 0
         r.serial_left = r.spec.stages[0] - 1
         if r.serial_left == 0:
             self._next_stage(r, t)
+        return not (r.done or r.gated)
 
     def _close_serial(self, r: _Req, t: float) -> None:
         r.record.stages.append(StageRecord(False, r.stage_start, t, r.stage_tok))
@@ -341,8 +430,8 @@ class Simulator:
             return True
         self.slots -= finished - 1  # the parent keeps one slot after the reduce
         r.record.stages.append(StageRecord(True, r.phase_start, t, r.phase_tok))
-        r.ctx += r.phase_tok  # the reduce: every branch's tokens join the parent's context
-        r.branch_left, r.branch_ctx, r.branch_index = [], [], []
+        r.ctx += r.phase_tok + r.phase_extra  # the reduce: every branch's tokens join the parent's context
+        r.branch_left, r.branch_ctx, r.branch_index, r.phase_extra = [], [], [], 0
         self._next_stage(r, t)
         return False
 
@@ -354,13 +443,16 @@ class Simulator:
             return _BIG
         return max(rf.every - self._since, rf.min_samples - min(self._obs, rf.window), 1)
 
-    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int) -> None:
-        """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step)."""
+    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int, first: float = 0.0,
+                 deferred: int = 0) -> None:
+        """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step;
+        the first one `first` longer), each with the rows it deferred. Straight to the refit, as
+        StepController.on_latency forwards them."""
         rf = self.ctl.refit
         if rf is None or self.static:
             return
         for j in range(k):
-            self.ctl.on_latency(rows, ctx + j * rows, (base + d * j) * f)
+            rf.observe(rows, ctx + j * rows, (base + d * j + (first if j == 0 else 0.0)) * f, deferred=deferred)
             self._obs += 1
             self._since += 1
             if self._since >= rf.every and min(self._obs, rf.window) >= rf.min_samples:
@@ -377,9 +469,10 @@ class Simulator:
             if self.dirty:
                 self._repartition()
             if not self.decoding and not self.prefilling:
-                if self.next_arrival >= len(self.specs):
+                nxt = self._next_event()
+                if nxt == math.inf:
                     break
-                self.now = max(self.now, self.specs[self.next_arrival].arrival_s)
+                self.now = max(self.now, nxt)
                 continue
             step = self._compose()
             self._window(step)
@@ -388,26 +481,46 @@ class Simulator:
         return self._result(t_wall, t_cpu)
 
     def _arrive(self) -> None:
-        """Queue every request that has arrived by now."""
+        """Queue every request that has arrived by now, and every client request that has reached
+        the server."""
         specs, now = self.specs, self.now
         while self.next_arrival < len(specs) and specs[self.next_arrival].arrival_s <= now:
             r = _Req(specs[self.next_arrival])
             self.waiting.append(r)
             self.everyone.append(r)
             self.next_arrival += 1
+        gated = self.gated
+        while gated and gated[0][0] <= now:
+            self.waiting.append(heapq.heappop(gated)[2])
+
+    def _next_event(self) -> float:
+        """When the next request reaches the server (an arrival or a client's next stage)."""
+        nxt = self.specs[self.next_arrival].arrival_s if self.next_arrival < len(self.specs) else math.inf
+        return min(nxt, self.gated[0][0]) if self.gated else nxt
+
+    def _gate(self, r: _Req, kind: str, tokens: int, t: float) -> None:
+        """A client-side program's next request (a fork's branches or a join), sent when the stage
+        before it ended at t: it reaches the server client_gap_s later and prefills `tokens`."""
+        r.prefill_kind, r.prefill_left, r.gated = kind, tokens, True
+        r.prefill_reqs = len(r.branch_left) if kind == "fork" else 1
+        self.kv -= r.ctx  # the radix cache keeps it, evictable, until the next request matches it
+        self.gate_seq += 1
+        heapq.heappush(self.gated, (t + self.cfg.client_gap_s, self.gate_seq, r))
 
     def _admit(self) -> None:
         """FCFS admission while the running limit and the KV pool allow (module docstring)."""
         wait, cap, kv_admit = self.waiting, self.running_cap, self.kv_admit
-        while wait and self.slots < cap and self.kv + wait[0].prefill_left <= kv_admit:
+        while wait and self.slots < cap and self.kv + wait[0].prefill_left + (wait[0].ctx if wait[0].gated else 0) <= kv_admit:
             r = wait.popleft()
             self.prefilling.append(r)
             self.slots += max(len(r.branch_left), 1)
+            if r.gated:  # a client's next request: its prefix comes back from the cache (not recomputed)
+                self.kv += r.ctx
 
     def _repartition(self) -> None:
         """The decode set or some request's stage changed: rebuild the serial and phase partitions."""
         self._catch_up()
-        dec = self.decoding = [r for r in self.decoding if not r.done]
+        dec = self.decoding = [r for r in self.decoding if not (r.done or r.gated)]
         ser = self.serial = [r for r in dec if not r.branch_left]
         self.phased = [r for r in dec if r.branch_left]
         ser_ctx, ser_k = 0, _BIG
@@ -419,41 +532,79 @@ class Simulator:
         if not self.static:
             self.driver.forget(dec)
         self.dirty, self.fresh, self.cached_widths = False, True, None
+        self.gen += 1
 
-    def _prefill_chunk(self) -> tuple[int, list[_Req]]:
-        """The chunked prefill that rides in this step: its tokens and the requests it completes."""
+    def _prefill_chunk(self) -> tuple[int, list[_Req], int]:
+        """The chunked prefill of this step: its tokens, the requests it completes and how many
+        SGLang requests it touches. A prompt (or a retracted request's KV) goes into the request's
+        context, a fork's headers into its branches' (set when the phase opened), a join's tokens
+        replace KV the branches already hold."""
         chunk_max = self.cfg.chunk_tokens
-        chunk, filled = 0, []
+        chunk, kv, reqs, filled = 0, 0, 0, []
         for r in self.prefilling:
             take = min(r.prefill_left, chunk_max - chunk)
             r.prefill_left -= take
-            r.ctx += take
+            resume = r.saved_ctx >= 0
+            if resume or r.prefill_kind == "prompt":
+                r.ctx += take
+            if resume or r.prefill_kind != "join":
+                kv += take
             chunk += take
+            reqs += r.prefill_reqs
             if r.prefill_left == 0:
                 filled.append(r)
             if chunk >= chunk_max:
                 break
-        self.kv += chunk
-        return chunk, filled
+        self.kv += kv
+        return chunk, filled, reqs
 
     def _compose(self) -> _Step:
         """This step's batch: every serial row, the controller's widths for the phases, the prefill
-        chunk; its latency T and growth per further step; k = steps until some row ends its stage."""
-        chunk, filled = self._prefill_chunk()
-        step = _Step(chunk, filled, len(self.serial), self.serial_ctx, self.serial_steps)
-        if self.wide:  # otherwise every width is 1 and the hook never calls select
-            self._plan_phases(step)
+        chunk (or, with prefill_steps, a prefill forward alone); its latency T plus the host costs,
+        and growth per further step; k = steps until some row ends its stage."""
+        m, host = self.model, self.host
+        if self.cfg.prefill_steps and self.prefilling:
+            chunk, filled, reqs = self._prefill_chunk()
+            step = _Step(chunk, filled, 0, 0, 1, prefill_only=True)
+            step.host = host.prefill(reqs)
+            step.base = m.predict(0, 0, chunk) + step.host
         else:
-            for r in self.phased:
-                step.ctx += r.branch_ctx[0]
-                step.k = min(step.k, r.branch_left[0])
-            step.rows += len(self.phased)
-        m = self.model
-        step.base = m.c0 + m.c_seq * step.rows + m.c_ctx * step.ctx + m.c_tok * chunk
-        step.growth = m.c_ctx * step.rows  # every run row's context grows by one per step
+            chunk, filled, reqs = self._prefill_chunk()
+            step = _Step(chunk, filled, len(self.serial), self.serial_ctx, self.serial_steps)
+            if self.wide:  # otherwise every width is 1 and the hook never calls select
+                self._plan_phases(step)
+            else:
+                for r in self.phased:
+                    step.ctx += r.branch_ctx[0]
+                    step.k = min(step.k, r.branch_left[0])
+                step.rows += len(self.phased)
+            step.host = self._host_s(step) + (host.prefill(reqs) - host.prefill.fixed_s if chunk else 0.0)
+            step.base = m.predict(step.rows, step.ctx, chunk) + step.host
+            step.growth = m.c_ctx * step.rows  # every run row's context grows by one per step
         step.noise = self.noise[self.noise_at]
         self.noise_at = (self.noise_at + 1) & (len(self.noise) - 1)
         return step
+
+    def _host_s(self, step: _Step) -> float:
+        """HostCosts of a decode step (each of its k steps; `first_extra` for the first alone)."""
+        host = self.host
+        if not (host.step or host.plan or host.subset or host.same_subset):
+            return 0.0
+        live = len(self.serial) + sum(len(r.branch_ctx) for r in self.phased)
+        extra = host.step(step.rows)
+        if self.wide and not self.static:
+            extra += host.plan(live)
+        if step.rows < live:
+            sub = (self.gen, tuple(step.widths) if step.widths is not None else None)
+            changed = sub != self.last_subset
+            self.last_subset = sub
+            same = host.same_subset(live - step.rows)
+            extra += same
+            step.first_extra = host.subset(live - step.rows) - same if changed else 0.0
+            step.subset, step.changed = True, changed
+        else:
+            self.last_subset = None
+        return extra
 
     def _plan_phases(self, step: _Step) -> None:
         """The controller's widths (or a static policy's cached ones) and what they add to the step."""
@@ -491,6 +642,8 @@ class Simulator:
     def _window(self, step: _Step) -> None:
         """How many identical steps run at once (module docstring): step.k, cut to what provably
         cannot change the plan, or 1."""
+        if step.prefill_only:
+            return  # k = 1; the next decode step is the one a new key's clock starts at
         k, cap = step.k, self.running_cap
         if not (k > 1 and self.cfg.macro_steps and not self.prefilling and not (self.waiting and self.slots < cap)):
             step.k, self.fresh = 1, False
@@ -500,6 +653,8 @@ class Simulator:
         nxt_t = self.specs[self.next_arrival].arrival_s if self.next_arrival < n_specs else math.inf
         static = self.static
         horizon = self.t_end if (static and self.waiting) or self.next_arrival >= n_specs else min(self.t_end, nxt_t)
+        if self.gated:  # a client's next request reaches the server
+            horizon = min(horizon, self.gated[0][0])
         k = min(k, _steps_until(step.base, step.growth, horizon - self.now))
         if not static:
             if self.fresh or self.pinning and self.wide:
@@ -513,29 +668,48 @@ class Simulator:
     def _execute(self, step: _Step) -> None:
         """Run step.k steps: log them, tell the controller, advance every row, handle an overflow."""
         k, base, d, f = step.k, step.base, step.growth, step.noise
-        total = (k * base + d * k * (k - 1) / 2) * f
+        total = (k * base + d * k * (k - 1) / 2 + step.first_extra) * f
         t = self.now + total
-        self.log.add(self.now, k, total, (base + d * (k - 1)) * f, step.eligible * k, step.admitted * k)
+        self.log.add(self.now, k, total, max(base + step.first_extra, base + d * (k - 1)) * f,
+                     step.eligible * k, step.admitted * k)
+        self._count(step, total)
         if self.trace is not None:
             self.trace.append((self.now, t, step.row_list or self.driver.rows(self.phased, self.serial, self.lag),
                                step.active, len(self.waiting)))
-        if not self.static:
-            self.driver.delivered(self.phased, step.widths, self.serial, k, t, step.rows)
-            if step.chunk == 0:
-                self._observe(step.rows, step.ctx, base, d, f, k)
-        self.kv += step.rows * k
-        # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
-        self._advance_serial(k, t)
-        self._advance_phases(step.widths, k, t)
+        if not step.prefill_only:
+            if not self.static:
+                self.driver.delivered(self.phased, step.widths, self.serial, k, t, step.rows)
+                if step.chunk == 0:
+                    self._observe(step.rows, step.ctx, base, d, f, k, step.first_extra,
+                                  step.eligible - step.admitted)
+            self.kv += step.rows * k
+            # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
+            self._advance_serial(k, t)
+            self._advance_phases(step.widths, k, t)
         for r in step.filled:
-            self._prefilled(r, t)
-            self.decoding.append(r)
+            if self._prefilled(r, t):
+                self.decoding.append(r)
         if step.filled:
             self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
         self.now = t
         if self.kv > self.cfg.kv_tokens:
             self._catch_up()
             self._retract()
+
+    def _count(self, step: _Step, total: float) -> None:
+        """The run's tallies (SimResult.stats): decode and prefill steps, rows, host time."""
+        c, k = self.tally, step.k
+        c["host_s"] += (k * step.host + step.first_extra) * step.noise
+        if step.prefill_only:
+            c["prefill_steps"] += 1
+            c["prefill_s"] += total
+            return
+        c["decode_steps"] += k
+        c["decode_s"] += total
+        c["rows_run"] += step.rows * k
+        c["rows_deferred"] += (step.eligible - step.admitted) * k
+        c["subset_steps"] += step.subset * k
+        c["changed_subsets"] += step.changed
 
     def _advance_serial(self, k: int, t: float) -> None:
         """k tokens for every serial row, the last at t. While no serial stage closes they advance
@@ -592,7 +766,7 @@ class Simulator:
         stats = {"retractions": self.retractions,
                  "unadmitted": len(self.waiting) + (len(self.specs) - self.next_arrival),
                  "iterations": len(self.log.t_s), "selects": drv.selects, "subset_steps": drv.subset_steps,
-                 "max_running": self.running_cap, "wall_s": time.perf_counter() - t_wall,
+                 "max_running": self.running_cap, "wall_s": time.perf_counter() - t_wall, **self.tally,
                  "cpu_s": time.process_time() - t_cpu}
         if ctl.refit is not None and not self.static:
             stats["refits"] = ctl.refit.refits
@@ -621,7 +795,7 @@ class Simulator:
     def _retract(self) -> None:
         """Free the newest requests' KV until the pool fits; they re-prefill what they held."""
         dec, wait = self.decoding, self.waiting
-        live = [r for r in dec if not r.done]
+        live = [r for r in dec if not (r.done or r.gated)]
         while self.kv > self.cfg.kv_tokens and len(live) > 1:
             r = live.pop()
             dec.remove(r)
@@ -631,6 +805,7 @@ class Simulator:
             self.kv -= kv
             self.slots -= max(len(r.branch_left), 1)
             r.prefill_left, r.saved_ctx, r.ctx = kv, r.ctx, 0
+            r.prefill_reqs = max(len(r.branch_left), 1)
             wait.appendleft(r)
         self.dirty = True
 

@@ -63,7 +63,8 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
     jobs = [Job(p, p, rho, calibrated) for p in policies]
     if ablations:
         names = {j.key for j in jobs}
-        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-no-slack", "taper-no-replan",
+        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-defer-cost", "taper-no-slack",
+               "taper-no-replan",
                "taper-const-predictor")
         jobs += [Job(p, p, rho, calibrated) for p in abl if p in POLICY_NAMES and p not in names]
         jobs += [Job(f"taper(rho={r:g})", "taper", r, calibrated) for r in (0.5, 0.8, 1.0) if r != rho]

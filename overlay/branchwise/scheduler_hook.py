@@ -52,6 +52,7 @@ class LastStep:
     launch_ts: float
     rows: int
     ctx: int
+    deferred: int = 0  # rows of the running batch this step did not run (the refit's deferral price)
 
 
 @dataclass(slots=True)
@@ -109,12 +110,13 @@ def _build_controller(cfg: BranchwiseConfig) -> StepController:
     model = load_model(cfg.latency_model) if cfg.latency_model else default_model()
     policy = parse_policy(cfg.branch_policy, model=model, rho=cfg.taper_rho, utility=cfg.taper_utility)
     refit = None
+    learn_price = policy.terms.defer_cost  # the refit learns what deferring itself costs (policies.py)
     if policy.model is not None and cfg.latency_model:
         # a calibrated model keeps its slopes; its intercept follows the box's drift and the per-step
         # work a pure-decode calibration does not see (arrivals, streaming), over the last ~1 s of steps
-        refit = OnlineRefit(policy.model, window=64, every=16, slopes_fixed=True)
+        refit = OnlineRefit(policy.model, window=64, every=16, slopes_fixed=True, deferral=learn_price)
     elif policy.model is not None:
-        refit = OnlineRefit(policy.model)
+        refit = OnlineRefit(policy.model, deferral=learn_price)
     return StepController(policy, refit)
 
 
@@ -415,11 +417,14 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     forward_iter, launch_ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
     if prev is not None and forward_iter is not None and forward_iter == prev.forward_iter + 1:
         latency = launch_ts - prev.launch_ts
-        ctl.on_latency(prev.rows, prev.ctx, latency)
+        ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
         if taper.metrics:
             taper.metrics.observe_step(latency, ctl.stats, taper.counters)
-    # positional (forward_iter, launch_ts, rows, ctx): every decode step, where keywords cost ~150 ns
-    taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx)
+    full = getattr(scheduler, "running_batch", None)
+    deferred = max(len(full.reqs) - len(reqs), 0) if full is not None and full is not batch else 0
+    # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
+    # cost ~150 ns a call
+    taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx, deferred)
                        if forward_iter is not None and launch_ts is not None else None)
     if now - taper.last_summary >= SUMMARY_EVERY_S:
         taper.last_summary = now

@@ -26,6 +26,7 @@ from branchwise.request_meta import KEY
 from branchwise.taper.predictor import LinearLatencyModel
 from branchwise.validate import MAX_N
 from tests.integration.test_albireo import stream
+from tests.integration.test_taper import decode_step_s
 
 COMMON = ("--parallel-sampling", "--random-seed", "0")
 PROMPTS = [f"sample {i}: the plan then" for i in range(6)]
@@ -45,18 +46,6 @@ def n_batch(url: str, sp: dict, tag: str) -> list[tuple[str, list[int]]]:
     sps = [sp | {"n": N}] * PHASES + [sp | {"n": N, "custom_params": {KEY: {"phase": None}}}] * (len(PROMPTS) - PHASES)
     outs = generate(url, {"text": PROMPTS, "sampling_params": sps, "rid": [f"{tag}{i}" for i in range(len(PROMPTS))]})
     return [(o["meta_info"]["id"], o["output_ids"]) for o in outs]
-
-
-def decode_step_s(url: str, rows: int) -> float:
-    """Seconds per decode step of `rows` serial requests (greedy): two lengths cancel prefill and
-    HTTP; the faster of two tries drops a hiccup."""
-    def wall(n: int) -> float:
-        t0 = time.perf_counter()
-        generate(url, {"text": [f"probe {i}: the plan" for i in range(rows)],
-                       "sampling_params": [GREEDY | {"max_new_tokens": n}] * rows})
-        return time.perf_counter() - t0
-
-    return min((wall(72) - wall(8)) / 64 for _ in range(2))
 
 
 def load(url: str) -> dict:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -233,3 +234,61 @@ def test_simulator_drives_the_controller_as_the_scheduler_hook_does(policy: str,
     assert planned and any(len(a) < len(x[2]) for x, a in zip(sim.trace, want, strict=True) if a is not None) \
         or policy == "cap:2"
     assert _hook_replay(sim.trace, policy, cfg.slo_s) == want
+
+
+# ------------------------------------------------------------------ the live regime's engine terms
+def _live_specs(n: int = 60, seed: int = 3):
+    from bench.regimes import LIVE_SCALING, regime_specs
+
+    return regime_specs(load_trace(AZURE), 3.0, n / 3.0, seed, "multiverse", LIVE_SCALING)
+
+
+@pytest.mark.parametrize("policy", ["off", "eager", "taper"])
+def test_client_programs_conserve_tokens_and_release_resources(policy: str) -> None:
+    """Client-side fork/join with prefill forwards and host costs: every request finishes with its
+    tokens, and slots and KV come back to zero (a tight pool forces retractions too)."""
+    from bench.regimes import get_regime
+
+    reg = get_regime("live-fast")
+    specs = _live_specs()
+    cfg = dataclasses.replace(reg.engine_for(), kv_tokens=6000, client_gap_s=1e-3)
+    sim = Simulator(specs, build_controller(policy, reg.model, calibrated=True), reg.model, cfg, 1e9)
+    res = sim.run()
+    want = {s.rid: s.output_tokens for s in specs}
+    assert all(r.finished and r.output_tokens == want[r.rid] for r in res.records)
+    assert sim.slots == 0 and sim.kv == 0
+    assert res.stats["prefill_steps"] > len(specs)  # arrivals, forks and joins prefill in forwards of their own
+    assert sim.retractions > 0
+
+
+def test_client_phase_opens_at_the_delivery_before_it() -> None:
+    """A client-side phase is measured from the serial stage's last token, though its branches reach
+    the server a client gap later and get their first tokens from their prefill; the join's stage
+    likewise from the phase's last branch token."""
+    spec = RequestSpec("a", 0.0, 10, (3, (4, 4), 2))
+    cfg = EngineConfig(noise=0.0, client_programs=True, prefill_steps=True, client_gap_s=0.01)
+    rec = Simulator([spec], build_controller("eager", default_model()), default_model(), cfg, 1e9).run().records[0]
+    serial, phase, join = rec.stages
+    assert (phase.parallel, phase.tokens, join.tokens) == (True, 8, 2)
+    assert phase.start_s == serial.end_s and join.start_s == phase.end_s
+    m = default_model()
+    # gap + the fork's prefill forward + three decode steps of two rows
+    assert phase.end_s - phase.start_s == pytest.approx(0.01 + m.predict(0, 0, 4) + 3 * m.predict(2, 0), rel=0.01)
+
+
+@pytest.mark.parametrize("macro", [True, False])
+def test_host_costs_charge_the_steps_that_defer(macro: bool) -> None:
+    """off runs one of a phase's two branches at a time: each of the first branch's steps defers one
+    row and pays same_subset, the first of them subset instead (its active set changed)."""
+    from bench.engine import Cost, HostCosts
+
+    spec = [RequestSpec("a", 0.0, 10, (1, (30, 30), 1))]
+    host = HostCosts(subset=Cost(2e-3, 0.5e-3), same_subset=Cost(1e-3, 0.5e-3))
+    runs = []
+    for h in (HostCosts(), host):
+        cfg = EngineConfig(noise=0.0, macro_steps=macro, host=h)
+        runs.append(Simulator(spec, build_controller("off", default_model()), default_model(), cfg, 1e9).run())
+    wall = [r.records[0].stages[0].end_s - r.records[0].stages[0].start_s for r in runs]  # the phase
+    assert wall[1] - wall[0] == pytest.approx(29 * 1.5e-3 + 2.5e-3, abs=1e-9)
+    assert runs[1].stats["subset_steps"] == 30 and runs[1].stats["changed_subsets"] == 1
+    assert runs[1].stats["rows_deferred"] == 30

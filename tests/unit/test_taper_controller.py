@@ -83,3 +83,19 @@ def test_latency_feeds_online_refit_and_forget_drops_state():
     ctl.on_step_done({"a": Delivery(1, 0.05, False), "b": Delivery(2, 0.05, True)}, 0.0, 3)
     ctl.forget({"a"})
     assert set(ctl.trackers) == {"a"}
+
+
+def test_on_latency_hands_the_deferred_rows_to_the_refit():
+    """The scheduler hook reports each step's deferred rows; the refit must receive them (else a
+    live server never learns the price of deferring)."""
+    seen: list[int] = []
+
+    class Refit:
+        def observe(self, n_rows: int, ctx: int, latency_s: float, *, deferred: int = 0) -> bool:
+            seen.append(deferred)
+            return False
+
+    ctl = StepController(parse_policy("taper", model=LinearLatencyModel(1e-3, 1e-4, 1e-7)), Refit())
+    ctl.on_latency(4, 400, 2e-3, 3)
+    ctl.on_latency(4, 400, 2e-3)
+    assert seen == [3, 0]

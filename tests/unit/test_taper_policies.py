@@ -57,8 +57,8 @@ def test_parse_invalid_names_say_what_is_valid(name):
 
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
-                            "taper-no-backlog", "taper-paper", "taper-no-slack", "taper-no-replan",
-                            "taper-const-predictor", "stock")
+                            "taper-no-backlog", "taper-defer-cost", "taper-paper", "taper-no-slack",
+                            "taper-no-replan", "taper-const-predictor", "stock")
 
 
 def test_bad_rho_and_utility_are_rejected():
@@ -178,3 +178,98 @@ def test_a_policy_is_frozen_data():
         p.rho = 0.9  # type: ignore[misc]
     with pytest.raises(ValueError, match="needs a latency model"):
         Policy("taper", None, rho=0.8)
+
+
+# ---------------------------------------------------------------- the price of deferral
+def _phase_batch(rows: int, slack: float) -> ArrayBatch:
+    """One serial request and one phase of `rows` ready branches, short contexts."""
+    return ArrayBatch(["s", "p"], np.array([1, rows]), np.full(rows + 1, 100), np.full(2, slack),
+                      phase=np.array([False, True]), slo_s=np.full(2, 0.05))
+
+
+def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
+    """With a price, a deferring plan is predicted at T(its rows) + the price, and where that is no
+    shorter than running every row, every row runs; without one the planner defers as before."""
+    from branchwise.taper.planner import plan_step
+
+    m = LinearLatencyModel(0.010, 1e-3, 0.0)
+    a = _phase_batch(8, slack=0.015)  # protected 12 ms, all 19 ms
+    assert plan_step(a, m, 0.012).widths.tolist() == [1, 1]
+    plan = plan_step(a, m, 0.012, deferral=(2e-3, 0.5e-3))  # 12 + 2 + 7 x 0.5 = 17.5 < 19: defers
+    assert plan.widths.tolist() == [1, 1] and plan.predicted_s == pytest.approx(0.0175)
+    plan = plan_step(a, m, 0.012, deferral=(3e-3, 0.7e-3))  # 12 + 3 + 4.9 > 19: all run
+    assert plan.widths.tolist() == [1, 8] and plan.notes.get("defer_cost") == 1.0
+    assert plan.predicted_s == pytest.approx(0.019)
+    # admitting a row saves its cost less the per-row price: 1 ms rows cost the budget 0.5 ms
+    plan = plan_step(a, m, 0.0175, deferral=(1e-3, 0.5e-3))  # room 1 ms: two rows at 0.5 ms
+    deferred = 9 - plan.rows
+    assert deferred == 5
+    assert plan.predicted_s == pytest.approx(m.predict(plan.rows, 100 * plan.rows) + 1e-3 + 0.5e-3 * deferred)
+    assert plan.predicted_s <= 0.0175 + 1e-12
+
+
+def test_taper_prices_a_deferral_over_the_steps_it_is_held():
+    """taper-defer-cost holds a deferral for (opportunistic rows' cost / room above the forced rows)
+    steps, at least one, and prices it per step held: with no room above the protected rows any
+    measured price makes it run every row; with room for all of them the price counts once. taper
+    (no price term) and a free deferral plan as before."""
+    priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.1e-3)
+    free = LinearLatencyModel(0.010, 1e-3, 0.0)
+    tight = _phase_batch(8, slack=0.012 / 0.8)  # budget 12 ms = the protected rows: no room
+    assert parse_policy("taper-defer-cost", model=free).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 8]
+    roomy = _phase_batch(8, slack=0.0185 / 0.8)  # budget 18.5 ms: room 6.5 ms, opportunistic rows 7 ms
+    pol = parse_policy("taper-defer-cost", model=priced)
+    budget, floor, _ = pol.budget(roomy)
+    assert pol.held_price(roomy, budget, floor) == pytest.approx((1e-3 * 7 / 6.5, 0.1e-3 * 7 / 6.5))
+
+
+def test_refit_learns_the_price_of_deferral_apart_from_the_floor():
+    """Steps that deferred d rows took 0.6 ms + 0.05 ms x d longer: the refit learns that price and
+    keeps c0 at the floor of the steps that did not defer (a calibrated model: slopes fixed)."""
+    from branchwise.taper.predictor import OnlineRefit
+
+    true = LinearLatencyModel(2e-3, 0.1e-3, 0.0, c_defer=0.6e-3, c_deferred=0.05e-3)
+    m = LinearLatencyModel(1e-3, 0.1e-3, 0.0)
+    rf = OnlineRefit(m, window=64, every=16, slopes_fixed=True, deferral=True)
+    rng = np.random.default_rng(0)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        rf.observe(rows, 0, true.predict(rows, 0) + true.deferral_s(d), deferred=d)
+    assert m.c0 == pytest.approx(2e-3, rel=0.01)
+    assert m.c_defer == pytest.approx(0.6e-3, rel=0.02) and m.c_deferred == pytest.approx(0.05e-3, rel=0.05)
+    plain = OnlineRefit(LinearLatencyModel(1e-3, 0.1e-3, 0.0), window=64, every=16, slopes_fixed=True)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        plain.observe(rows, 0, true.predict(rows, 0) + true.deferral_s(d), deferred=d)
+    assert plain.model.deferral() == (0.0, 0.0)  # without it the price leaks into c0
+    assert plain.model.c0 - 2e-3 > 5 * abs(m.c0 - 2e-3)
+
+
+def test_refit_sees_no_price_in_noise():
+    """Where deferring steps cost no more than the others (2% noise on both) the learned price is 0."""
+    from branchwise.taper.predictor import OnlineRefit
+
+    m = LinearLatencyModel(2e-3, 0.1e-3, 0.0)
+    rf = OnlineRefit(m, window=64, every=16, slopes_fixed=True, deferral=True)
+    rng = np.random.default_rng(1)
+    for i in range(2000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        rf.observe(rows, 0, (2e-3 + 0.1e-3 * rows) * rng.lognormal(0.0, 0.02), deferred=d)
+    assert m.deferral() == pytest.approx((0.0, 0.0), abs=2e-6)
+
+
+def test_refit_finds_a_price_under_heavy_noise_by_accumulating_evidence():
+    """Steps that vary by 30% hide a 0.8 ms price in any one 64-step window; over many windows the
+    evidence stands out and the price is learned."""
+    from branchwise.taper.predictor import OnlineRefit
+
+    m = LinearLatencyModel(2e-3, 0.1e-3, 0.0)
+    rf = OnlineRefit(m, window=64, every=16, slopes_fixed=True, deferral=True)
+    rng = np.random.default_rng(2)
+    for i in range(6000):
+        rows, d = int(rng.integers(4, 20)), (int(rng.integers(1, 12)) if i % 2 else 0)
+        t = 2e-3 + 0.1e-3 * rows + (0.8e-3 if d else 0.0)
+        rf.observe(rows, 0, t * rng.lognormal(-0.045, 0.3), deferred=d)
+    assert sum(m.deferral()) == pytest.approx(0.8e-3, rel=0.25)

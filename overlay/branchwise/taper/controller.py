@@ -246,10 +246,10 @@ class StepController:
         for key, d in delivered.items():
             self._tracker(key, d.slo_s, d.in_phase, now).on_tokens(now, d.tokens)
 
-    def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float) -> None:
-        """A realized pure-decode step latency; feeds the predictor's rolling refit."""
+    def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float, deferred: int = 0) -> None:
+        """A realized pure-decode step latency (and the rows it deferred); feeds the rolling refit."""
         if self.refit is not None:
-            self.refit.observe(n_rows, ctx_tokens, latency_s)  # refits policy.model in place
+            self.refit.observe(n_rows, ctx_tokens, latency_s, deferred=deferred)  # refits policy.model in place
 
     def on_finished(self, keys: Iterable[str]) -> None:
         """These keys' last rows left for good (finished or aborted): drop their state, so a reused

@@ -121,16 +121,23 @@ def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> S
 
 
 def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
-              *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None) -> StepPlan:
+              *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None,
+              deferral: tuple[float, float] | None = None) -> StepPlan:
     """Widths per request for one decode step.
 
     pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
     min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
     floor: int64[n], rows per request that run whatever the budget (>= 1; capped by the ready rows);
     taper's late phases (policies.py). Rows above the floor are admitted as usual.
+    deferral: (per step that defers, per deferred row) seconds, the price of deferring (taper's
+    deferral-cost term): a plan that defers d rows is predicted at T(its rows) + the first + d x
+    the second, so admitting a row saves its cost less the second, and the plan that defers runs
+    only when it is predicted shorter than running every ready row.
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
+    if deferral is not None and not any(deferral):
+        deferral = None
     rids = a.rids
     n = len(rids)
     if n == 0:
@@ -152,7 +159,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
         lo = np.minimum(np.maximum(floor, 1), ready)
     else:
         t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
-        if t0 > budget_s:  # the protected composition alone is over budget: it runs, nothing else
+        if t0 > budget_s and deferral is None:  # the protected composition alone is over budget: it runs
             return StepPlan(rids, _ones(n), predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
 
@@ -165,7 +172,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     else:
         forced = np.flatnonzero(pos < lo[seg])
         t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
-        if t0 > budget_s:
+        if t0 > budget_s and deferral is None:
             return StepPlan(rids, lo, predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
     notes = {"protected_s": t0}
@@ -175,6 +182,15 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     if t0 + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
         return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
+    base = t0
+    if deferral is not None:  # every row deferred costs its share; admitting it saves cost - per row
+        base = t0 + deferral[0] + deferral[1] * considered
+        cost = np.maximum(cost - deferral[1], 0.0)
+        cost[forced] = 0.0
+        if float(cost.sum()) <= deferral[0]:  # no plan that defers beats running every row: no greedy pass
+            notes["defer_cost"] = 1.0
+            return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+                            considered=considered, notes=notes)
 
     # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
     price = cost
@@ -195,13 +211,19 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     key.sort()
     order = key & _ROW_MASK
     cum = cost[order].cumsum()
-    room = budget_s - t0
+    room = budget_s - base
     k = int(cum.searchsorted(room, side="right"))
     width = np.bincount(seg[order[:k]], minlength=n)
+    if deferral is not None:  # over budget (room < 0) the forced rows still run
+        width = np.maximum(width, 1 if lo is None else lo)
     used = float(cum[k - 1]) if k else 0.0
     if fill and k < total:
         used += _fill(order[k:], cost, seg, pos, width, room - used)
-    return StepPlan(rids, width, predicted_s=t0 + used, budget_s=budget_s,
+    if deferral is not None and t0 + extra_s <= base + used:  # deferring would not shorten the step
+        notes["defer_cost"] = 1.0
+        return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+                        considered=considered, notes=notes)
+    return StepPlan(rids, width, predicted_s=base + used, budget_s=budget_s,
                     considered=considered, notes=notes)
 
 

@@ -7,7 +7,8 @@ A policy decides, for one decode step, how many ready rows of each request run (
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
   per gap. taper-no-slack (infinite budget) and taper-const-predictor (a constant T) are its
-  ablations. taper adds three terms (`Terms`, below), each with an ablation that turns it off.
+  ablations. taper adds three terms (`Terms`, below), each with an ablation that turns it off;
+  taper-defer-cost is taper with a fourth, a price on deferral itself (not the default: below).
 * Pin rule (`replan`): taper-no-replan holds the width of a phase's first plan for the rest of the
   phase (capped by its ready rows), even when the budget later shrinks; the step controller keeps
   the pins. Every other policy replans every step.
@@ -16,7 +17,8 @@ taper weighs what a deferral costs later against the step time it saves now. Wit
 T = c0 + c_seq * rows + c_ctx * ctx, a deferred row still runs later at the same cost, so deferral
 only moves work: it lowers this step's T and pays for that with a longer phase (its slot held, its
 protected row in more steps, each of which pays c0 again, queued requests waiting). Moving work is
-worth it only when the steps it moves to are less tight. `weighed_budget` holds all three terms:
+worth it only when the steps it moves to are less tight. `weighed_budget` holds the first three
+terms, the planner the fourth (taper-defer-cost only):
 
 * SLO-matched budget (off: taper-no-mean). A serial stage is judged on its mean TPOT, so its slack
   is (tokens + 1) * slo - elapsed since the stage began (controller.SlackTracker, mean=True), like
@@ -49,6 +51,21 @@ worth it only when the steps it moves to are less tight. `weighed_budget` holds 
   never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less
   (the term binds only while some request is behind its pace).
   Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
+* Deferral price (taper-defer-cost only). Deferring is itself work: a step that runs a subset
+  prepares its sub-batch and carries its deferred rows (on a CPU box ~0.5 ms + 0.05 ms a row, a
+  tenth of a 5 ms SLO, against ~0.13 ms saved per row), and it pays that in every step until the
+  rows run. A deferred row runs once a step has room for it: the budget left above the forced
+  rows (`room`) is the most deferred work a later step like this one can take back, so the
+  deferral is held for (the opportunistic rows' cost / room) steps, at least one; with no room,
+  indefinitely. A plan is priced at what it will cost: T(its rows) + the model's deferral price
+  (LinearLatencyModel.deferral: per step that defers, per deferred row) times the steps it is held;
+  admitting a row saves its cost less that, and a plan that defers runs only where it is predicted
+  shorter than running every ready row; otherwise every row runs (planner.plan_step, `deferral`).
+  The price is measured, never set: the step controller's refit learns it from realized steps and
+  the rows they deferred (OnlineRefit with deferral=True), and a price the refit cannot tell from
+  the steps' noise is 0. It is not taper's default: in the default simulator, where deferral is
+  free, the refit still found a price in the SPRINT workload and lowered taper's capacity there
+  below taper-paper's, so the significance rule does not yet keep the term inert where it should.
 
 With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
 The extra inputs are per-request SLOs (ArrayBatch.slo_s) and the queue length (ArrayBatch.waiting);
@@ -69,12 +86,15 @@ from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, defau
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor", "stock")
+                "taper-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
+                "stock")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
-                 "taper-no-backlog, taper-paper, taper-no-slack, taper-no-replan, taper-const-predictor, stock"
+                 "taper-no-backlog, taper-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
+                 "taper-const-predictor, stock"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
+_HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,6 +104,7 @@ class Terms:
     mean: bool = False  # SLO-matched budget: stage-mean serial slack, phases credited for own rows
     overload: bool = False  # requests the forced rows already push past their bound: bounded at pace
     backlog: bool = False  # with a queue, the budget never drops below the SLO pace
+    defer_cost: bool = False  # a plan is priced with the model's deferral price; it defers only if shorter
 
     def any(self) -> bool:
         return self.mean or self.overload or self.backlog
@@ -92,7 +113,8 @@ class Terms:
 PAPER = Terms()
 _TERMS = MappingProxyType({"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
                           "taper-no-overload": Terms(True, False, True),
-                          "taper-no-backlog": Terms(True, True, False)})
+                          "taper-no-backlog": Terms(True, True, False),
+                          "taper-defer-cost": Terms(True, True, True, True)})
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,10 +155,23 @@ class Policy:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
         budget, floor, notes = self.budget(a)
+        deferral = self.held_price(a, budget, floor) if self.terms.defer_cost else None
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
-                         floor=floor)
+                         floor=floor, deferral=deferral)
         plan.notes.update(notes)
         return plan
+
+    def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
+        """The deferral price over the steps a deferral is held (module docstring), or None (free)."""
+        model = self.model
+        price = model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
+        if not any(price):
+            return None
+        room = budget - floor_cost(a, model, floor)
+        starts = a.ready.cumsum() - a.ready
+        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[starts]).sum())
+        held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
+        return price[0] * held, price[1] * held
 
     def budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
         """The budget rule: (budget, per-request row floor or None, notes on the terms that applied)."""

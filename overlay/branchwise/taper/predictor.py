@@ -6,7 +6,12 @@ coefficient is >= 0 and one more row can never make a step cheaper.
 
 The planner also relies on T being *separable*: one more decode row of context length L adds
 exactly `row_costs(L)`, whatever else is in the step. Both models here are separable.
-Times are seconds everywhere.
+
+Deferral is not free on a real server: a step that runs a subset prepares its sub-batch and still
+carries the deferred rows' bookkeeping. The linear model holds that price apart from T, as
+`deferral()` = (c_defer per step that defers, c_deferred per deferred row): 0 unless measured
+(a --latency-model file) or learned from realized steps that report their deferred rows
+(OnlineRefit with deferral=True). Times are seconds everywhere.
 """
 
 from __future__ import annotations
@@ -38,15 +43,18 @@ class LatencyModel(Protocol):
 
 @dataclass(slots=True)
 class LinearLatencyModel:
-    """T(S) = c0 + c_seq * rows + c_ctx * context tokens + c_tok * extra (prefill) tokens."""
+    """T(S) = c0 + c_seq * rows + c_ctx * context tokens + c_tok * extra (prefill) tokens; a step
+    that defers d rows costs c_defer + c_deferred * d more (module docstring)."""
 
     c0: float
     c_seq: float
     c_ctx: float
     c_tok: float = 0.0
+    c_defer: float = 0.0
+    c_deferred: float = 0.0
 
     def __post_init__(self) -> None:
-        for name in ("c0", "c_seq", "c_ctx", "c_tok"):
+        for name in ("c0", "c_seq", "c_ctx", "c_tok", "c_defer", "c_deferred"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0.0):
                 raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {v!r}")
@@ -68,9 +76,19 @@ class LinearLatencyModel:
     def coefs(self) -> tuple[float, float, float, float]:
         return (self.c0, self.c_seq, self.c_ctx, self.c_tok)
 
+    def deferral(self) -> tuple[float, float]:
+        """(seconds per step that defers rows, seconds per deferred row)."""
+        return (self.c_defer, self.c_deferred)
+
+    def deferral_s(self, deferred: int) -> float:
+        return self.c_defer + self.c_deferred * deferred if deferred > 0 else 0.0
+
     def to_json(self) -> str:
-        return json.dumps({"kind": "linear", "units": "seconds", "c0": self.c0, "c_seq": self.c_seq,
-                           "c_ctx": self.c_ctx, "c_tok": self.c_tok}, indent=1)
+        d = {"kind": "linear", "units": "seconds", "c0": self.c0, "c_seq": self.c_seq, "c_ctx": self.c_ctx,
+             "c_tok": self.c_tok}
+        if self.c_defer or self.c_deferred:
+            d |= {"c_defer": self.c_defer, "c_deferred": self.c_deferred}
+        return json.dumps(d, indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -103,6 +121,12 @@ class ConstantLatencyModel:
 
     def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
         return np.zeros(len(ctx_lens))
+
+    def deferral(self) -> tuple[float, float]:
+        return (0.0, 0.0)
+
+    def deferral_s(self, deferred: int) -> float:
+        return 0.0
 
     @classmethod
     def from_model(cls, model: LatencyModel, n_seqs: int, ctx_tokens: int) -> ConstantLatencyModel:
@@ -147,7 +171,7 @@ def default_model() -> LinearLatencyModel:
 
 _UNITS = MappingProxyType({"seconds": 1.0, "s": 1.0, "milliseconds": 1e-3, "ms": 1e-3})
 _KEYS = MappingProxyType({"linear": ("c0", "c_seq", "c_ctx"), "constant": ("value_s",)})
-_OPTIONAL = MappingProxyType({"linear": ("c_tok",), "constant": ()})
+_OPTIONAL = MappingProxyType({"linear": ("c_tok", "c_defer", "c_deferred"), "constant": ()})
 MAX_INTERCEPT_S = 10.0  # a per-step floor above this is a unit mistake, not a measurement
 
 
@@ -252,6 +276,59 @@ def _fit(n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> 
     return LinearLatencyModel(c0=c[0], c_seq=c[1], c_ctx=c[2], c_tok=c[3])
 
 
+MIN_SPLIT = 8  # steps that deferred, and steps that did not, before the deferral price is refit
+
+
+@dataclass(slots=True)
+class DeferralEvidence:
+    """What deferring steps took beyond T, over every refit window so far: each deferring step's
+    excess over T less the mean excess of its window's steps that did not defer (so the box's drift
+    cancels). The price is a property of the box and the code, not of the moment, so the evidence
+    accumulates; it is believed only where its mean stands out of the noise by three standard
+    errors (a refit tests every `every` steps: a looser test would find a price in noise now and
+    then), and it is then (c_defer, c_deferred) >= 0, a least-squares line on the deferred rows."""
+
+    n: int = 0
+    s_e: float = 0.0
+    s_ee: float = 0.0
+    s_d: float = 0.0
+    s_dd: float = 0.0
+    s_de: float = 0.0
+    base_var: float = 0.0  # sum over windows of (its deferring steps)^2 x the variance of its baseline
+
+    def add(self, excess: np.ndarray, deferred: np.ndarray, baseline_var: float) -> None:
+        k = len(excess)
+        self.n += k
+        self.s_e += float(excess.sum())
+        self.s_ee += float(excess @ excess)
+        self.s_d += float(deferred.sum())
+        self.s_dd += float(deferred @ deferred)
+        self.s_de += float(deferred @ excess)
+        self.base_var += k * k * baseline_var
+
+    def price(self) -> tuple[float, float]:
+        n = self.n
+        if n < MIN_SPLIT:
+            return 0.0, 0.0
+        mean = self.s_e / n
+        var = max(self.s_ee - n * mean * mean, 0.0) / (n - 1)
+        if mean <= 3.0 * math.sqrt(var / n + self.base_var / (n * n)):
+            return 0.0, 0.0
+        dbar = self.s_d / n
+        sdd, sde = self.s_dd - n * dbar * dbar, self.s_de - n * dbar * mean
+        slope = sde / sdd if sdd > 0 else 0.0
+        if slope <= 0:
+            return mean, 0.0
+        if mean - slope * dbar < 0:
+            return 0.0, self.s_de / self.s_dd
+        return mean - slope * dbar, slope
+
+
+def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
+    pred = m.c0 + m.c_seq * n + m.c_ctx * ctx + np.where(d > 0, m.c_defer + m.c_deferred * d, 0.0)
+    return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
+
+
 @dataclass(slots=True)
 class OnlineRefit:
     """Refit the shared model in place from the last `window` realized decode steps.
@@ -268,6 +345,10 @@ class OnlineRefit:
     A ConstantLatencyModel is set to the slowest step in the window instead.
     `slopes_fixed`: only ever correct the intercept (a model calibrated offline, e.g. --latency-model,
     keeps its measured shape; the box's speed drift is still tracked).
+    `deferral`: also learn the price of deferring (module docstring) from steps observed with their
+    deferred rows (DeferralEvidence, over all windows). While the window holds MIN_SPLIT steps that
+    did not defer, c0 comes from them; otherwise from every step with the price taken out, so the
+    price does not leak into c0.
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
 
@@ -277,23 +358,32 @@ class OnlineRefit:
     blend: float = 0.5
     min_samples: int = 32
     slopes_fixed: bool = False
+    deferral: bool = False
     refits: int = field(default=0, init=False)
     intercept_refits: int = field(default=0, init=False)  # of `refits`, c0-only corrections
     skipped: int = field(default=0, init=False)
     last_skip: str = field(default="", init=False)
     _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
+    _deferred: deque[int] = field(init=False, repr=False)  # rows each buffered step deferred
+    evidence: DeferralEvidence = field(default_factory=DeferralEvidence, init=False)
     _since: int = field(default=0, init=False, repr=False)
+    _fresh: int = field(default=0, init=False, repr=False)  # observations since the last refit
 
     def __post_init__(self) -> None:
         if not 0.0 < self.blend <= 1.0:
             raise ValueError(f"blend must be in (0, 1], got {self.blend}")
         self._buf = deque(maxlen=self.window)
+        self._deferred = deque(maxlen=self.window)
 
-    def observe(self, n_seqs: int, ctx_tokens: int, latency_s: float, extra_tokens: int = 0) -> bool:
-        """Record one realized step; returns True when the model's coefficients changed."""
+    def observe(self, n_seqs: int, ctx_tokens: int, latency_s: float, extra_tokens: int = 0,
+                deferred: int = 0) -> bool:
+        """Record one realized step (`deferred`: rows of the batch it did not run); returns True
+        when the model's coefficients changed."""
         if extra_tokens or not (math.isfinite(latency_s) and latency_s > 0.0):
             return False
         self._buf.append((n_seqs, ctx_tokens, latency_s))
+        self._deferred.append(max(int(deferred), 0))
+        self._fresh += 1
         self._since += 1
         if self._since < self.every or len(self._buf) < self.min_samples:
             return False
@@ -312,20 +402,37 @@ class OnlineRefit:
             self.refits += changed
             return changed
         b = self.blend
+        d = np.fromiter(self._deferred, np.float64, len(self._deferred))
+        defers = d > 0
+        fresh, self._fresh = min(self._fresh, len(d)), 0
+        split = self.deferral and int((~defers).sum()) >= MIN_SPLIT
+        price = m.deferral()
+        if split:  # the new deferring steps' excess over the window's steps that did not defer
+            rest = lat - m.c_seq * n - m.c_ctx * ctx
+            base = rest[~defers]
+            new = np.zeros(len(d), bool)
+            new[len(d) - fresh:] = True
+            new &= defers
+            self.evidence.add(rest[new] - float(base.mean()), d[new], float(base.var(ddof=1)) / len(base))
+            price = self.evidence.price()
+        # T's part of each step: the deferral price taken out
+        plain = lat - np.where(defers, price[0] + price[1] * d, 0.0)
         why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
         if why:
-            c0_fit = max(0.0, float(np.mean(lat - m.c_seq * n - m.c_ctx * ctx)))
-            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok)
+            pick = ~defers if split else slice(None)
+            c0_fit = max(0.0, float(np.mean((plain - m.c_seq * n - m.c_ctx * ctx)[pick])))
+            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok, *price)
         else:
-            new = _fit(n, ctx, lat, np.zeros_like(n))
-            cand = LinearLatencyModel(*((1 - b) * old + b * fit for old, fit in
-                                        zip(m.coefs()[:3], new.coefs()[:3], strict=True)), c_tok=m.c_tok)
+            fit = _fit(n, ctx, plain, np.zeros_like(n))
+            cand = LinearLatencyModel(*((1 - b) * old + b * f for old, f in
+                                        zip(m.coefs()[:3], fit.coefs()[:3], strict=True)), m.c_tok, *price)
+        m.c_defer, m.c_deferred = price  # from all the evidence, not from this window alone
         if cand.coefs() == m.coefs():
             return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
-        if mape(cand, self._buf) > mape(m, self._buf) + 1e-9:  # worse beyond rounding
+        if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:  # worse beyond rounding
             return self._skip(f"{why}; intercept update would fit the window worse" if why
                               else "update would fit the window worse")
-        m.c0, m.c_seq, m.c_ctx = cand.c0, cand.c_seq, cand.c_ctx
+        m.c0, m.c_seq, m.c_ctx, m.c_defer, m.c_deferred = cand.c0, cand.c_seq, cand.c_ctx, cand.c_defer, cand.c_deferred
         self.refits += 1
         self.intercept_refits += bool(why)
         if why:

@@ -1,0 +1,99 @@
+"""Simulator regimes: one setting's latency model, SLO, engine costs, program scale and point length.
+
+`default` is the paper's setting (bench.engine's defaults: the modelled Qwen3-32B server, a 50 ms
+SLO, trace-scale programs, 180 s warm-up, 600 s measured, 300 s more of arrivals). The `live*`
+regimes are `make bench`'s live sweep (bench.sweep) on a quiet 2-core CPU box serving the tiny
+model, where one more row costs ~2-3% of the SLO and a step's floor ~25% of it (width is dear):
+
+* T(S): the box's probe. `live`: T = 1.38 ms + 0.089 ms/row + 0.099 us per context token, SLO
+  5.05 ms (the box the step accounting below ran on). `live-fast`: 1.15 ms + 0.089 ms/row + 0.109
+  us/token, SLO 4.89 ms (the issue's fresh clone; its context term is the one for which the
+  sweep's rule gives that SLO, T(32 rows of 256 tokens)). taper plans with it, refitting the
+  intercept as a server given --latency-model does.
+* Programs: bench.point's, every length scaled as bench.programs scales it for the tiny model
+  (output x1.0 capped at 256 tokens per stage and branch, prompts x0.05 capped at 64, 1536 tokens
+  per program), run as bench.client runs them: client-side fork/join, each branch and each join a
+  new request (EngineConfig.client_programs).
+* Engine: SGLang's separate prefill forwards (prefill_steps), the sweep's 65536-token KV pool, the
+  tiny model's 2048-token context, and what a loaded step costs beyond T(S) (LIVE_HOST, LIVE_C_TOK).
+* A point: bench.point's, 40 s of arrivals from an idle server, then 20 s of drain without arrivals.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from types import MappingProxyType
+from typing import Any
+
+from bench.engine import Cost, EngineConfig, HostCosts
+from bench.programs import Scaling, scale_spec
+from bench.workload import RequestSpec, compose, stationary_schedule
+from branchwise.taper import LinearLatencyModel, default_model
+
+
+@dataclass(frozen=True, slots=True)
+class SimRegime:
+    name: str
+    coefs: tuple[float, float, float, float]  # T(S): c0, c_seq, c_ctx, c_tok (seconds)
+    slo_s: float
+    engine: EngineConfig  # its slo_s is set by `engine_for`
+    scaling: Scaling | None = None  # None: the trace's lengths
+    warmup_s: float = 180.0
+    window_s: float = 600.0
+    drain_s: float = 300.0
+    calibrated: bool = False  # taper plans with this model as its --latency-model (intercept refit)
+    drain_arrivals: bool = True  # arrivals go on through the drain (bench.capacity); False: live points
+
+    @property
+    def model(self) -> LinearLatencyModel:
+        return LinearLatencyModel(*self.coefs)
+
+    def engine_for(self, slo_s: float | None = None, max_running: int = 0) -> EngineConfig:
+        return replace(self.engine, slo_s=self.slo_s if slo_s is None else slo_s, max_running=max_running)
+
+
+LIVE_SCALING = Scaling(output_scale=1.0, max_stage_tokens=256)  # bench.point.PointSetup's
+_LIVE = EngineConfig(kv_tokens=65536, context_len=2048, prefill_steps=True, client_programs=True,
+                     drain_s=20.0)
+# What a loaded live step costs beyond the probe's T(S), from the step accounting of one make-bench
+# load (bench.step_account, load 0.4, off / eager / taper servers on a quiet 2-core box whose probe
+# read T = 1.38 ms + 0.089 ms/row + 0.099 us/token; docs/benchmarks.md). Prefill forwards: ~1.5 ms
+# per request plus ~25 us per new token on top of c0 (an arrival's 44-token prompt ~4 ms, a join's
+# ~400 tokens ~13 ms, a fork of n branches ~2 + 1.8 n ms). Decode: 0.25 ms per step lost to the
+# other processes (eager's mean run-queue wait); a step that defers rows prepares its sub-batch
+# (0.25 ms, the subset span) and carries ~0.05 ms per deferred row (regression of the step on rows
+# run and deferred over all three servers); taper's planning adds 0.14 ms (its plan spans less eager's).
+LIVE_HOST = HostCosts(step=Cost(0.50e-3, 0.02e-3), plan=Cost(0.14e-3), subset=Cost(0.5e-3, 0.05e-3),
+                      same_subset=Cost(0.5e-3, 0.05e-3), prefill=Cost(0.0, 1.5e-3))
+LIVE_C_TOK = 25e-6
+
+
+def _live(name: str, c0: float, c_seq: float, c_ctx: float, slo_s: float, host: HostCosts) -> SimRegime:
+    return SimRegime(name, (c0, c_seq, c_ctx, LIVE_C_TOK), slo_s, replace(_LIVE, host=host), LIVE_SCALING,
+                     0.0, 40.0, 20.0, True, drain_arrivals=False)
+
+
+REGIMES = MappingProxyType({
+    "default": SimRegime("default", default_model().coefs(), 0.050, EngineConfig()),
+    # the box the step accounting ran on (its probe and SLO)
+    "live": _live("live", 1.38e-3, 0.089e-3, 0.099e-6, 5.05e-3, LIVE_HOST),
+    # a fresh clone on a quiet box (the issue's make bench): its probe, the accounting's host costs
+    "live-fast": _live("live-fast", 1.15e-3, 0.089e-3, 0.109e-6, 4.89e-3, LIVE_HOST),
+})
+
+
+def regime_specs(trace: Any, rate: float, duration_s: float, seed: int, preset: str,
+                 scaling: Scaling | None) -> list[RequestSpec]:
+    """A stationary point's requests, scaled as the regime's programs are (None: trace lengths)."""
+    specs = compose(trace, stationary_schedule(trace, rate, duration_s, seed), preset, seed)
+    return [scale_spec(s, scaling) for s in specs] if scaling is not None else specs
+
+
+def get_regime(name: str) -> SimRegime:
+    try:
+        return REGIMES[name]
+    except KeyError:
+        raise ValueError(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}") from None
+
+
+
