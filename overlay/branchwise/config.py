@@ -9,13 +9,17 @@ from __future__ import annotations
 import argparse
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
 from branchwise.taper.predictor import load_model
 from branchwise.taper.utility import UTILITY_NAMES as UTILITIES
+
+if TYPE_CHECKING:  # a type only: the module imports no SGLang
+    from sglang.srt.server_args import ServerArgs
 
 GRAMMAR_CLIENTS = ("allow", "deny")
 # The default policy: SGLang's own schedule (every ready row every step, no step controller), with
@@ -34,20 +38,20 @@ def parse_rho(value: str | float) -> float:
 
 
 def parse_positive_ms(value: str | float) -> float:
-    ms = float(value)
-    if not (ms > 0.0 and math.isfinite(ms)):
+    slo_ms = float(value)
+    if not (slo_ms > 0.0 and math.isfinite(slo_ms)):
         raise ValueError(f"a TPOT SLO must be a finite number > 0 ms, got {value!r}")
-    return ms
+    return slo_ms
 
 
 def _positive_int(value: str | int, flag: str) -> int:
     try:
-        n = int(str(value).strip())
+        count = int(str(value).strip())
     except ValueError:
         raise ValueError(f"{flag} must be an integer >= 1, got {value!r}") from None
-    if n < 1:
+    if count < 1:
         raise ValueError(f"{flag} must be an integer >= 1, got {value!r}")
-    return n
+    return count
 
 
 def parse_max_fanout(value: str | int) -> int:
@@ -62,10 +66,10 @@ def parse_max_branch_tokens(value: str | int | None) -> int | None:
 
 
 def parse_grammar_clients(value: str) -> str:
-    v = str(value).strip().lower()
-    if v not in GRAMMAR_CLIENTS:
+    mode = str(value).strip().lower()
+    if mode not in GRAMMAR_CLIENTS:
         raise ValueError(f"invalid --branch-grammar-clients {value!r}; valid: {', '.join(GRAMMAR_CLIENTS)}")
-    return v
+    return mode
 
 
 def parse_latency_model(path: str) -> str:
@@ -74,14 +78,14 @@ def parse_latency_model(path: str) -> str:
     return path
 
 
-def _argparse_type(fn):
+def _argparse_type(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Wrap a parser so argparse prints our message (it hides messages of plain ValueErrors)."""
 
-    def wrapped(value):
+    def wrapped(value: Any) -> Any:
         try:
             return fn(value)
-        except ValueError as e:
-            raise argparse.ArgumentTypeError(str(e)) from None
+        except ValueError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
 
     wrapped.__name__ = fn.__name__
     return wrapped
@@ -111,10 +115,10 @@ class BranchwiseConfig:
     parallel_sampling: bool = False
 
     @classmethod
-    def from_server_args(cls, server_args: Any) -> BranchwiseConfig:
+    def from_server_args(cls, server_args: ServerArgs) -> BranchwiseConfig:
         """Read the patched ServerArgs fields; an unpatched SGLang gives the defaults (policy stock)."""
         defaults = cls()
-        values = {f: getattr(server_args, f, getattr(defaults, f)) for f in cls.__slots__}
+        values = {name: getattr(server_args, name, getattr(defaults, name)) for name in cls.__slots__}
         env_policy = os.environ.get("BRANCHWISE_POLICY")  # for runs without `make apply`
         if env_policy and not hasattr(server_args, "branch_policy"):
             values["branch_policy"] = env_policy
@@ -143,8 +147,8 @@ class BranchwiseConfig:
     # ---- per-request bounds (one client must not set the others' budget) ----------------------
     @property
     def min_slo_tpot_ms(self) -> float:
-        m = self.branch_min_slo_tpot_ms
-        return m if m is not None else self.branch_slo_tpot_ms / 2
+        floor_ms = self.branch_min_slo_tpot_ms
+        return floor_ms if floor_ms is not None else self.branch_slo_tpot_ms / 2
 
     def slo_s(self, requested_ms: float | None) -> float:
         """A request's TPOT SLO in seconds: the server default when it names none, else its own
@@ -172,4 +176,4 @@ class BranchwiseConfig:
         return asdict(self)
 
     def log_line(self) -> str:
-        return "Branchwise active: " + " ".join(f"{k}={v}" for k, v in self.as_dict().items())
+        return "Branchwise active: " + " ".join(f"{name}={value}" for name, value in self.as_dict().items())

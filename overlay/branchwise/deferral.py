@@ -1,9 +1,9 @@
 """Run a chosen subset of a decode batch for one step; the rest stay in running_batch, untouched.
 
-Design: deferred rows never leave
-`running_batch`, so aborts, retraction, prefill reservation and SGLang's memory checks still see
-them; their KV, radix locks and pending next token (FutureMap slot keyed by req_pool_idx) stay
-put. Only the sub-batch is prepared; its new seq_lens are written back into the full batch.
+Deferred rows never leave `running_batch`, so aborts, retraction, prefill reservation and SGLang's
+memory checks still see them; their KV, radix locks and pending next token (FutureMap slot keyed by
+req_pool_idx) stay put. Only the sub-batch is prepared; its new seq_lens are written back into the
+full batch.
 """
 
 from __future__ import annotations
@@ -11,12 +11,17 @@ from __future__ import annotations
 import copy
 import dataclasses
 import weakref
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 
 # Per-row state that SGLang's penalizers change in cumulate_output_tokens (sampling/penaltylib/*).
 # Everything else a penalizer holds is a per-request constant. A penalizer class missing here
@@ -29,7 +34,7 @@ PENALIZER_ACCUMULATORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 })
 
 
-def why_unsupported(scheduler: Any) -> str | None:
+def why_unsupported(scheduler: Scheduler) -> str | None:
     """Modes in which returning a sub-batch from update_running_batch is unsafe."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_parallel
@@ -47,13 +52,13 @@ def why_unsupported(scheduler: Any) -> str | None:
     return None
 
 
-def batch_needs_full_step(batch: Any) -> str | None:
+def batch_needs_full_step(batch: ScheduleBatch) -> str | None:
     """Per-step conditions under which the whole batch runs (no deferral this step)."""
     orch = batch.sampling_info.penalizer_orchestrator
-    if orch.is_required and any(p.is_prepared() and type(p).__name__ not in PENALIZER_ACCUMULATORS
-                                for p in orch.penalizers.values()):
+    if orch.is_required and any(pen.is_prepared() and type(pen).__name__ not in PENALIZER_ACCUMULATORS
+                                for pen in orch.penalizers.values()):
         return "unknown penalizer"
-    if any(r.beam_group is not None for r in batch.reqs):
+    if any(req.beam_group is not None for req in batch.reqs):
         return "beam search"
     return None
 
@@ -69,14 +74,14 @@ class KeptSubset:
     replaces those tensors, and `_write_back` assigns `seq_lens` itself, so a step that did not go
     through the kept sub leaves a mismatch behind."""
 
-    batch: Any = None
-    seq_lens: Any = None
-    pool_indices: Any = None
+    batch: ScheduleBatch | None = None
+    seq_lens: torch.Tensor | None = None
+    pool_indices: torch.Tensor | None = None
     idx: list[int] | None = None
-    rows: Any = None  # idx as an int64 tensor on the batch's device
-    sub: Any = None
+    rows: torch.Tensor | None = None  # idx as an int64 tensor on the batch's device
+    sub: ScheduleBatch | None = None
 
-    def serves(self, batch: Any, idx: list[int]) -> bool:
+    def serves(self, batch: ScheduleBatch, idx: list[int]) -> bool:
         return (self.batch is batch and batch.seq_lens is self.seq_lens
                 and batch.req_pool_indices is self.pool_indices and self.idx == idx)
 
@@ -84,7 +89,8 @@ class KeptSubset:
         self.batch = self.seq_lens = self.pool_indices = self.idx = self.rows = self.sub = None
 
 
-def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any], kept: KeptSubset) -> Any:
+def run_subset(scheduler: Scheduler, batch: ScheduleBatch, active: set[Req], finishing: list[Req],
+               kept: KeptSubset) -> ScheduleBatch | None:
     """Prepare and return a sub-batch of the `active` reqs; None means "use the full path".
 
     Mirrors Scheduler.update_running_batch for the subset: the memory check covers only the rows
@@ -93,7 +99,7 @@ def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any
     requests can be admitted), and the allocator only gives slots to active rows. The sub-batch is
     the one `kept` holds when it still fits (KeptSubset), else a new cut of the batch.
     """
-    idx = [i for i, r in enumerate(batch.reqs) if r in active]
+    idx = [i for i, req in enumerate(batch.reqs) if req in active]
     if not batch.check_decode_mem(selected_indices=idx):
         kept.clear()
         return None
@@ -102,7 +108,7 @@ def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any
         batch.filter_batch(reqs_to_exclude=finishing)
         if batch.batch_size() < initial_bs:
             batch.batch_is_full = False
-        idx = [i for i, r in enumerate(batch.reqs) if r in active]
+        idx = [i for i, req in enumerate(batch.reqs) if req in active]
     orch = batch.sampling_info.penalizer_orchestrator
     penalties = orch.is_required
     if kept.serves(batch, idx):
@@ -122,7 +128,7 @@ def run_subset(scheduler: Any, batch: Any, active: set[Any], finishing: list[Any
     return sub
 
 
-def _cut(batch: Any, idx: list[int], penalties: bool) -> Any:
+def _cut(batch: ScheduleBatch, idx: list[int], penalties: bool) -> ScheduleBatch:
     """A new sub-batch of rows `idx` of `batch`; the full batch and its penalty state stay intact."""
     sub = copy.copy(batch)
     sub.sampling_info = dataclasses.replace(batch.sampling_info)
@@ -132,7 +138,7 @@ def _cut(batch: Any, idx: list[int], penalties: bool) -> Any:
     return sub
 
 
-def _write_back(batch: Any, sub: Any, idx: list[int], rows: Any) -> None:
+def _write_back(batch: ScheduleBatch, sub: ScheduleBatch, idx: list[int], rows: torch.Tensor) -> None:
     """Out of place: the previous tensors may still be read by the in-flight overlap forward."""
     batch.seq_lens = batch.seq_lens.clone().index_copy_(0, rows, sub.seq_lens)
     batch.orig_seq_lens = batch.orig_seq_lens.clone().index_copy_(0, rows, sub.orig_seq_lens)
@@ -145,7 +151,7 @@ def _write_back(batch: Any, sub: Any, idx: list[int], rows: Any) -> None:
     batch.forward_mode = sub.forward_mode  # the merged prefill batch may still say EXTEND
 
 
-def _fork_penalizers(orch: Any, sub: Any) -> Any:
+def _fork_penalizers(orch: BatchedPenalizerOrchestrator, sub: ScheduleBatch) -> BatchedPenalizerOrchestrator:
     """A shallow copy of the orchestrator (and each penalizer) bound to `sub`.
 
     SGLang's orchestrator is shared by every copy of a batch and `filter` replaces its tensors in
@@ -163,7 +169,8 @@ def _fork_penalizers(orch: Any, sub: Any) -> Any:
     return forked
 
 
-def _write_back_penalizers(orch: Any, forked: Any, rows: Any) -> None:
+def _write_back_penalizers(orch: BatchedPenalizerOrchestrator, forked: BatchedPenalizerOrchestrator,
+                           rows: torch.Tensor) -> None:
     """Copy the sub's updated accumulators into the rows of the full batch that ran.
 
     In place is safe: overlap forwards read penalties through copies taken in copy_for_forward.
@@ -178,7 +185,7 @@ def _write_back_penalizers(orch: Any, forked: Any, rows: Any) -> None:
             getattr(pen, name).index_copy_(0, rows, getattr(mine, name))
 
 
-def _pinned_cumulate(batch: Any) -> None:
+def _pinned_cumulate(batch: ScheduleBatch) -> None:
     """Cumulate, per row, the token an every-step (eager) schedule would cumulate at this step.
 
     Under overlap SGLang cumulates `output_ids[-1]`, which for a row that ran in the previous step
@@ -204,11 +211,11 @@ def _pinned_cumulate(batch: Any) -> None:
 PIN_ATTR = "_branchwise_pin_penalty_tokens"
 
 
-def pin_penalty_tokens(scheduler: Any) -> None:
+def pin_penalty_tokens(scheduler: Scheduler) -> None:
     setattr(scheduler.req_to_token_pool, PIN_ATTR, True)
 
 
-def around_cumulate_penalty_output_tokens(orig: Any, batch: Any) -> None:
+def around_cumulate_penalty_output_tokens(orig: Callable[[ScheduleBatch], None], batch: ScheduleBatch) -> None:
     """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on).
 
     Covers every decode preparation: sub-batches, full steps, and mixed chunked prefill steps,

@@ -1,32 +1,30 @@
 """Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
 
-With `--dp-size N` SGLang's DataParallelController sends each request to a DP rank by its
-`--load-balance-method`. A client-side phase's branches are separate requests, so that would
-spread one phase over ranks: its prefix is prefilled on each, and each rank's TAPER sees part of
-the phase. Here the controller's own dispatch decides the rank of a phase's first request; the
-rank is remembered under the phase's affinity key, and later requests of that key carry it as
-SGLang's `routed_dp_rank` (the controller's external-routing path). Requests without a key (serial
-requests, health checks) and requests the client routed itself are untouched.
-
-Affinity key: the part before the first "/" of `custom_params.branchwise.phase`, else of SGLang's
-own `routing_key` field. The part before "/" is the group of Branchwise's structured ids, so a
-nested fork inside a branch (phase "g/b1/f0") stays with its parent phase "g", and the frontend's
-fork-point prefix request (sent with routing_key = the fork's group) lands where its branches do.
-
-The map is an LRU of bounded size: a phase ends and is never seen again, so the oldest key goes;
-an evicted key that comes back is placed afresh (placement only, outputs do not depend on it).
-
-The pure parts (affinity_key, PhaseRanks) import no SGLang; the hook bodies run in the DP
-controller process (plugin.py registers them), and each scheduler keeps a SchedulerDp
-(runtime.py builds it and reports it).
+Under `--dp-size N` SGLang's DataParallelController would spread a client-side phase's requests
+over ranks (its prefix prefilled on each, each rank's TAPER seeing part of the phase). Here the
+controller's own dispatch places a phase's first request; the rank is remembered in a bounded LRU
+under the phase's affinity key (the group before the first "/" of the stamp's phase, else of
+SGLang's routing_key), and later requests of that key carry it as `routed_dp_rank`. Requests
+without a key, or routed by the client, are untouched. The pure parts (affinity_key, PhaseRanks)
+import no SGLang; the hook bodies run in the DP controller process, and each scheduler keeps a
+SchedulerDp (built by runtime.py). Why, and the key's rules: docs/design/dp-dispatch.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Container
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.data_parallel_controller import DataParallelController
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from branchwise.config import BranchwiseConfig
 
 logger = logging.getLogger(__name__)
 
@@ -37,13 +35,13 @@ MAX_KEY_CHARS = 256  # a longer key is truncated: the map's memory stays bounded
 
 
 # ---- pure logic ----------------------------------------------------------------------------------
-def _root(value: Any) -> str | None:
+def _root(value: object) -> str | None:
     if not isinstance(value, str) or not value:
         return None
     return value.split("/", 1)[0][:MAX_KEY_CHARS] or None
 
 
-def affinity_key(custom_params: Any, routing_key: Any = None) -> str | None:
+def affinity_key(custom_params: object, routing_key: object = None) -> str | None:
     """The key that keeps a request with its phase, or None (the configured method places it).
     Total over client input: anything malformed is None here; the scheduler rejects bad stamps."""
     if isinstance(custom_params, dict):
@@ -68,7 +66,7 @@ class PhaseRanks:
         if self.capacity < 1:
             raise ValueError(f"capacity must be >= 1, got {self.capacity}")
 
-    def lookup(self, key: str, active: Any) -> int | None:
+    def lookup(self, key: str, active: Container[int]) -> int | None:
         """The remembered rank of `key` if it is still in `active`, else None (and forget it)."""
         rank = self.ranks.get(key)
         if rank is None:
@@ -100,10 +98,10 @@ class WorkerLog(list):
 
     last: int | None = None
 
-    def __getitem__(self, i: Any) -> Any:
-        if isinstance(i, int):
-            self.last = i
-        return super().__getitem__(i)
+    def __getitem__(self, index: Any) -> Any:  # an int or a slice, as list's
+        if isinstance(index, int):
+            self.last = index
+        return super().__getitem__(index)
 
 
 @dataclass
@@ -121,20 +119,21 @@ class PhaseRows:
 
 
 # ---- DataParallelController hooks (DP controller process) ----------------------------------------
-def after_controller_init(result: None, ctl: Any, *args: Any, **kwargs: Any) -> None:
+def after_controller_init(result: None, ctl: DataParallelController, *args: Any, **kwargs: Any) -> None:
     ctl.workers = WorkerLog(ctl.workers)
     ctl._branchwise_phase_ranks = PhaseRanks()
 
 
-def _key_of(req: Any) -> str | None:
+def _key_of(req: object) -> str | None:
     try:
-        cp = getattr(getattr(req, "sampling_params", None), "custom_params", None)
-        return affinity_key(cp, getattr(req, "routing_key", None))
+        custom = getattr(getattr(req, "sampling_params", None), "custom_params", None)
+        return affinity_key(custom, getattr(req, "routing_key", None))
     except Exception:  # never let a request's content break the controller's loop
         return None
 
 
-def around_dispatching_with_trace(orig: Any, ctl: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_dispatching_with_trace(orig: Callable[..., None], ctl: DataParallelController,
+                                  req: TokenizedGenerateReqInput, *args: Any, **kwargs: Any) -> None:
     """Send a keyed request to its key's rank; let SGLang place a key's first request and note where."""
     phases: PhaseRanks | None = getattr(ctl, "_branchwise_phase_ranks", None)
     if phases is None or getattr(req, "routed_dp_rank", None) is not None:
@@ -162,7 +161,7 @@ class SchedulerDp:
     dp_rank: int
     phase_rows: PhaseRows = field(default_factory=PhaseRows)
 
-    def on_request_created(self, req: Any) -> None:
+    def on_request_created(self, req: Req) -> None:
         """After scheduler_hook has set `req.bw_meta`."""
         meta = getattr(req, "bw_meta", None)
         if meta is not None and meta.phase:
@@ -173,7 +172,7 @@ class SchedulerDp:
         return {"dp_rank": self.dp_rank, "phase_rows": dict(self.phase_rows.rows)}
 
 
-def build(scheduler: Any, config: Any) -> SchedulerDp:
+def build(scheduler: Scheduler, config: BranchwiseConfig) -> SchedulerDp:
     from branchwise.metrics import current_dp_rank
 
-    return SchedulerDp(current_dp_rank())
+    return SchedulerDp(dp_rank=current_dp_rank())

@@ -1,73 +1,14 @@
-"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies, and the overview.
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies and `build`.
 
-A grammar detector (branchwise.grammars) watches a request's generated text through a TextStream;
-the phase it opens lives in a PhaseRegistry and goes through one lifecycle (branchwise.phases:
-FORKING -> PARALLEL -> REDUCE -> DONE). This module moves SGLang requests and KV along it:
-
-  fork   (-> FORKING) the parent's output is cut at the fork point (`PhaseOpened.at`) before
-         anything past it is streamed.
-  park   (-> PARALLEL, at the next scheduling point) the parent is parked like a retraction: its KV
-         goes into the radix tree with `release_kv_cache(checkpoint=True)`, a tree lock pins that
-         prefix, and the Req leaves running_batch/last_batch and holds no KV row. One real Req per
-         branch (rid f"{parent}/p{n}/b{i}", input = parent ids up to the fork + header_i) goes to the
-         waiting queue; its prefill matches the pinned prefix, so only the header is computed
-         (`cached_tokens` >= the shared prefix). Branches decode as ordinary running rows tagged with
-         `bw_meta = RequestMeta(phase, branch, fanout, slo, weight)` for the TAPER planner.
-  close  a branch ends at its own close tag (finished like a stop string, so SGLang releases and
-         caches its KV itself), or by EOS / max_new_tokens / abort (the reduce appends the close tag).
-  join   (-> REDUCE) when all branches of a phase are closed, their ids are appended to the parent's
-         output in canonical (branch-index) order and the parent is re-queued as a retracted request
-         (`_add_request_to_queue(is_retracted=True)`): its prefill matches prefix + branch 0 in the
-         radix tree and computes the rest, then it continues decoding. The phase is released (DONE)
-         when the parent's grammar closes it, or with its request.
-  nest   a branch whose own text opens a phase is parked and joined exactly like a root parent.
-
-Modules: fork_state.py (`ForkManager`, `Track`: what one scheduler keeps), fork_lifecycle.py (fork,
-park, spawn, close, join), fork_aborts.py (aborts of parked parents, the idle leak check),
-fork_limits.py (which requests branch, the fanout and branch-token limits), phases.py (pure: the
-phase state machine, the one record of where each sequence stands). Aborts reach a fork anywhere in
-its life: SGLang's abort by rid prefix (or abort_all) ends the branches in its queues and batches,
-`abort_parked` ends a parked parent, and a parent aborted while it waits at its fork is parked and
-ended at the scheduling point; ending a sequence releases its phases, nested ones and pins
-included, so nothing is left for a later step to find.
-
-Where: detection runs per sequence right after SGLang appends a step's tokens (a hook on
-Req.update_finish_state, before KV release and streaming, installed on the tracked Req instances
-only, so the rows of every other request pay nothing per step); parking, spawning and joining
-run at the top of the next loop iteration (AFTER Scheduler.ingest_requests), the scheduling point
-where SGLang itself changes queues, so get_next_batch_to_run always sees a consistent state.
-A grammar error stops branching for that sequence (it continues serial, already joined text kept);
-the request's finish_reason then carries `branchwise_error` with the detector's message (HTTP 200).
-Limits (one request must not take the server): a fork of more than --branch-max-fanout branches, or
-one whose branches would together be granted more than --branch-max-branch-tokens decode tokens
-(counting the request's live branches of all its phases, nested ones included), is not taken: the
-request continues serially and its finish_reason says why in `branchwise_error`. Under
---branch-grammar-clients deny a request naming a grammar other than "none" or the server's own
---branch-grammar is rejected with HTTP 400.
-
-Overlap scheduling: the fork is seen while processing step k-1, when the parent may already sit in
-the in-flight batch k. Nothing is done to batch k: parking sets `is_retracted`, so SGLang drops that
-row's result as it does for rows retracted or preempted while in flight; FutureMap slots are keyed
-by req_pool_idx and a reused slot is rewritten by its new owner's prefill before being read. Tokens
-past the fork point are cut before `stream_output` runs and parents are not streamed while a fork is
-undecided, so the client never sees them. The in-flight step also wrote the KV of the fork token, so
-the branches' prefill hits the whole prefix; without overlap that token's KV does not exist yet and
-the hit is one token shorter.
-
-Budget (max_new_tokens): the parent's max_new_tokens bounds the whole response, joined branch text
-included. Each branch may use the budget left at the fork (parent max - kept tokens - header); a
-join that reaches the parent's budget finishes the request with finish_reason length, truncated at
-max_new_tokens tokens, i.e. exactly where a serial writer of the same text would have been cut.
-
-Tensor parallelism: every rank runs these hooks on identical token ids with the same tokenizer, and
-every decision (fork, cut, budget, join, abort by rid prefix) depends only on token ids, request
-ids and the order of events within a step, never on wall clocks, so all ranks spawn, park and join
-the same requests in the same iteration.
-
-Not branched (the request runs serial): return_logprob, hidden states, constrained decoding
-(json/regex/ebnf), input embeds, multimodal, sessions, LoRA, beam search, client-side branches;
-and the whole feature is off under disaggregation, PP, speculative decoding, DP attention, dLLM,
-hisparse and mamba caches.
+A grammar detector watches a tracked request's text; the phase it opens goes FORKING -> PARALLEL ->
+REDUCE -> DONE (branchwise.phases). These bodies move SGLang requests and KV along it: detection
+runs on each tracked Req instance right after SGLang appends a step's tokens (`hook_tracked_request`),
+parking, spawning and joining run at the scheduling point (AFTER Scheduler.ingest_requests), and
+abort, idle and streaming hooks keep parked parents and branches out of SGLang's way. The state
+is in fork_state.py, the transitions in fork_lifecycle.py, aborts and the leak check in
+fork_aborts.py, which requests branch in fork_limits.py. Every decision depends on token ids,
+rids and event order only, so all TP ranks agree without a broadcast. The lifecycle, overlap
+scheduling, budgets and what is not branched: docs/design/server-fork.md.
 """
 
 from __future__ import annotations
@@ -75,17 +16,23 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise.config import BranchwiseConfig
 from branchwise.fork_limits import grammar_for
 from branchwise.fork_state import ForkManager
 from branchwise.grammars import get_detector
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+
 logger = logging.getLogger("branchwise.fork")
 
 
-def _plain_mode(sched: Any) -> str | None:
+def _plain_mode(sched: Scheduler) -> str | None:
     """Why server-side branching is off in this scheduler, or None when it is on."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
 
@@ -103,7 +50,7 @@ def _plain_mode(sched: Any) -> str | None:
     return next((why for bad, why in checks if bad), None)
 
 
-def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
+def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
     """The scheduler's fork manager, or None where server-side branching cannot run. It counts freed
     orphans in taper's Prometheus series (under --enable-metrics). The scheduler's tree cache, which
     the output streamer shares, gets a reference to it for the stream_output hook."""
@@ -122,7 +69,8 @@ def build(scheduler: Any, config: BranchwiseConfig) -> ForkManager | None:
 # hooks find the manager at `self.branchwise.fork`.
 
 
-def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGenerateReqInput,
+                                *args: Any, **kwargs: Any) -> Req:
     """A new client request (runtime calls it after taper has set `req.bw_meta`): a grammar the
     server refuses ends it with HTTP 400; a grammar it serves starts tracking its text."""
     bw = self.branchwise
@@ -135,12 +83,13 @@ def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, 
                 bw.taper.bump("bad_requests")
             return req
     mgr = bw.fork
-    if mgr is not None and (g := grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats)) is not None:
-        mgr.track(req, get_detector(g), g)
+    grammar = grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats) if mgr is not None else None
+    if grammar is not None:
+        mgr.track(req, get_detector(grammar), grammar)
     return req
 
 
-def hook_tracked_request(req: Any) -> None:
+def hook_tracked_request(req: Req) -> None:
     """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
     Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
     (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
@@ -150,17 +99,17 @@ def hook_tracked_request(req: Any) -> None:
     req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
 
 
-def around_update_finish_state(orig: Callable[..., Any], req: Any, *args: Any, **kwargs: Any) -> Any:
+def around_update_finish_state(orig: Callable[..., None], req: Req, *args: Any, **kwargs: Any) -> None:
     """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
     streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
     out = orig(req, *args, **kwargs)
-    t = getattr(req, "bw_fork", None)
-    if t is not None:
-        t.mgr.on_tokens(t)
+    track = getattr(req, "bw_fork", None)
+    if track is not None:
+        track.mgr.on_tokens(track)
     return out
 
 
-def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def after_ingest_requests(result: list, self: Scheduler, *args: Any, **kwargs: Any) -> list:
     """The scheduling point: park and spawn the phases cut at a fork, join those whose branches closed."""
     mgr = self.branchwise.fork
     if mgr is not None and mgr.reg.phases and mgr.pending():
@@ -168,48 +117,50 @@ def after_ingest_requests(result: Any, self: Any, *args: Any, **kwargs: Any) -> 
     return result
 
 
-def after_abort_request(result: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_abort_request(result: None, self: Scheduler, recv_req: AbortReq, *args: Any, **kwargs: Any) -> None:
     mgr = self.branchwise.fork
     if mgr is not None and mgr.reg.phases:
         mgr.abort(recv_req)
     return result
 
 
-def around_send_abort_output(orig: Callable[..., Any], self: Any, abort_req: Any, req: Any) -> Any:
+def around_send_abort_output(orig: Callable[..., None], self: Scheduler, abort_req: AbortReq,
+                             req: Req) -> None:
     """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
-    t = getattr(req, "bw_fork", None)
+    track = getattr(req, "bw_fork", None)
     mgr = self.branchwise.fork
-    if t is None or mgr is None:
+    if track is None or mgr is None:
         return orig(self, abort_req, req)
     if req.finished_reason is None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.finished_reason = req.to_finish or FINISH_ABORT()
-    mgr.end(t)
-    if t.branch:
+    mgr.end(track)
+    if track.branch:
         return None  # internal rid: the tokenizer manager never heard of it
     return orig(self, abort_req, req)
 
 
-def around_stream_output(orig: Callable[..., Any], self: Any, reqs: list, *args: Any, **kwargs: Any) -> Any:
+def around_stream_output(orig: Callable[..., None], self: SchedulerOutputStreamer, reqs: list[Req],
+                         *args: Any, **kwargs: Any) -> None:
     """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it.
     Until the manager tracks a first request no row can need filtering: no per-row scan."""
     mgr = getattr(getattr(self, "tree_cache", None), "_branchwise_fork", None)
-    if mgr is not None and mgr.tracking and any(getattr(r, "bw_fork", None) is not None for r in reqs):
-        reqs = [r for r in reqs if _streamable(r)]
+    if mgr is not None and mgr.tracking and any(getattr(req, "bw_fork", None) is not None for req in reqs):
+        reqs = [req for req in reqs if _streamable(req)]
     return orig(self, reqs, *args, **kwargs)
 
 
-def _streamable(req: Any) -> bool:
-    t = getattr(req, "bw_fork", None)
-    if t is None:
+def _streamable(req: Req) -> bool:
+    track = getattr(req, "bw_fork", None)
+    if track is None:
         return True
-    if t.branch:
+    if track.branch:
         return False
-    return req.finished() or not t.undecided()
+    return req.finished() or not track.undecided()
 
 
-def after_is_fully_idle(result: bool, self: Any, *args: Any, **kwargs: Any) -> bool:
+def after_is_fully_idle(result: bool, self: Scheduler, *args: Any, **kwargs: Any) -> bool:
     """Not idle while a request is parked or a fork/join waits for the next scheduling point: the
     idle sleeper would otherwise wait for a new request before joining. When SGLang itself is fully
     idle (a plain call: nothing running, waiting or in flight), this is where the leak check runs

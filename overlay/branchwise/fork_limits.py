@@ -13,12 +13,16 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
 
 from branchwise.phases import PhaseRegistry, fork_limit_error
 
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
 
-@dataclass(frozen=True, slots=True)
+
+@dataclass(frozen=True, slots=True, kw_only=True)
 class ForkLimits:
     max_fanout: int
     max_branch_tokens: int
@@ -31,29 +35,30 @@ class ForkLimits:
 
 def held(reg: PhaseRegistry, root_rid: str) -> int:
     """Decode tokens granted to the live branches (and the forks about to spawn) of one request."""
-    return sum(ph.granted() for ph in reg.subtree(root_rid))
+    return sum(phase.granted() for phase in reg.subtree(root_rid))
 
 
-def unsupported(req: Any, recv_req: Any) -> bool:
+def unsupported(req: Req, recv_req: TokenizedGenerateReqInput) -> bool:
     """Requests whose output a server-side fork could not reproduce: they run serially."""
-    sp = req.sampling_params
+    params = req.sampling_params
     return bool(req.return_logprob or req.return_hidden_states or req.input_embeds is not None
                 or getattr(recv_req, "mm_inputs", None) is not None or req.session is not None
                 or req.lora_id
-                or sp.json_schema or sp.regex or sp.ebnf or sp.structural_tag
-                or (sp.beam_width or 1) > 1)
+                or params.json_schema or params.regex or params.ebnf or params.structural_tag
+                or (params.beam_width or 1) > 1)
 
 
-def grammar_for(default: str | None, req: Any, recv_req: Any, stats: Counter[str]) -> str | None:
+def grammar_for(default: str | None, req: Req, recv_req: TokenizedGenerateReqInput,
+                stats: Counter[str]) -> str | None:
     """The grammar to watch a new client request with, or None (serial). `default`: the server's
     --branch-grammar, for requests that do not name one."""
     meta = getattr(req, "bw_meta", None)
     if meta is None or meta.is_branch or req.to_finish is not None:
         return None
-    g = meta.grammar if meta.grammar is not None else default
-    if g in (None, "none"):
+    grammar = meta.grammar if meta.grammar is not None else default
+    if grammar in (None, "none"):
         return None
     if unsupported(req, recv_req):
         stats["not_branched_unsupported"] += 1
         return None
-    return g
+    return grammar

@@ -15,13 +15,20 @@ import functools
 from collections import Counter, deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise import fork_aborts, fork_lifecycle
 from branchwise.config import BranchwiseConfig
 from branchwise.fork_limits import ForkLimits
 from branchwise.grammars import Detector
 from branchwise.phases import ParallelPhase, PhaseRegistry, Stage, TextStream
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import AbortReq
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from branchwise.metrics import BranchwiseMetrics
 
 MAX_DEPTH = 3  # phases nested deeper than this are a grammar error (detector and registry agree)
 RECENT = 64  # phase records kept for /server_info
@@ -34,7 +41,7 @@ class Track:
     detector and text. Where it stands is in its phase (`phase`, `waiting`), not here."""
 
     mgr: ForkManager
-    req: Any  # sglang Req
+    req: Req
     det: Detector | None  # None: structure tracking stopped (grammar error, or the sequence ended)
     text: TextStream
     grammar: str
@@ -56,8 +63,8 @@ class Track:
     @property
     def waiting(self) -> bool:
         """A parent between its fork and its join: it does not decode."""
-        ph = self.phase
-        return ph is not None and ph.waiting
+        phase = self.phase
+        return phase is not None and phase.waiting
 
     def fail(self, msg: str) -> None:
         """Stop structure tracking; the sequence continues as plain serial text."""
@@ -75,16 +82,17 @@ class ForkManager:
     `abort` and `idle`; the work is done by fork_lifecycle (fork, park, spawn, close, join) and
     fork_aborts (aborts of parked parents, the idle leak check)."""
 
-    def __init__(self, sched: Any, cfg: BranchwiseConfig) -> None:
+    def __init__(self, sched: Scheduler, cfg: BranchwiseConfig) -> None:
         self.sched = sched
         self.cfg = cfg
         self.reg = PhaseRegistry(max_depth=MAX_DEPTH)
         self.stats: Counter[str] = Counter()
         self.recent: deque[dict[str, Any]] = deque(maxlen=RECENT)
         # auto: a request's branches may not claim more decode tokens than the whole KV pool holds
-        self.limits = ForkLimits(cfg.branch_max_fanout, cfg.branch_max_branch_tokens
+        self.limits = ForkLimits(max_fanout=cfg.branch_max_fanout,
+                                 max_branch_tokens=cfg.branch_max_branch_tokens
                                  or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
-        self.metrics: Any = None  # BranchwiseMetrics (fork.build hands over taper's, under --enable-metrics)
+        self.metrics: BranchwiseMetrics | None = None  # fork.build hands over taper's, under --enable-metrics)
         # Set by the first track() and never reset: until then no output row can need filtering,
         # later a finished branch may still sit in an in-flight batch whose output must be dropped.
         self.tracking = False
@@ -106,26 +114,27 @@ class ForkManager:
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False))
 
-    def track(self, req: Any, det: Detector | None, grammar: str, branch: bool = False) -> Track:
+    def track(self, req: Req, det: Detector | None, grammar: str, branch: bool = False) -> Track:
         from branchwise.fork import hook_tracked_request
 
-        t = Track(self, req, det, TextStream(self.decode), grammar, branch)
-        req.bw_fork = t
+        track = Track(mgr=self, req=req, det=det, text=TextStream(self.decode), grammar=grammar,
+                      branch=branch)
+        req.bw_fork = track
         hook_tracked_request(req)
         self.tracking = True
-        return t
+        return track
 
     # ---- entry points (hooks in fork.py) ----------------------------------------------------------
-    def on_tokens(self, t: Track) -> None:
-        fork_lifecycle.on_tokens(self, t)
+    def on_tokens(self, track: Track) -> None:
+        fork_lifecycle.on_tokens(self, track)
 
-    def end(self, t: Track) -> None:
-        fork_lifecycle.end(self, t)
+    def end(self, track: Track) -> None:
+        fork_lifecycle.end(self, track)
 
     def reconcile(self) -> None:
         fork_lifecycle.reconcile(self)
 
-    def abort(self, recv_req: Any) -> None:
+    def abort(self, recv_req: AbortReq) -> None:
         fork_aborts.abort_parked(self, recv_req)
 
     def idle(self) -> bool:
@@ -134,32 +143,33 @@ class ForkManager:
     # ---- derived views ----------------------------------------------------------------------------
     def busy(self) -> bool:
         """A parent waits at a fork or on its branches (it is in no SGLang queue while parked)."""
-        return any(ph.waiting for ph in self.reg.phases.values())
+        return any(phase.waiting for phase in self.reg.phases.values())
 
     def pending(self) -> bool:
         """The next scheduling point has a park, a spawn or a join to do."""
-        return any(ph.pending for ph in self.reg.phases.values())
+        return any(phase.pending for phase in self.reg.phases.values())
 
     def parked(self) -> list[ParallelPhase]:
         return self.reg.in_state(Stage.PARALLEL)
 
     def live_branches(self) -> int:
-        return sum(len(ph.open_branches) for ph in self.parked())
+        return sum(len(phase.open_branches) for phase in self.parked())
 
-    def record(self, ph: ParallelPhase) -> dict[str, Any]:
+    def record(self, phase: ParallelPhase) -> dict[str, Any]:
         """The phase's entry in `recent` (/server_info), made on first use."""
         for rec in reversed(self.recent):
-            if rec["phase"] == ph.phase_id:
+            if rec["phase"] == phase.phase_id:
                 return rec
-        rec = {"phase": ph.phase_id, "parent": ph.parent_rid, "fanout": ph.fanout, "depth": ph.depth,
-               "prefix_tokens": ph.prefix_len, "shared_tokens": ph.shared,
-               "cached_tokens": [None] * ph.fanout, "reasons": [None] * ph.fanout, "joined_tokens": None}
+        rec = {"phase": phase.phase_id, "parent": phase.parent_rid, "fanout": phase.fanout,
+               "depth": phase.depth, "prefix_tokens": phase.prefix_len, "shared_tokens": phase.shared,
+               "cached_tokens": [None] * phase.fanout, "reasons": [None] * phase.fanout, "joined_tokens": None}
         self.recent.append(rec)
         return rec
 
     def report(self) -> dict[str, Any]:
         reg = self.reg
-        sizes = {"forking": len(reg.in_state(Stage.FORKING)), "join_ready": sum(ph.pending for ph in self.parked()),
+        sizes = {"forking": len(reg.in_state(Stage.FORKING)),
+                 "join_ready": sum(phase.pending for phase in self.parked()),
                  "by_branch": len(reg.by_branch), "by_parent": len(reg.by_parent),
                  "phase_counts": len(reg.counts), "enc_cache": self._enc.cache_info().currsize}
         return {"counters": dict(self.stats), "parked": len(self.parked()), "open_phases": len(reg),

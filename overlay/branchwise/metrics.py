@@ -9,7 +9,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from branchwise.taper.controller import StepStats
 
 
 def current_dp_rank() -> int:
@@ -52,7 +55,8 @@ class BranchwiseMetrics:
         self.orphans = labeled(Counter, "branchwise:orphans_freed",
                                "Parked server-side fork parents the idle leak check found orphaned and freed")
 
-    def observe_step(self, latency_s: float, stats: Any, counters: Mapping[str, int] | None = None) -> None:
+    def observe_step(self, latency_s: float, stats: StepStats,
+                     counters: Mapping[str, int] | None = None) -> None:
         """After a decode step: TAPER's cumulative `stats` and the scheduler's `counters` (as series)."""
         values = {name: float(getattr(stats, name)) for name in ("admitted", "rows_deferred", "candidates")}
         values["branch_requests"] = float((counters or {}).get("branch_requests", 0))

@@ -1,45 +1,34 @@
 """SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process.
 
-How SGLang 0.5.23 runs a request with `sampling_params.n` > 1 (`/generate`, or `n` of
-`/v1/completions` and `/v1/chat/completions`), in `TokenizerManager._handle_batch_request`: for each
-prompt one prefix pass (a copy with max_new_tokens = 0, which puts the prompt in the radix cache),
-then n children, each a copy of the prompt's tokenized request with a fresh uuid from
-`GenerateReqInput.regenerate_rid()` (it is called there and nowhere else). In the scheduler the n
-samples would be n unrelated serial requests. Four hooks (plugin.py) make them one phase:
-
-- `_handle_batch_request` (AROUND): each prompt's sub-request `obj[i]` gets an `Expansion` (phase
-  id = the prompt's rid, fanout n, the client's own slo_tpot_ms / weight / grammar, a routing key).
-  The copies SGLang makes of the sub-request share it.
-- `GenerateReqInput.regenerate_rid` (AROUND): the first call of a prompt is its prefix pass (its
-  uuid stays); the next n are its samples, which get `branch_rid(phase, i)` = f"{phase}/b{i}/0"
-  instead of a uuid: the same request gives the same sample rids, so --parallel-sampling's keyed
-  seeds are a function of the client's rid, and SGLang's abort-by-prefix reaches every sample.
-- `_send_one_request` (AROUND): a request sent for a `Sample` is stamped: sample i carries
-  custom_params.branchwise {phase, branch i, fanout n, ...}; the prefix pass carries none; both carry
-  the routing key (dp_dispatch: one DP rank for the prefix pass and every sample).
-- `abort_request` (AROUND): the HTTP server forwards only aborts of rids it knows, and the rid a
-  client knows for an n > 1 request is none of them; an abort of an unknown rid ends every live
-  sample whose rid it prefixes (SGLang's own abort rule in the scheduler).
-
-A client keeps control: a request whose stamp names a phase keeps it on every sample (only the
-routing key is added); `custom_params.branchwise.phase = null` opts a request out (SGLang's own n > 1,
-nothing stamped or routed). The pure part (`plan`) imports no SGLang.
+SGLang expands an `n > 1` request per prompt into a prefix pass and n copies with fresh uuids, which
+the scheduler would see as n unrelated serial requests. Four hooks make them one phase: each
+prompt's sub-request gets an `Expansion` (phase id = the prompt's rid, fanout n, the client's
+SLO/weight/grammar, a routing key); sample i gets rid f"{phase}/b{i}/0" instead of a uuid (so keyed
+seeds follow the client's rid and abort-by-prefix reaches every sample); each sample is sent
+stamped, the prefix pass unstamped, both with the routing key; and an abort of the client's rid
+ends every live sample it prefixes. A stamp naming a phase is kept; `phase = null` opts out.
+The pure part (`plan`) imports no SGLang. The hooks in detail: docs/design/n-sampling.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise.dp_dispatch import affinity_key
 from branchwise.request_meta import KEY
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import ReqState, TokenizerManager
 
 EXPANSION = "_branchwise_expansion"  # on each prompt's sub-request, shared by SGLang's copies of it
 SAMPLE = "_branchwise_sample"  # on the copy SGLang sends as the prefix pass or as one sample
 PHASE_FIELDS = ("phase", "branch", "fanout")
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class Expansion:
     """One prompt of an n > 1 request: its phase and what each of its sends carries."""
 
@@ -50,111 +39,114 @@ class Expansion:
     calls: int = 0  # regenerate_rid calls so far: the prefix pass, then the samples in order
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class Sample:
     expansion: Expansion
     branch: int | None  # None: the prefix pass
 
 
-def plan(rid: Any, n: Any, sampling_params: Any) -> Expansion | None:
+def plan(rid: object, n: object, sampling_params: object) -> Expansion | None:
     """The expansion of one prompt of an n > 1 request, or None (SGLang's own n > 1: n < 2, no
     usable rid, an opt-out, or a malformed stamp, which validate.py has already refused)."""
     if not isinstance(rid, str) or not rid or not isinstance(n, int) or isinstance(n, bool) or n < 2:
         return None
-    cp = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
-    own = cp.get(KEY) if isinstance(cp, dict) else None
+    custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
+    own = custom.get(KEY) if isinstance(custom, dict) else None
     if own is None:
         own = {}
     if not isinstance(own, dict) or ("phase" in own and own["phase"] is None):
         return None
     if own.get("phase") is not None:  # the client placed these samples in its own phase
-        return Expansion(own["phase"], n, None, affinity_key(cp))
-    stamp = {k: v for k, v in own.items() if k not in PHASE_FIELDS} | {"phase": rid, "fanout": n}
-    return Expansion(rid, n, stamp, affinity_key({KEY: stamp}))
+        return Expansion(phase=own["phase"], fanout=n, stamp=None, routing_key=affinity_key(custom))
+    stamp = {key: value for key, value in own.items() if key not in PHASE_FIELDS}
+    stamp |= {"phase": rid, "fanout": n}
+    return Expansion(phase=rid, fanout=n, stamp=stamp, routing_key=affinity_key({KEY: stamp}))
 
 
-def next_sample(exp: Expansion) -> Sample:
+def next_sample(expansion: Expansion) -> Sample:
     """The send behind the next regenerate_rid call of this prompt (SGLang's order)."""
-    k = exp.calls
-    exp.calls += 1
-    return Sample(exp, k - 1 if 0 < k <= exp.fanout else None)
+    call = expansion.calls
+    expansion.calls += 1
+    return Sample(expansion=expansion, branch=call - 1 if 0 < call <= expansion.fanout else None)
 
 
-def custom_params_for(sample: Sample, custom_params: Any) -> dict[str, Any] | None:
+def custom_params_for(sample: Sample, custom_params: object) -> dict[str, Any] | None:
     """custom_params of the request sent for `sample`: the phase stamp of sample i; for the prefix
     pass the client's stamp without phase fields (it decodes nothing and belongs to no phase)."""
-    cp = dict(custom_params) if isinstance(custom_params, dict) else {}
-    own = cp.get(KEY) if isinstance(cp.get(KEY), dict) else {}
-    exp = sample.expansion
+    custom = dict(custom_params) if isinstance(custom_params, dict) else {}
+    own = custom.get(KEY) if isinstance(custom.get(KEY), dict) else {}
+    expansion = sample.expansion
     if sample.branch is None:
-        rest = {k: v for k, v in own.items() if k not in PHASE_FIELDS}
+        rest = {key: value for key, value in own.items() if key not in PHASE_FIELDS}
         if rest:
-            cp[KEY] = rest
+            custom[KEY] = rest
         else:
-            cp.pop(KEY, None)
-    elif exp.stamp is not None:
-        cp[KEY] = exp.stamp | {"branch": sample.branch}
+            custom.pop(KEY, None)
+    elif expansion.stamp is not None:
+        custom[KEY] = expansion.stamp | {"branch": sample.branch}
     else:
         return custom_params
-    return cp or None
+    return custom or None
 
 
 # ---- hook bodies (HTTP server process; targets in plugin.py) ------------------------------------
-def around_handle_batch_request(orig: Any, tm: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+def around_handle_batch_request(orig: Callable[..., Any], manager: TokenizerManager,
+                                obj: GenerateReqInput, *args: Any, **kwargs: Any) -> Any:
     n = getattr(obj, "parallel_sample_num", 1)
     if isinstance(n, int) and n > 1 and hasattr(obj, "sampling_params"):
         for i in range(obj.batch_size):
             sub = obj[i]  # SGLang caches the sub-request: _handle_batch_request copies this one
-            exp = plan(sub.rid, n, sub.sampling_params)
-            if exp is not None:
-                setattr(sub, EXPANSION, exp)
-    return orig(tm, obj, *args, **kwargs)
+            expansion = plan(sub.rid, n, sub.sampling_params)
+            if expansion is not None:
+                setattr(sub, EXPANSION, expansion)
+    return orig(manager, obj, *args, **kwargs)
 
 
-def around_regenerate_rid(orig: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
-    exp = getattr(obj, EXPANSION, None)
-    if not isinstance(exp, Expansion):
+def around_regenerate_rid(orig: Callable[..., str], obj: GenerateReqInput, *args: Any, **kwargs: Any) -> str:
+    expansion = getattr(obj, EXPANSION, None)
+    if not isinstance(expansion, Expansion):
         return orig(obj, *args, **kwargs)
-    sample = next_sample(exp)
+    sample = next_sample(expansion)
     setattr(obj, SAMPLE, sample)
     if sample.branch is None:
         return orig(obj, *args, **kwargs)
     from branchwise.client import branch_rid
 
-    obj.rid = branch_rid(exp.phase, sample.branch)
+    obj.rid = branch_rid(expansion.phase, sample.branch)
     return obj.rid
 
 
-def around_send_one_request(orig: Any, tm: Any, tokenized: Any, *args: Any, **kwargs: Any) -> Any:
-    state = tm.rid_to_state.get(getattr(tokenized, "rid", None))
+def around_send_one_request(orig: Callable[..., Any], manager: TokenizerManager,
+                            tokenized: TokenizedGenerateReqInput, *args: Any, **kwargs: Any) -> Any:
+    state = manager.rid_to_state.get(getattr(tokenized, "rid", None))
     sample = getattr(getattr(state, "obj", None), SAMPLE, None)
     if isinstance(sample, Sample):
         _stamp(tokenized, sample)
-    return orig(tm, tokenized, *args, **kwargs)
+    return orig(manager, tokenized, *args, **kwargs)
 
 
-def _stamp(tokenized: Any, sample: Sample) -> None:
+def _stamp(tokenized: TokenizedGenerateReqInput, sample: Sample) -> None:
     import copy
 
-    sp = tokenized.sampling_params
-    cp = custom_params_for(sample, sp.custom_params)
-    if cp is not sp.custom_params:
-        sp = copy.copy(sp)  # SGLang's copies of the request share one SamplingParams
-        sp.custom_params = cp
-        tokenized.sampling_params = sp
+    params = tokenized.sampling_params
+    custom = custom_params_for(sample, params.custom_params)
+    if custom is not params.custom_params:
+        params = copy.copy(params)  # SGLang's copies of the request share one SamplingParams
+        params.custom_params = custom
+        tokenized.sampling_params = params
     if sample.expansion.routing_key is not None:
         tokenized.routing_key = sample.expansion.routing_key
 
 
-def around_abort_request(orig: Any, tm: Any, rid: str = "", abort_all: bool = False, *args: Any,
-                         **kwargs: Any) -> Any:
-    if not abort_all and isinstance(rid, str) and rid and rid not in tm.rid_to_state:
-        for child in live_samples(tm.rid_to_state, rid):
-            orig(tm, child, False, *args, **kwargs)
-    return orig(tm, rid, abort_all, *args, **kwargs)
+def around_abort_request(orig: Callable[..., None], manager: TokenizerManager, rid: str = "",
+                         abort_all: bool = False, *args: Any, **kwargs: Any) -> None:
+    if not abort_all and isinstance(rid, str) and rid and rid not in manager.rid_to_state:
+        for child in live_samples(manager.rid_to_state, rid):
+            orig(manager, child, False, *args, **kwargs)
+    return orig(manager, rid, abort_all, *args, **kwargs)
 
 
-def live_samples(rid_to_state: dict[str, Any], prefix: str) -> list[str]:
+def live_samples(rid_to_state: dict[str, ReqState], prefix: str) -> list[str]:
     """Rids of the live n > 1 samples that `prefix` prefixes."""
     out = []
     for rid, state in list(rid_to_state.items()):

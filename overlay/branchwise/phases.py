@@ -1,28 +1,13 @@
 """The parallel-phase lifecycle, pure (no SGLang import): what a phase is, the one state machine it
 goes through from fork to join, and the text a sequence's detector reads.
 
-A phase is (shared prefix P, phase header H, branch headers h_i, fanout n). Two rules make any
-branch schedule give the same output as one serial writer, and they are enforced here:
-  * isolation: branch i's input is P + h_i, never a sibling's text (`ParallelPhase.branch_input`);
-  * canonical reduce: branch outputs are joined in branch-index order, never in the order the
-    branches finished (`reduce`).
-
-Lifecycle of a server-side phase (`Stage`), driven by branchwise.fork:
-
-    FORKING   the parent's detector saw a fork; its output was cut at the fork point; it is parked
-              and the branches are spawned at the next scheduling point
-    PARALLEL  the parent is parked (`park`); its branches decode (`close_branch` records each
-              one's output)
-    REDUCE    every branch closed; the parent resumed with the reduce text (`join`) and decodes
-              until its grammar closes the phase
-    DONE      released (closed by the grammar, or dropped with its request)
-
-A phase is the one record of where its sequences stand: its `state` says whether the parent waits
-(FORKING, PARALLEL) or decodes (REDUCE), each `Branch` says whether that branch still runs, and work
-for the next scheduling point is derived from them (`pending`), never queued beside them.
-
-Branch request ids are derived, not random: f"{parent_rid}/p{n}/b{i}". SGLang aborts every request
-whose rid starts with the aborted rid, so aborting a parent reaches all its branches (and nested ones).
+A phase (shared prefix, phase header, branch headers, fanout) is the one record of where its
+sequences stand: `state` (FORKING -> PARALLEL -> REDUCE -> DONE, driven by branchwise.fork), each
+`Branch` open until closed, and the next scheduling point's work derived from them (`pending`).
+Isolation (`ParallelPhase.branch_input`: branch i reads prefix + its own header) and canonical
+reduce (`reduce`: branch-index order) make any schedule give a serial writer's output. Branch rids
+are f"{parent_rid}/p{n}/b{i}", so SGLang's abort-by-prefix reaches every branch.
+The states and invariants: docs/design/server-fork.md.
 """
 
 from __future__ import annotations
@@ -70,8 +55,8 @@ def needs_close(text: str, close: str) -> bool:
 
 def reduce(fmt: ReduceFormat, headers: Sequence[str], outputs: Sequence[str]) -> str:
     """Canonical reduce: branch i's header and output, in branch-index order, then the suffix."""
-    parts = [h + out + (fmt.close if needs_close(out, fmt.close) else "") + fmt.sep
-             for h, out in zip(headers, outputs, strict=True)]
+    parts = [header + out + (fmt.close if needs_close(out, fmt.close) else "") + fmt.sep
+             for header, out in zip(headers, outputs, strict=True)]
     return "".join(parts) + fmt.suffix
 
 
@@ -89,7 +74,7 @@ class Branch:
 
 @dataclass(slots=True)
 class ParallelPhase:
-    """One phase from fork to release; `state` is its lifecycle (see the module docstring)."""
+    """One phase from fork to release; `state` is its lifecycle (`Stage`)."""
 
     phase_id: str
     parent_rid: str
@@ -120,9 +105,9 @@ class ParallelPhase:
         i = len(self.branches)
         if i >= self.fanout:
             raise PhaseError(f"phase {self.phase_id}: branch {i} outside fanout {self.fanout}")
-        b = Branch(i, f"{self.phase_id}/b{i}", header, label)
-        self.branches.append(b)
-        return b
+        branch = Branch(index=i, rid=f"{self.phase_id}/b{i}", header=header, label=label)
+        self.branches.append(branch)
+        return branch
 
     def branch(self, i: int) -> Branch:
         if not 0 <= i < len(self.branches):
@@ -141,20 +126,20 @@ class ParallelPhase:
     def close_branch(self, i: int, text: str = "", ids: list[int] | None = None, reason: str = "tag") -> bool:
         """Record branch i's final output. Returns True when this was the last open branch."""
         self._expect(Stage.PARALLEL, f"close branch {i}")
-        b = self.branch(i)
-        if b.finished:
+        branch = self.branch(i)
+        if branch.finished:
             raise PhaseError(f"phase {self.phase_id}: branch {i} closed twice")
-        b.output_text, b.output_ids = text, list(ids or [])
-        b.finished, b.finish_reason = True, reason
+        branch.output_text, branch.output_ids = text, list(ids or [])
+        branch.finished, branch.finish_reason = True, reason
         return self.all_closed
 
     @property
     def all_closed(self) -> bool:
-        return len(self.branches) == self.fanout and all(b.finished for b in self.branches)
+        return len(self.branches) == self.fanout and all(branch.finished for branch in self.branches)
 
     @property
     def open_branches(self) -> list[int]:
-        return [b.index for b in self.branches if not b.finished]
+        return [branch.index for branch in self.branches if not branch.finished]
 
     @property
     def waiting(self) -> bool:
@@ -173,7 +158,7 @@ class ParallelPhase:
             return sum(self.grants)
         if self.state is not Stage.PARALLEL:
             return 0
-        return sum(g for g, b in zip(self.grants, self.branches, strict=False) if not b.finished)
+        return sum(grant for grant, branch in zip(self.grants, self.branches, strict=False) if not branch.finished)
 
     def join(self) -> str:
         """PARALLEL -> REDUCE: all branches closed; the text the parent continues from."""
@@ -181,7 +166,8 @@ class ParallelPhase:
         if not self.all_closed:
             raise PhaseError(f"phase {self.phase_id}: reduce before all branches closed (open: {self.open_branches})")
         self.state = Stage.REDUCE
-        return reduce(self.fmt, [b.header for b in self.branches], [b.output_text for b in self.branches])
+        return reduce(self.fmt, [branch.header for branch in self.branches],
+                      [branch.output_text for branch in self.branches])
 
     def _expect(self, stage: Stage, what: str) -> None:
         if self.state is not stage:
@@ -191,8 +177,8 @@ class ParallelPhase:
 def branch_seed(seed: int, branch_rid: str) -> int:
     """Per-branch sampling seed that depends only on (seed, rid): stochastic decoding stays
     independent of the schedule, because no branch's draws depend on when its siblings ran."""
-    h = hashlib.blake2b(f"{seed}:{branch_rid}".encode(), digest_size=8).digest()
-    return int.from_bytes(h, "little") & 0x7FFF_FFFF_FFFF_FFFF
+    digest = hashlib.blake2b(f"{seed}:{branch_rid}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
 
 class PhaseRegistry:
@@ -220,20 +206,21 @@ class PhaseRegistry:
         depth = owner[0].depth + 1 if owner is not None else 0
         if depth >= self.max_depth:
             raise PhaseError(f"request {parent_rid}: nesting depth {depth} exceeds limit {self.max_depth - 1}")
-        n = self.counts.get(parent_rid, 0)
-        self.counts[parent_rid] = n + 1
-        ph = ParallelPhase(f"{parent_rid}/p{n}", parent_rid, len(headers), depth=depth, **kw)
-        for h, label in zip(headers, labels, strict=True):
-            b = ph.add_branch(h, label)
-            self.by_branch[b.rid] = (ph.phase_id, b.index)
-        self.phases[ph.phase_id], self.by_parent[parent_rid] = ph, ph.phase_id
-        return ph
+        opened = self.counts.get(parent_rid, 0)
+        self.counts[parent_rid] = opened + 1
+        phase = ParallelPhase(phase_id=f"{parent_rid}/p{opened}", parent_rid=parent_rid, fanout=len(headers),
+                              depth=depth, **kw)
+        for header, label in zip(headers, labels, strict=True):
+            branch = phase.add_branch(header, label)
+            self.by_branch[branch.rid] = (phase.phase_id, branch.index)
+        self.phases[phase.phase_id], self.by_parent[parent_rid] = phase, phase.phase_id
+        return phase
 
     def of_branch(self, rid: str) -> tuple[ParallelPhase, Branch] | None:
         if (hit := self.by_branch.get(rid)) is None:
             return None
-        ph = self.phases[hit[0]]
-        return ph, ph.branch(hit[1])
+        phase = self.phases[hit[0]]
+        return phase, phase.branch(hit[1])
 
     def of_parent(self, rid: str) -> ParallelPhase | None:
         pid = self.by_parent.get(rid)
@@ -242,17 +229,17 @@ class PhaseRegistry:
     def release(self, phase_id: str) -> list[ParallelPhase]:
         """Forget a closed phase, or a dropped one (-> DONE), and the phases nested in it (a
         branch's own fork). Returns them, outermost first: whoever releases frees what they hold."""
-        ph = self.phases.pop(phase_id, None)
-        if ph is None:
+        phase = self.phases.pop(phase_id, None)
+        if phase is None:
             raise PhaseError(f"unknown phase {phase_id}")
-        ph.state = Stage.DONE
-        if self.by_parent.get(ph.parent_rid) == phase_id:
-            del self.by_parent[ph.parent_rid]
-        out = [ph]
-        for b in ph.branches:
-            self.by_branch.pop(b.rid, None)
-            self.counts.pop(b.rid, None)
-            if (nested := self.by_parent.get(b.rid)) is not None:
+        phase.state = Stage.DONE
+        if self.by_parent.get(phase.parent_rid) == phase_id:
+            del self.by_parent[phase.parent_rid]
+        out = [phase]
+        for branch in phase.branches:
+            self.by_branch.pop(branch.rid, None)
+            self.counts.pop(branch.rid, None)
+            if (nested := self.by_parent.get(branch.rid)) is not None:
                 out += self.release(nested)
         return out
 
@@ -265,15 +252,15 @@ class PhaseRegistry:
         return self.release(pid) if pid is not None else []
 
     def in_state(self, *stages: Stage) -> list[ParallelPhase]:
-        return [ph for ph in self.phases.values() if ph.state in stages]
+        return [phase for phase in self.phases.values() if phase.state in stages]
 
     def subtree(self, rid: str) -> list[ParallelPhase]:
         """The open phase of `rid` and every phase nested in it."""
         out, todo = [], [rid]
         while todo:
-            if (ph := self.of_parent(todo.pop())) is not None:
-                out.append(ph)
-                todo += [b.rid for b in ph.branches]
+            if (phase := self.of_parent(todo.pop())) is not None:
+                out.append(phase)
+                todo += [branch.rid for branch in phase.branches]
         return out
 
     def root_of(self, rid: str) -> str:

@@ -1,4 +1,4 @@
-"""SGLang plugin entry point (`sglang.srt.plugins` group): the only place that names hook targets.
+"""SGLang plugin entry point (`sglang.srt.plugins` group) and the table of every HookRegistry target.
 
 `load_plugins()` runs `register()` in every SGLang process (HTTP server, scheduler, detokenizer)
 before the Scheduler is built. Registration must stay cheap and must not log: logging is not yet
@@ -12,7 +12,10 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.plugins.hook_registry import HookType as HookKind
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 REQ = "sglang.srt.managers.schedule_batch.Req"
@@ -38,7 +41,8 @@ def _flag_declared(name: str) -> bool:
     return name in Schedule.__struct_fields__
 
 
-def hook_table(HookType: Any, timer_mode: str | None) -> list[tuple[str, Callable[..., Any], Any]]:
+def hook_table(HookType: type[HookKind],
+               timer_mode: str | None) -> list[tuple[str, Callable[..., Any], HookKind]]:
     """Every hook Branchwise installs, as (target, hook body, kind): one row each, grouped by
     component; a body's name gives its kind (after_* or around_*). A row's first column says when it
     is on: `serving` is Branchwise proper (off in the step timer's bench modes "stock" and
@@ -120,7 +124,7 @@ def hook_table(HookType: Any, timer_mode: str | None) -> list[tuple[str, Callabl
     return [(target, fn, _kind(HookType, fn)) for on, target, fn in table if on]
 
 
-def _kind(HookType: Any, fn: Callable[..., Any]) -> Any:
+def _kind(HookType: type[HookKind], fn: Callable[..., Any]) -> HookKind:
     """A hook body's name says its kind: `after_*` runs after the target, `around_*` wraps it."""
     kind = fn.__name__.split("_", 1)[0]
     if kind not in ("after", "around"):

@@ -25,7 +25,7 @@ class MetaError(ValueError):
     pass
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class RequestMeta:
     """A request's parsed stamp: its place in a client-side phase and its TAPER inputs."""
 

@@ -21,9 +21,17 @@ from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
 
 if TYPE_CHECKING:
+    from sglang.srt.managers.io_struct import GetInternalStateReqOutput, TokenizedGenerateReqInput
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from branchwise.albireo.async_output import AsyncOutput
+    from branchwise.albireo.forward_thread import ForwardExecutor
+    from branchwise.albireo.sp_sampler_hook import SPState
     from branchwise.dp_dispatch import SchedulerDp
     from branchwise.fork_state import ForkManager
     from branchwise.scheduler_hook import BranchwiseState
+    from branchwise.step_timer import StepTimer
 
 
 @dataclass(slots=True, eq=False)
@@ -34,10 +42,10 @@ class Branchwise:
     taper: BranchwiseState | None = None  # per-step branch admission (scheduler_hook)
     fork: ForkManager | None = None  # server-side fork/join
     dp: SchedulerDp | None = None  # this DP rank and the phases it served
-    async_output: Any = None  # Albireo: result processing off the critical path
-    forward: Any = None  # Albireo: forwards on a worker thread (CPU)
-    sampler: Any = None  # Albireo: sequence-parallel sampling
-    timer: Any = None  # bench instrument: per-iteration time split
+    async_output: AsyncOutput | None = None  # Albireo: result processing off the critical path
+    forward: ForwardExecutor | None = None  # Albireo: forwards on a worker thread (CPU)
+    sampler: SPState | None = None  # Albireo: sequence-parallel sampling
+    timer: StepTimer | None = None  # bench instrument: per-iteration time split
 
     def report(self) -> dict[str, Any]:
         """/server_info's internal_state entries, under the keys each component has always used."""
@@ -54,14 +62,14 @@ class Branchwise:
         return rep
 
 
-def of(scheduler: Any) -> Branchwise | None:
+def of(scheduler: Scheduler) -> Branchwise | None:
     return getattr(scheduler, "branchwise", None)
 
 
-def build(scheduler: Any) -> Branchwise:
+def build(scheduler: Scheduler) -> Branchwise:
     """Parse the settings once and build the components, in this order (each may read the earlier)."""
     mode = step_timer.enabled()
-    bw = Branchwise(BranchwiseConfig.from_server_args(scheduler.server_args))
+    bw = Branchwise(config=BranchwiseConfig.from_server_args(scheduler.server_args))
     scheduler.branchwise = bw  # first: a component may read the ones built before it there
     if mode not in ("stock", "albireo"):
         bw.taper = scheduler_hook.build(scheduler, bw.config)
@@ -77,11 +85,12 @@ def build(scheduler: Any) -> Branchwise:
 
 
 # ---- hook bodies (targets in plugin.py) ---------------------------------------------------------
-def after_scheduler_init(result: None, self: Any, *args: Any, **kwargs: Any) -> None:
+def after_scheduler_init(result: None, self: Scheduler, *args: Any, **kwargs: Any) -> None:
     build(self)
 
 
-def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def after_get_internal_state(result: GetInternalStateReqOutput, self: Scheduler,
+                             *args: Any, **kwargs: Any) -> GetInternalStateReqOutput:
     bw = of(self)
     state = getattr(result, "internal_state", None)
     if bw is not None and isinstance(state, dict):
@@ -89,7 +98,8 @@ def after_get_internal_state(result: Any, self: Any, *args: Any, **kwargs: Any) 
     return result
 
 
-def after_create_generation_req(req: Any, self: Any, recv_req: Any, *args: Any, **kwargs: Any) -> Any:
+def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGenerateReqInput,
+                                *args: Any, **kwargs: Any) -> Req:
     """A new client request: taper parses its stamp (`req.bw_meta`), which fork (grammar, tracking)
     and dp (the rows of its phase) then read."""
     bw = of(self)

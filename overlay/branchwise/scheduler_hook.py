@@ -13,9 +13,10 @@ import math
 import operator
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from branchwise import deferral, request_meta, step_timer
 from branchwise.config import BranchwiseConfig
@@ -23,6 +24,13 @@ from branchwise.metrics import BranchwiseMetrics
 from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import OnlineRefit, default_model, load_model
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from branchwise.fork_state import Track
+    from branchwise.step_timer import StepTimer
 
 logger = logging.getLogger("branchwise")
 SUMMARY_EVERY_S = 30.0
@@ -78,22 +86,22 @@ class BranchwiseState:
                                "counters": dict(self.counters), "disabled_reason": self.disabled_reason}
         ctl = self.controller
         if ctl is not None:
-            s = ctl.stats
+            stats = ctl.stats
             rep["taper"] = {
-                "policy": ctl.policy.name, "steps": s.steps, "planned_steps": s.planned_steps,
-                "rows_run": s.rows_run, "rows_deferred": s.rows_deferred, "candidates": s.candidates,
-                "admitted": s.admitted, "admission_rate": s.admission_rate,
-                "planner_ms_mean": 1e3 * s.planner_s / max(s.planned_steps, 1),
-                "last_budget_s": s.last_budget_s if math.isfinite(s.last_budget_s) else None,
-                "last_predicted_s": s.last_predicted_s, "bubble_steps": s.bubble_steps,
-                "planner_errors": s.planner_errors, "terms": dict(s.terms),
+                "policy": ctl.policy.name, "steps": stats.steps, "planned_steps": stats.planned_steps,
+                "rows_run": stats.rows_run, "rows_deferred": stats.rows_deferred,
+                "candidates": stats.candidates, "admitted": stats.admitted, "admission_rate": stats.admission_rate,
+                "planner_ms_mean": 1e3 * stats.planner_s / max(stats.planned_steps, 1),
+                "last_budget_s": stats.last_budget_s if math.isfinite(stats.last_budget_s) else None,
+                "last_predicted_s": stats.last_predicted_s, "bubble_steps": stats.bubble_steps,
+                "planner_errors": stats.planner_errors, "terms": dict(stats.terms),
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
             rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed)}  # leak checks (soak)
         return rep
 
 
-def state_of(scheduler: Any) -> BranchwiseState | None:
+def state_of(scheduler: Scheduler) -> BranchwiseState | None:
     bw = getattr(scheduler, "branchwise", None)  # runtime.Branchwise
     return bw.taper if bw is not None else None
 
@@ -112,80 +120,80 @@ def _build_controller(cfg: BranchwiseConfig) -> StepController:
     return StepController(policy, refit)
 
 
-def build(scheduler: Any, cfg: BranchwiseConfig) -> BranchwiseState:
+def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     """This scheduler's TAPER state (runtime.build calls it first, with the parsed settings)."""
     from sglang.srt.runtime_context import get_parallel
 
-    par = get_parallel()
-    st = BranchwiseState(cfg, tp_rank=par.tp_rank, tp_size=par.tp_size)
-    st.disabled_reason = deferral.why_unsupported(scheduler)
-    if st.disabled_reason:
+    parallel = get_parallel()
+    taper = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+    taper.disabled_reason = deferral.why_unsupported(scheduler)
+    if taper.disabled_reason:
         logger.warning("Branchwise: per-step branch admission is not supported with %s; "
-                       "every row runs every step (SGLang's schedule)", st.disabled_reason)
+                       "every row runs every step (SGLang's schedule)", taper.disabled_reason)
     elif cfg.step_controller:  # policy stock: no controller, SGLang's schedule (phases still counted)
-        st.controller = _build_controller(cfg)
+        taper.controller = _build_controller(cfg)
     # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.
-    if st.controller is not None and scheduler.enable_overlap:
+    if taper.controller is not None and scheduler.enable_overlap:
         deferral.pin_penalty_tokens(scheduler)
-    if getattr(scheduler.server_args, "enable_metrics", False) and st.tp_rank == 0:
-        st.metrics = BranchwiseMetrics()
-    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), st.proctitle)
-    return st
+    if getattr(scheduler.server_args, "enable_metrics", False) and taper.tp_rank == 0:
+        taper.metrics = BranchwiseMetrics()
+    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), taper.proctitle)
+    return taper
 
 
-def on_request_created(st: BranchwiseState, req: Any) -> None:
+def on_request_created(taper: BranchwiseState, req: Req) -> None:
     """Attach the parsed custom_params.branchwise as `req.bw_meta`; malformed input ends with HTTP 400.
     Called by runtime's _create_generation_req hook, before fork and dp read `bw_meta`."""
-    st.bump("requests_created")
+    taper.bump("requests_created")
     try:
         req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
-    except Exception as e:  # nothing a client sends may raise inside the scheduler loop
+    except Exception as err:  # nothing a client sends may raise inside the scheduler loop
         req.bw_meta = request_meta.SERIAL
-        if isinstance(e, request_meta.MetaError):
-            msg = str(e)
+        if isinstance(err, request_meta.MetaError):
+            msg = str(err)
         else:  # a parse bug: the request still ends with a 400, the server keeps serving
-            msg = f"custom_params not understood ({type(e).__name__})"
-            if not st.counters.get("meta_parse_bugs"):
+            msg = f"custom_params not understood ({type(err).__name__})"
+            if not taper.counters.get("meta_parse_bugs"):
                 logger.exception("Branchwise: custom_params parsing raised; such requests get HTTP 400")
-            st.bump("meta_parse_bugs")
+            taper.bump("meta_parse_bugs")
         if req.to_finish is None:  # keep SGLang's own error if it already rejected the request
             req.set_finish_with_abort(f"Branchwise: {msg}")
-        st.bump("bad_requests")
+        taper.bump("bad_requests")
     if req.bw_meta.is_branch:
-        st.bump("branch_requests")
-        st.phases_seen = True
+        taper.bump("branch_requests")
+        taper.phases_seen = True
 
 
-def note_phase_requests(scheduler: Any) -> None:
+def note_phase_requests(scheduler: Scheduler) -> None:
     """Server-side fork created branch requests (they bypass _create_generation_req)."""
-    st = state_of(scheduler)
-    if st is not None:
-        st.phases_seen = True
+    taper = state_of(scheduler)
+    if taper is not None:
+        taper.phases_seen = True
 
 
-def _has_phase_rows(st: BranchwiseState, reqs: list[Any]) -> bool:
+def _has_phase_rows(taper: BranchwiseState, reqs: list[Req]) -> bool:
     """Whether a row belongs to a parallel phase: only then can a step defer rows, and only then
     does TAPER need per-row bookkeeping. A function of batch composition, so TP ranks agree."""
     serial = request_meta.SERIAL
-    return st.phases_seen and any(getattr(r, "bw_meta", serial).phase is not None for r in reqs)
+    return taper.phases_seen and any(getattr(req, "bw_meta", serial).phase is not None for req in reqs)
 
 
-def _meta(req: Any) -> request_meta.RequestMeta:
+def _meta(req: Req) -> request_meta.RequestMeta:
     return getattr(req, "bw_meta", request_meta.SERIAL)
 
 
-def _key(req: Any) -> str:
+def _key(req: Req) -> str:
     """TAPER's grouping key, the one derivation every per-row path uses: rows of one phase share
     it, a serial request has its own. Request ids, client phase ids and server-side fork phases
     are all client-chosen strings, so each gets its own prefix: no rid or phase id a client picks
     can group with another request's rows."""
-    m = _meta(req)
-    if m.phase is None:
+    meta = _meta(req)
+    if meta.phase is None:
         return "rid:" + req.rid
-    t = getattr(req, "bw_fork", None)
-    return ("fork:" if t is not None and t.branch else "phase:") + m.phase
+    track = getattr(req, "bw_fork", None)
+    return ("fork:" if track is not None and track.branch else "phase:") + meta.phase
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,35 +203,34 @@ class RowFields:
     they came from."""
 
     meta: request_meta.RequestMeta
-    fork: Any
+    fork: Track | None
     config: BranchwiseConfig
     key: str
     slo_s: float
     weight: float
 
 
-def _fields(req: Any, cfg: BranchwiseConfig) -> RowFields:
-    f = getattr(req, "bw_row", None)
+def _fields(req: Req, cfg: BranchwiseConfig) -> RowFields:
+    fields = getattr(req, "bw_row", None)
     meta, fork = getattr(req, "bw_meta", request_meta.SERIAL), getattr(req, "bw_fork", None)
-    if f is None or f.meta is not meta or f.fork is not fork or f.config is not cfg:
-        f = RowFields(meta=meta, fork=fork, config=cfg, key=_key(req), slo_s=cfg.slo_s(meta.slo_tpot_ms),
-                      weight=cfg.weight(meta.weight))
-        req.bw_row = f
-    return f
+    if fields is None or fields.meta is not meta or fields.fork is not fork or fields.config is not cfg:
+        fields = RowFields(meta=meta, fork=fork, config=cfg, key=_key(req), slo_s=cfg.slo_s(meta.slo_tpot_ms),
+                           weight=cfg.weight(meta.weight))
+        req.bw_row = fields
+    return fields
 
 
-def _row(req: Any, cfg: BranchwiseConfig) -> Row:
-    f = _fields(req, cfg)
-    return Row(key=f.key, order=f.meta.branch, ctx=req.kv.kv_committed_len, slo_s=f.slo_s, weight=f.weight,
-               phase=f.meta.is_branch, forced=req.to_finish is not None)
+def _row(req: Req, cfg: BranchwiseConfig) -> Row:
+    fields = _fields(req, cfg)
+    return Row(key=fields.key, order=fields.meta.branch, ctx=req.kv.kv_committed_len, slo_s=fields.slo_s,
+               weight=fields.weight, phase=fields.meta.is_branch, forced=req.to_finish is not None)
 
 
-def _pipeline_bubble(scheduler: Any) -> bool:
+def _pipeline_bubble(scheduler: Scheduler) -> bool:
     """Under overlap scheduling the token a row receives next comes from the batch in flight
     (scheduler.last_batch, processed after this step's forward). When that batch is a prefill,
     the running rows get nothing from it: their next token arrives only after this step and the
-    next one, so this step's plan must leave room for the next (the replay's TAPER misses were
-    marginal serial ones right after arrivals and joins)."""
+    next one, so this step's plan must leave room for the next."""
     last = getattr(scheduler, "last_batch", None)
     if not getattr(scheduler, "enable_overlap", False) or last is None:
         return False
@@ -231,21 +238,21 @@ def _pipeline_bubble(scheduler: Any) -> bool:
     return bool(mode.is_extend() and not mode.is_mixed())
 
 
-def _decide(st: BranchwiseState, self: Any, rows: list[Row]) -> list[int]:
+def _decide(taper: BranchwiseState, self: Scheduler, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
     active: list[int] = []
-    if st.tp_rank == 0:
+    if taper.tp_rank == 0:
         try:
-            if st.quiet_ts is not None:
-                _resume_serial_clocks(st, rows)
-            active = st.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
-                                          waiting=len(getattr(self, "waiting_queue", ())))
+            if taper.quiet_ts is not None:
+                _resume_serial_clocks(taper, rows)
+            active = taper.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
+                                             waiting=len(getattr(self, "waiting_queue", ())))
         except Exception:  # noqa: BLE001 - the other ranks wait in the broadcast below
-            st.bump("decide_errors")
-            if st.counters["decide_errors"] == 1:
+            taper.bump("decide_errors")
+            if taper.counters["decide_errors"] == 1:
                 logger.exception("Branchwise: branch admission failed; running every row (logged once)")
             active = list(range(len(rows)))
-    if st.tp_size == 1:
+    if taper.tp_size == 1:
         return active
     import torch
     import torch.distributed as dist
@@ -267,153 +274,163 @@ class Exit(Enum):
     SUBSET = "subset"  # the chosen rows run; the rest wait in the running batch
 
 
-def around_update_running_batch(orig: Any, self: Any, batch: Any) -> Any:
-    st = state_of(self)
-    if st is None or st.controller is None or not st.phases_seen or batch.is_empty():
+def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self: Scheduler,
+                                batch: ScheduleBatch) -> ScheduleBatch | None:
+    taper = state_of(self)
+    if taper is None or taper.controller is None or not taper.phases_seen or batch.is_empty():
         return orig(self, batch)  # no phase request yet: nothing to defer
-    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    timer = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
     try:
-        how, sub = decode_step(st, self, batch, t)
+        how, sub = decode_step(taper, self, batch, timer)
     finally:
-        step_timer.switch(t, None)
+        step_timer.switch(timer, None)
     if how is Exit.SUBSET:
-        st.bump("subset_steps")
+        taper.bump("subset_steps")
         return sub
-    if st.kept.batch is not None:  # the batch is prepared in full: a kept sub-batch no longer fits it
-        st.kept.clear()
+    if taper.kept.batch is not None:  # the batch is prepared in full: a kept sub-batch no longer fits it
+        taper.kept.clear()
     if how is Exit.NO_FIT:
-        st.bump("fallback_retract")
+        taper.bump("fallback_retract")
     return orig(self, batch)
 
 
-def decode_step(st: BranchwiseState, scheduler: Any, batch: Any, t: Any = None) -> tuple[Exit, Any]:
+def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch,
+                timer: StepTimer | None = None) -> tuple[Exit, ScheduleBatch | None]:
     """The TAPER decode step up to the forward, top to bottom: the rows of the batch, the decision,
     the chosen subset prepared (the sub-batch to run with Exit.SUBSET; every other exit runs the
     whole batch through SGLang). The step's deliveries are reported when its result comes back
-    (`after_process_batch_result` -> `report_step`). `t`: the step timer (bench only)."""
-    step_timer.switch(t, "taper_rows")
-    if not _has_phase_rows(st, batch.reqs):
+    (`after_process_batch_result` -> `report_step`). `timer`: the step timer (bench only)."""
+    step_timer.switch(timer, "taper_rows")
+    if not _has_phase_rows(taper, batch.reqs):
         return Exit.SERIAL, None
-    step_timer.tag(t, "phase_rows")
+    step_timer.tag(timer, "phase_rows")
     if deferral.batch_needs_full_step(batch):
         return Exit.FULL_STEP, None
     finishing = scheduler._reqs_finishing_inflight(batch)
     excluded = set(finishing)
-    live = [r for r in batch.reqs if r not in excluded and not r.finished()]
-    rows = [_row(r, st.config) for r in live]
-    if len({r.key for r in rows}) == len(rows):  # a function of composition: every TP rank agrees
+    live = [req for req in batch.reqs if req not in excluded and not req.finished()]
+    rows = [_row(req, taper.config) for req in live]
+    if len({row.key for row in rows}) == len(rows):  # a function of composition: every TP rank agrees
         return Exit.ONE_ROW_PER_KEY, None
 
-    step_timer.switch(t, "taper_plan")
-    planned_s = st.controller.stats.planner_s
-    active = _decide(st, scheduler, rows)
-    step_timer.carve(t, "taper_planner", st.controller.stats.planner_s - planned_s)
+    step_timer.switch(timer, "taper_plan")
+    planned_s = taper.controller.stats.planner_s
+    active = _decide(taper, scheduler, rows)
+    step_timer.carve(timer, "taper_planner", taper.controller.stats.planner_s - planned_s)
     if len(active) == len(live):
         return Exit.ALL_ADMITTED, None
 
-    step_timer.switch(t, "taper_subset")
-    sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, st.kept)
+    step_timer.switch(timer, "taper_subset")
+    sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, taper.kept)
     if sub is None:
         return Exit.NO_FIT, None
-    step_timer.tag(t, "deferred", len(live) - len(active))
+    step_timer.tag(timer, "deferred", len(live) - len(active))
     return Exit.SUBSET, sub
 
 
-def _deliveries(st: BranchwiseState, reqs: list[Any]) -> tuple[dict[str, Delivery], int]:
+def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Delivery], int]:
     """Tokens delivered per key this step (one per row that ran), and the context sum."""
-    cfg = st.config
+    cfg = taper.config
     counts: dict[str, list[Any]] = {}  # key -> [rows, the key's first row's fields (its clock's SLO)]
     for req in reqs:
-        f = _fields(req, cfg)
-        c = counts.get(f.key)
-        if c is None:
-            counts[f.key] = [1, f]
+        fields = _fields(req, cfg)
+        count = counts.get(fields.key)
+        if count is None:
+            counts[fields.key] = [1, fields]
         else:
-            c[0] += 1
+            count[0] += 1
     ctx = sum(map(_KV_LEN, reqs))
-    return {k: Delivery(n, f.slo_s, f.meta.is_branch) for k, (n, f) in counts.items()}, ctx
+    # positional (tokens, slo_s, in_phase): once per key per step, and keywords cost ~150 ns a call
+    return {key: Delivery(rows, fields.slo_s, fields.meta.is_branch) for key, (rows, fields) in counts.items()}, ctx
 
 
-def _release_finished(st: BranchwiseState, scheduler: Any, reqs: list[Any]) -> None:
+def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:
     """Keys whose last row finished or was aborted in this step leave the controller (a reused
     phase id or rid must not inherit their clock). Deferred rows stay in the running batch, so a
     key with any unfinished request there keeps its state."""
-    ctl, cfg = st.controller, st.config
-    keys = {_fields(r, cfg).key for r in reqs if r.finished()}
-    keys = {k for k in keys if k in ctl.trackers or k in ctl.fixed}
+    ctl, cfg = taper.controller, taper.config
+    keys = {_fields(req, cfg).key for req in reqs if req.finished()}
+    keys = {key for key in keys if key in ctl.trackers or key in ctl.fixed}
     if not keys:
         return
     running = getattr(scheduler, "running_batch", None)
-    left = {_fields(r, cfg).key for r in running.reqs if not r.finished()} if running is not None else set()
+    left = ({_fields(req, cfg).key for req in running.reqs if not req.finished()} if running is not None
+            else set())
     ctl.on_finished(keys - left)
 
 
-def _resume_serial_clocks(st: BranchwiseState, rows: list[Row]) -> None:
+def _resume_serial_clocks(taper: BranchwiseState, rows: list[Row]) -> None:
     """First plan after steps without phase rows, whose bookkeeping was skipped: every serial row
     of those steps delivered a token at the last of them (`quiet_ts`), which is what per-step
     bookkeeping would have recorded. A serial row that joined later (prefill) gets that time too,
     which understates its slack by at most that prefill step (conservative: defers more)."""
-    ctl = st.controller
-    assert ctl is not None and st.quiet_ts is not None
-    fresh = {r.key: Delivery(0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
-    ctl.on_step_done(fresh, st.quiet_ts, 0)
-    st.quiet_ts = None
+    ctl = taper.controller
+    assert ctl is not None and taper.quiet_ts is not None
+    fresh = {row.key: Delivery(tokens=0, slo_s=row.slo_s, in_phase=False)
+             for row in rows if not row.phase and row.key not in ctl.trackers}
+    ctl.on_step_done(fresh, taper.quiet_ts, 0)
+    taper.quiet_ts = None
 
 
-def after_process_batch_result(result: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    st = state_of(self)
-    if st is None:
+def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
+                               *args: Any, **kwargs: Any) -> object:
+    taper = state_of(self)
+    if taper is None:
         return result
-    st.bump("batch_results")
+    taper.bump("batch_results")
     if batch.forward_mode.is_mixed():  # mixed chunked prefill: every decode row ran (no deferral)
-        st.bump("mixed_steps")
-    if st.controller is None or st.tp_rank != 0 or not batch.forward_mode.is_decode():
-        st.last_step = None
+        taper.bump("mixed_steps")
+    if taper.controller is None or taper.tp_rank != 0 or not batch.forward_mode.is_decode():
+        taper.last_step = None
         return result
-    t = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
-    if t is None:
-        report_step(st, self, batch)
+    timer = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    if timer is None:
+        report_step(taper, self, batch)
         return result
-    step_timer.switch(t, "taper_deliver")
+    step_timer.switch(timer, "taper_deliver")
     try:
-        report_step(st, self, batch)
+        report_step(taper, self, batch)
     finally:
-        step_timer.switch(t, None)
+        step_timer.switch(timer, None)
     return result
 
 
-def report_step(st: BranchwiseState, scheduler: Any, batch: Any) -> None:
+def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
     """The end of a TAPER decode step (rank 0): the rows that ran delivered a token each, keys whose
     last row finished leave, and the gap between consecutive decode launches is the realized
     latency of the previous step."""
     now = time.monotonic()
-    ctl = st.controller
+    ctl = taper.controller
     reqs = batch.reqs
-    if _has_phase_rows(st, reqs):
-        delivered, ctx = _deliveries(st, reqs)
+    if _has_phase_rows(taper, reqs):
+        delivered, ctx = _deliveries(taper, reqs)
         ctl.on_step_done(delivered, now, len(reqs))
-        st.quiet_ts = None
-        _release_finished(st, scheduler, reqs)  # quiet steps: serial clocks go below, no phase row left
+        taper.quiet_ts = None
+        _release_finished(taper, scheduler, reqs)  # quiet steps: serial clocks go below, no phase row left
     else:  # serial rows only: their clocks matter only once a phase row joins (_resume_serial_clocks)
         ctl.on_step_done({}, now, len(reqs))
-        if st.quiet_ts is None:
-            ctl.forget({k for k, tr in ctl.trackers.items() if tr.in_phase})  # serial clocks go stale
-        st.quiet_ts = now
+        if taper.quiet_ts is None:  # serial clocks go stale
+            ctl.forget({key for key, tracker in ctl.trackers.items() if tracker.in_phase})
+        taper.quiet_ts = now
         ctx = sum(map(_KV_LEN, reqs))
-    prev = st.last_step
-    fi, ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
-    if prev is not None and fi is not None and fi == prev.forward_iter + 1:
-        latency = ts - prev.launch_ts
+    prev = taper.last_step
+    forward_iter, launch_ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
+    if prev is not None and forward_iter is not None and forward_iter == prev.forward_iter + 1:
+        latency = launch_ts - prev.launch_ts
         ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
-        if st.metrics:
-            st.metrics.observe_step(latency, ctl.stats, st.counters)
+        if taper.metrics:
+            taper.metrics.observe_step(latency, ctl.stats, taper.counters)
     full = getattr(scheduler, "running_batch", None)
     deferred = max(len(full.reqs) - len(reqs), 0) if full is not None and full is not batch else 0
-    st.last_step = LastStep(fi, ts, len(reqs), ctx, deferred) if fi is not None and ts is not None else None
-    if now - st.last_summary >= SUMMARY_EVERY_S:
-        st.last_summary = now
-        s = ctl.stats
+    # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
+    # cost ~150 ns a call
+    taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx, deferred)
+                       if forward_iter is not None and launch_ts is not None else None)
+    if now - taper.last_summary >= SUMMARY_EVERY_S:
+        taper.last_summary = now
+        stats = ctl.stats
         logger.info("Branchwise %s: steps=%d planned=%d deferred_rows=%d admission=%.1f%% "
-                    "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, s.steps,
-                    s.planned_steps, s.rows_deferred, 100 * s.admission_rate, 1e3 * s.last_budget_s,
-                    1e3 * s.last_predicted_s, 1e3 * s.planner_s / max(s.planned_steps, 1))
+                    "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, stats.steps,
+                    stats.planned_steps, stats.rows_deferred, 100 * stats.admission_rate,
+                    1e3 * stats.last_budget_s, 1e3 * stats.last_predicted_s,
+                    1e3 * stats.planner_s / max(stats.planned_steps, 1))

@@ -1,39 +1,13 @@
-"""Per-iteration time split of the SGLang scheduler loop (T1..T5 below): a diagnostics instrument.
+"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only).
 
-Registered by plugin.py only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise;
-"stock": the timer's hooks and the runtime that builds it, nothing else, so stock SGLang is measured
-with the same instrument; "albireo": plus Albireo's hooks and components only, so --async-output /
---parallel-sampling are measured against stock alone).
-Every scheduler loop iteration (both event loops start it with `ingest_requests`) becomes one
-JSON line:
-
-    {"wall": s, "recv": s, "sched": s, "prep": s, "forward": s, "sample": s, "result": s,
-     "stream": s, "taper_*": s, "worker": s, "cpu": {span: s, "wall": s}, "runq": s,
-     "run": [mode, bs], "res": [mode, bs], "launch": [forward_iter, launch_ts], "tags": {...}}
-
-Spans are exclusive (a nested span's time is taken out of its parent): `sched` = T1
-(get_next_batch_to_run), `prep` = T2 (run_batch minus forward and sample: ForwardBatch build,
-FutureMap resolve/relay, D2H), `forward` = T3 (ModelRunner.forward), `sample` = T4, `result` = T5
-(process_batch_result without its output-stream part), `stream` = the output streamer's payload
-build + ZMQ send on the scheduler thread, `worker` = time the async-output worker spent in this
-iteration (off the scheduler thread), `taper_*` Branchwise's TAPER work (TAPER_SPANS, taken out
-of `sched` and `result`), `runq` the time the scheduler thread waited for a core (its
-/proc/thread-self/schedstat run delay: time lost to other processes), `launch` the forward_iter and
-launch_ts of the batch run (consecutive decode launches give the step the controller sees), `tags`
-counts the TAPER hook notes (e.g. rows deferred). On CPU the forward runs on the scheduler thread, so the
-exposed (non-forward) time of an iteration is `wall - forward`. With the forward thread
-(branchwise.albireo.forward_thread) `forward` and `sample` are the worker's spans and the record
-also has `fthread: {"idle": s, "jobs": n}`: the time the worker sat idle before the decode jobs it
-started in this iteration (its exposed time: the scheduler thread's work no longer adds to it when
-it overlaps the forward). `cpu` holds the same spans in scheduler-thread CPU time
-(time.thread_time): on a shared machine wall time includes waiting for a core, CPU time does not
-(but it also misses GIL waits and the forward's intra-op threads).
-
-`build` makes one StepTimer per scheduler (`scheduler.branchwise.timer`) and attaches it, as
-`_branchwise_step_timer`, to the model runner and the tree cache (the output streamer, a slotted
-dataclass, reaches it through its tree cache), whose hooks do not receive the scheduler; the
-async-output send worker and the forward thread get it as their `timer`. bench.overhead reads the
-records (`records_path`).
+Registered only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise; "stock": the
+timer alone, so stock SGLang is measured with the same instrument; "albireo": plus Albireo only).
+Every scheduler loop iteration becomes one JSON line of exclusive spans (`sched` T1, `prep` T2,
+`forward` T3, `sample` T4, `result` T5, `stream`, `taper_*`, ...), the same spans in
+scheduler-thread CPU time and the thread's run-queue wait. `build` makes one StepTimer per
+scheduler and attaches it to the model runner and the tree cache, whose hooks do not receive the
+scheduler. bench.overhead and bench.step_account read the records (`records_path`).
+The record's fields and what each span times: docs/design/step-timer.md.
 """
 
 from __future__ import annotations
@@ -43,9 +17,18 @@ import os
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import MappingProxyType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from branchwise.config import BranchwiseConfig
 
 # Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT): the TAPER rows
 # (batch -> Rows), the plan (controller.select; its policy.plan part is `taper_planner`), the subset
@@ -72,7 +55,7 @@ def records_path(port: int | str, tp_rank: int = 0) -> str:
     return os.path.join(folder, f"branchwise-steps-{port}-tp{tp_rank}.jsonl")
 
 
-def _batch_key(batch: Any) -> list[Any] | None:
+def _batch_key(batch: ScheduleBatch | None) -> list[Any] | None:
     if batch is None:
         return None
     return [batch.forward_mode.name.lower(), batch.batch_size()]
@@ -197,52 +180,52 @@ class StepTimer:
 
     def flush(self) -> None:
         if self.buf:
-            with open(self.path, "a") as f:
-                f.write("\n".join(self.buf) + "\n")
+            with open(self.path, "a") as records:
+                records.write("\n".join(self.buf) + "\n")
             self.buf.clear()
 
 
 # Module-level helpers for Branchwise's own code: each is a no-op without a timer (normal serving).
-def switch(t: StepTimer | None, name: str | None) -> None:
+def switch(timer: StepTimer | None, name: str | None) -> None:
     """Close the TAPER span open on top of the stack (if any) and open `name` (None: only close)."""
-    if t is None or not t.t0:
+    if timer is None or not timer.t0:
         return
-    if t.stack and t.stack[-1][0] in TAPER_SPANS:
-        t.exit()
+    if timer.stack and timer.stack[-1][0] in TAPER_SPANS:
+        timer.exit()
     if name is not None:
-        t.enter(name)
+        timer.enter(name)
 
 
-def carve(t: StepTimer | None, name: str, dt: float) -> None:
-    if t is not None:
-        t.carve(name, dt)
+def carve(timer: StepTimer | None, name: str, dt: float) -> None:
+    if timer is not None:
+        timer.carve(name, dt)
 
 
-def tag(t: StepTimer | None, name: str, n: int = 1) -> None:
-    if t is not None:
-        t.tag(name, n)
+def tag(timer: StepTimer | None, name: str, n: int = 1) -> None:
+    if timer is not None:
+        timer.tag(name, n)
 
 
-def _timed(t: StepTimer | None, name: str, orig: Any, *args: Any, **kwargs: Any) -> Any:
-    if t is None or not t.t0:
+def _timed(timer: StepTimer | None, name: str, orig: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    if timer is None or not timer.t0:
         return orig(*args, **kwargs)
-    if threading.get_ident() != t.owner:  # the forward thread: its own clock, no shared span stack
+    if threading.get_ident() != timer.owner:  # the forward thread: its own clock, no shared span stack
         t0 = time.perf_counter()
         try:
             return orig(*args, **kwargs)
         finally:
-            t.add_forward(name, time.perf_counter() - t0)
-    t.enter(name)
+            timer.add_forward(name, time.perf_counter() - t0)
+    timer.enter(name)
     try:
         return orig(*args, **kwargs)
     finally:
-        t.exit()
+        timer.exit()
 
 
 ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
 
 
-def build(scheduler: Any, config: Any) -> StepTimer | None:
+def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | None:
     """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file
     and, beside it (`path + ".meta.json"`), the server's Branchwise settings, so a reader can tell
     which policy wrote which records.
@@ -257,56 +240,60 @@ def build(scheduler: Any, config: Any) -> StepTimer | None:
         return None
     path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
     open(path, "w").close()
-    with open(path + ".meta.json", "w") as f:
-        json.dump({"port": scheduler.server_args.port, "config": config.as_dict() if config is not None else None}, f)
-    t = StepTimer(path)
-    setattr(scheduler.tp_worker.model_runner, ATTR, t)
-    setattr(scheduler.tree_cache, ATTR, t)
+    with open(path + ".meta.json", "w") as meta_file:
+        json.dump({"port": scheduler.server_args.port,
+                   "config": config.as_dict() if config is not None else None}, meta_file)
+    timer = StepTimer(path)
+    setattr(scheduler.tp_worker.model_runner, ATTR, timer)
+    setattr(scheduler.tree_cache, ATTR, timer)
     bw = scheduler.branchwise
     for part in (getattr(bw.async_output, "sender", None), bw.forward):
         if isinstance(part, OrderedSender | ForwardExecutor):
-            part.timer = t
-    return t
+            part.timer = timer
+    return timer
 
 
 # ---- hook bodies (targets named in plugin.py) ----
 
-def around_ingest(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is not None:
-        t.begin_iteration(time.perf_counter())
-    return _timed(t, "recv", orig, self, *args, **kwargs)
+def around_ingest(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is not None:
+        timer.begin_iteration(time.perf_counter())
+    return _timed(timer, "recv", orig, self, *args, **kwargs)
 
 
-def around_get_next_batch(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_get_next_batch(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
     return _timed(self.branchwise.timer, "sched", orig, self, *args, **kwargs)
 
 
-def around_run_batch(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is None:
+def around_run_batch(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+                     *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is None:
         return orig(self, batch, *args, **kwargs)
-    t.run = _batch_key(batch)
+    timer.run = _batch_key(batch)
     try:
-        return _timed(t, "prep", orig, self, batch, *args, **kwargs)
+        return _timed(timer, "prep", orig, self, batch, *args, **kwargs)
     finally:
-        t.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
+        timer.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
 
 
-def around_forward(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_forward(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self, ATTR, None), "forward", orig, self, *args, **kwargs)
 
 
-def around_sample(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_sample(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self, ATTR, None), "sample", orig, self, *args, **kwargs)
 
 
-def around_process_batch_result(orig: Any, self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
-    t = self.branchwise.timer
-    if t is not None:
-        t.res = _batch_key(batch)
-    return _timed(t, "result", orig, self, batch, *args, **kwargs)
+def around_process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+                                *args: Any, **kwargs: Any) -> Any:
+    timer = self.branchwise.timer
+    if timer is not None:
+        timer.res = _batch_key(batch)
+    return _timed(timer, "result", orig, self, batch, *args, **kwargs)
 
 
-def around_stream_output(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_stream_output(orig: Callable[..., Any], self: SchedulerOutputStreamer,
+                         *args: Any, **kwargs: Any) -> Any:
     return _timed(getattr(self.tree_cache, ATTR, None), "stream", orig, self, *args, **kwargs)

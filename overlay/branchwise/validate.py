@@ -1,43 +1,29 @@
 """Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
 
-SGLang's tokenizer manager answers HTTP 400 for a ValueError raised while it prepares a request;
-any other exception there (a TypeError from a sampling_params key its SamplingParams does not take,
-an invalid session_params, ...) is an HTTP 500. Four hooks (registered in plugin.py) close that:
-
-- GenerateReqInput.normalize_batch_and_arguments, the first step of every generate request
-  (/generate, the OpenAI routes, the Engine API): Branchwise's custom_params are parsed here, so
-  a malformed stamp is a 400 naming the field and never crosses into the scheduler, and `n` is
-  bounded before SGLang makes n copies of the request;
-- TokenizerManager._create_tokenized_object, which builds SamplingParams from the client's dict:
-  stop token ids and top_logprobs_num are checked against the vocabulary, an empty prompt is
-  refused, and an exception other than ValueError there is about the request, so it becomes a
-  ValueError;
-- TokenizerManager._validate_one_request: prompt ids given as `input_ids` lie in the vocabulary
-  (SGLang checks their number, not their values: an id outside [0, vocab) reaches the embedding
-  lookup in the scheduler, which dies with every other request: IndexError on CPU, a device-side
-  assert on GPU);
-- TokenizerManager.create_abort_task: a streamed response's task that aborts its rid after the
-  stream reads `obj.is_single`, which only normalization sets. For a request that normalization
-  refused before setting it, or that never got normalized (the client left before the stream's
-  generator started), the task would raise after the response, and uvicorn would then close the
-  keep-alive connection, losing the same client's next request on it. Such a request never reached
-  the scheduler, so there is nothing to abort: the task is skipped.
-
-The bounds are values SGLang's own checks let through to the scheduler: there they raise inside
-its loop (an int32 tensor overflow, an index past the vocabulary, a zero-length prefill) or make
-the sampler's logits infinite.
-
-The scheduler parses custom_params again (scheduler_hook.on_request_created), so a
-request that reaches it by another path still cannot raise in the scheduler loop.
+SGLang answers HTTP 400 only for a ValueError raised while it prepares a request (anything else is
+a 500), and lets through values that later raise inside the scheduler loop (an int32 overflow, an
+id past the vocabulary, an empty prefill) and take every other request with them. Four hooks
+close that: normalization (the custom_params stamp, `n`), the tokenized object (token ids in
+sampling params, empty prompts, any other error as a ValueError), `_validate_one_request`
+(`input_ids` within the vocabulary) and `create_abort_task` (no abort task for a request that was
+refused before it was normalized). The scheduler parses the stamp again, so a request arriving by
+another path cannot raise there either. Each hook's reason: docs/design/request-validation.md.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 from branchwise import request_meta
+
+if TYPE_CHECKING:
+    from fastapi import BackgroundTasks
+    from sglang.srt.managers.io_struct import EmbeddingReqInput, GenerateReqInput
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
+    ReqInput = GenerateReqInput | EmbeddingReqInput
 
 logger = logging.getLogger("branchwise.validate")
 MAX_MESSAGE = 300
@@ -53,77 +39,78 @@ MAX_TOP_K = 2**30
 INT32_MAX = 2**31 - 1
 
 
-def check_sampling_params(sampling_params: Any) -> None:
+def check_sampling_params(sampling_params: object) -> None:
     """ValueError (HTTP 400) for what SGLang would pass on unchecked, in a request's sampling_params
     (a dict or, for a batch, a list of dicts; wrong types are SGLang's to judge): a malformed
     custom_params (request_meta.MetaError, naming the field), an n that is not an integer in
     [1, MAX_N] (SGLang copies the request n times before anything else looks at it), top_k /
     min_new_tokens past int32, and logit_bias / repetition_penalty values that would make the
     sampler's float32 logits infinite."""
-    for sp in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
-        if not isinstance(sp, dict):
+    for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
+        if not isinstance(params, dict):
             continue
-        request_meta.parse(sp.get("custom_params"))
-        if "n" in sp:
-            check_n(sp["n"])
+        request_meta.parse(params.get("custom_params"))
+        if "n" in params:
+            check_n(params["n"])
         for key, hi in (("top_k", MAX_TOP_K), ("min_new_tokens", INT32_MAX)):
-            v = sp.get(key)
-            if _is_num(v) and v > hi:
-                raise ValueError(f"sampling_params.{key} must be at most {hi}, got {request_meta.show(v)}")
-        rp = sp.get("repetition_penalty")
-        if _is_num(rp) and 0 < rp < MIN_REPETITION_PENALTY:
+            value = params.get(key)
+            if _is_num(value) and value > hi:
+                raise ValueError(f"sampling_params.{key} must be at most {hi}, got {request_meta.show(value)}")
+        penalty = params.get("repetition_penalty")
+        if _is_num(penalty) and 0 < penalty < MIN_REPETITION_PENALTY:
             raise ValueError(f"sampling_params.repetition_penalty must be at least {MIN_REPETITION_PENALTY:g}, "
-                             f"got {request_meta.show(rp)}")
-        bias = sp.get("logit_bias")
+                             f"got {request_meta.show(penalty)}")
+        bias = params.get("logit_bias")
         if isinstance(bias, dict):
-            for v in bias.values():
-                if _is_num(v) and not -MAX_LOGIT_BIAS <= v <= MAX_LOGIT_BIAS:
+            for value in bias.values():
+                if _is_num(value) and not -MAX_LOGIT_BIAS <= value <= MAX_LOGIT_BIAS:
                     raise ValueError(f"sampling_params.logit_bias values must be in [-{MAX_LOGIT_BIAS:g}, "
-                                     f"{MAX_LOGIT_BIAS:g}], got {request_meta.show(v)}")
+                                     f"{MAX_LOGIT_BIAS:g}], got {request_meta.show(value)}")
 
 
-def check_n(n: Any) -> None:
+def check_n(n: object) -> None:
     """The number of parallel samples: an integer in [1, MAX_N]. SGLang itself answers 200 with one
     sample for n < 1, and an n that is no integer fails while it copies the request."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ValueError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {request_meta.show(n)}")
 
 
-def check_vocab_bounds(obj: Any, vocab_size: Any) -> None:
+def check_vocab_bounds(obj: ReqInput, vocab_size: object) -> None:
     """Values that index or size a vocab-wide tensor in the scheduler: stop token ids (the
     min_new_tokens penalizer's scatter) and top_logprobs_num (topk over the vocabulary)."""
     if not isinstance(vocab_size, int):
         return
-    sp = getattr(obj, "sampling_params", None)
-    ids = sp.get("stop_token_ids") if isinstance(sp, dict) else None
-    for t in ids if isinstance(ids, list | tuple | set) else ():
-        if _is_num(t) and not 0 <= t < vocab_size:
+    params = getattr(obj, "sampling_params", None)
+    ids = params.get("stop_token_ids") if isinstance(params, dict) else None
+    for token in ids if isinstance(ids, list | tuple | set) else ():
+        if _is_num(token) and not 0 <= token < vocab_size:
             raise ValueError(f"sampling_params.stop_token_ids must be token ids in [0, {vocab_size}), "
-                             f"got {request_meta.show(t)}")
-    k = getattr(obj, "top_logprobs_num", None)
-    if _is_num(k) and not 0 <= k <= vocab_size:
-        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {request_meta.show(k)}")
+                             f"got {request_meta.show(token)}")
+    top = getattr(obj, "top_logprobs_num", None)
+    if _is_num(top) and not 0 <= top <= vocab_size:
+        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], got {request_meta.show(top)}")
 
 
-def _is_num(v: Any) -> bool:
-    return isinstance(v, int | float) and not isinstance(v, bool)
+def _is_num(value: object) -> TypeGuard[int | float]:
+    return isinstance(value, int | float) and not isinstance(value, bool)
 
 
-def as_bad_request(e: Exception, where: str) -> ValueError:
+def as_bad_request(err: Exception, where: str) -> ValueError:
     """The ValueError SGLang turns into HTTP 400, for an exception raised by a client's input."""
-    name = type(e).__name__
+    name = type(err).__name__
     # The 400's message names the exception; its traceback is for debugging unforeseen input shapes
     # (at DEBUG: a client sending such requests must not fill the log at the default level).
-    logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name, exc_info=e)
+    logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name, exc_info=err)
     try:
-        msg = str(e)
+        msg = str(err)
     except Exception:  # noqa: BLE001 - str() of an exception can itself fail (int digit limit)
         msg = ""
     msg = f"invalid request ({name}: {msg})"
     return ValueError(msg if len(msg) <= MAX_MESSAGE else msg[: MAX_MESSAGE - 3] + "...")
 
 
-def around_normalize_batch_and_arguments(orig: Any, self: Any, *args: Any, **kwargs: Any) -> Any:
+def around_normalize_batch_and_arguments(orig: Callable[..., None], self: ReqInput,
+                                         *args: Any, **kwargs: Any) -> None:
     try:
         check_sampling_params(getattr(self, "sampling_params", None))
         out = orig(self, *args, **kwargs)
@@ -132,38 +119,39 @@ def around_normalize_batch_and_arguments(orig: Any, self: Any, *args: Any, **kwa
     except ValueError:
         _nothing_dispatched(self)
         raise
-    except Exception as e:  # noqa: BLE001 - only the client's request is being read here
+    except Exception as err:  # noqa: BLE001 - only the client's request is being read here
         _nothing_dispatched(self)
-        raise as_bad_request(e, "GenerateReqInput.normalize_batch_and_arguments") from e
+        raise as_bad_request(err, "GenerateReqInput.normalize_batch_and_arguments") from err
 
 
-def check_rids(obj: Any) -> None:
+def check_rids(obj: ReqInput) -> None:
     """After normalization: one string rid per request (SGLang hashes them; a list given as the rid
     of a single request was a TypeError, HTTP 500)."""
     rid = getattr(obj, "rid", None)
     if getattr(obj, "is_single", True):
         ok = isinstance(rid, str)
     else:
-        ok = isinstance(rid, list) and all(isinstance(r, str) for r in rid)
+        ok = isinstance(rid, list) and all(isinstance(one, str) for one in rid)
     if not ok:
         raise ValueError("rid must be a string (a list of strings for a batch), got " + request_meta.show(rid))
 
 
-def _nothing_dispatched(obj: Any) -> None:
+def _nothing_dispatched(obj: ReqInput) -> None:
     """A request refused here reached nothing (normalization is generate_request's first step), but
     SGLang's streaming route still runs its disconnect-abort task over obj's rids: it reads
     `is_single`, unset before normalization (an AttributeError in the ASGI app), and hashes each rid."""
     obj.is_single, obj.rid = False, []
 
 
-def check_prompt_not_empty(input_ids: Any, input_embeds: Any, mm_inputs: Any) -> None:
+def check_prompt_not_empty(input_ids: object, input_embeds: object, mm_inputs: object) -> None:
     """A text prompt can tokenize to no tokens (no BOS token): a zero-length prefill in the
     scheduler. SGLang refuses empty input_ids only when the client sent input_ids."""
     if isinstance(input_ids, list | tuple) and not input_ids and input_embeds is None and mm_inputs is None:
         raise ValueError("the prompt is empty: text tokenizes to no tokens")
 
 
-def around_create_tokenized_object(orig: Any, self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+def around_create_tokenized_object(orig: Callable[..., Any], self: TokenizerManager, obj: ReqInput,
+                                   *args: Any, **kwargs: Any) -> Any:
     check_vocab_bounds(obj, getattr(getattr(self, "model_config", None), "vocab_size", None))
     # SGLang's signature: (obj, input_text, input_ids, input_embeds=None, mm_inputs=None, ...)
     given = dict(zip(("input_text", "input_ids", "input_embeds", "mm_inputs"), args, strict=False)) | kwargs
@@ -172,12 +160,12 @@ def around_create_tokenized_object(orig: Any, self: Any, obj: Any, *args: Any, *
         return orig(self, obj, *args, **kwargs)
     except ValueError:
         raise
-    except Exception as e:  # noqa: BLE001 - only the client's request is being read here
-        raise as_bad_request(e, "TokenizerManager._create_tokenized_object") from e
+    except Exception as err:  # noqa: BLE001 - only the client's request is being read here
+        raise as_bad_request(err, "TokenizerManager._create_tokenized_object") from err
 
 
-def after_validate_one_request(result: Any, self: Any, obj: Any, input_ids: Any = None, *args: Any,
-                               **kwargs: Any) -> Any:
+def after_validate_one_request(result: None, self: TokenizerManager, obj: ReqInput,
+                               input_ids: list[int] | None = None, *args: Any, **kwargs: Any) -> None:
     if input_ids:  # text prompts come from the tokenizer: in range, and min/max cost ~10 ns per id
         vocab = self.model_config.vocab_size
         lo, hi = min(input_ids), max(input_ids)
@@ -187,14 +175,15 @@ def after_validate_one_request(result: Any, self: Any, obj: Any, input_ids: Any 
     return result
 
 
-def around_create_abort_task(orig: Callable[..., Any], self: Any, obj: Any, *args: Any, **kwargs: Any) -> Any:
+def around_create_abort_task(orig: Callable[..., BackgroundTasks], self: TokenizerManager,
+                             obj: GenerateReqInput, *args: Any, **kwargs: Any) -> BackgroundTasks:
     tasks = orig(self, obj, *args, **kwargs)
     for task in getattr(tasks, "tasks", ()):
         task.func = _unless_unnormalized(task.func, obj)
     return tasks
 
 
-def _unless_unnormalized(fn: Callable[..., Any], obj: Any) -> Callable[..., Any]:
+def _unless_unnormalized(fn: Callable[..., Any], obj: GenerateReqInput) -> Callable[..., Any]:
     async def run(*args: Any, **kwargs: Any) -> Any:
         if hasattr(obj, "is_single"):  # set by normalize_batch_and_arguments
             return await fn(*args, **kwargs)

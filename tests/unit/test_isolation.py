@@ -20,7 +20,8 @@ CFG = BranchwiseConfig(branch_policy="taper", branch_slo_tpot_ms=50.0)  # floor:
 
 def req(rid: str, phase: str | None = None, branch: int = 0, fanout: int = 4, slo_ms: float | None = None,
         weight: float = 1.0, server_branch: bool = False) -> SimpleNamespace:
-    meta = request_meta.RequestMeta(phase, branch, fanout if phase else 1, slo_ms, weight)
+    meta = request_meta.RequestMeta(phase=phase, branch=branch, fanout=fanout if phase else 1,
+                                     slo_tpot_ms=slo_ms, weight=weight)
     r = SimpleNamespace(rid=rid, bw_meta=meta, kv=SimpleNamespace(kv_committed_len=100), to_finish=None)
     if server_branch:
         r.bw_fork = SimpleNamespace(branch=True)

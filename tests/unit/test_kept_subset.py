@@ -43,7 +43,7 @@ def test_row_fields_follow_the_request_metadata_fork_and_config():
     cfg = BranchwiseConfig(branch_slo_tpot_ms=50.0)
     r = SimpleNamespace(rid="r", bw_meta=request_meta.SERIAL, kv=SimpleNamespace(kv_committed_len=9), to_finish=None)
     assert sh._row(r, cfg).key == "rid:r"
-    r.bw_meta = request_meta.RequestMeta("ph", 2, 4, slo_tpot_ms=80.0)
+    r.bw_meta = request_meta.RequestMeta(phase="ph", branch=2, fanout=4, slo_tpot_ms=80.0)
     row = sh._row(r, cfg)
     assert (row.key, row.order, row.phase, row.slo_s) == ("phase:ph", 2, True, 0.08)
     r.bw_fork = SimpleNamespace(branch=True)  # a server-side branch's phase

@@ -28,16 +28,16 @@ def test_a_client_stamped_request_keeps_its_phase():
     cp = {KEY: {"phase": "mine/b2", "branch": 2, "fanout": 3}}
     exp = ns.plan("r_0", 4, {"custom_params": cp})
     assert exp.stamp is None and exp.phase == "mine/b2" and exp.routing_key == "mine"
-    child = ns.Sample(exp, 1)
+    child = ns.Sample(expansion=exp, branch=1)
     assert ns.custom_params_for(child, cp) is cp
-    assert ns.custom_params_for(ns.Sample(exp, None), cp) is None  # the prefix pass is in no phase
+    assert ns.custom_params_for(ns.Sample(expansion=exp, branch=None), cp) is None  # the prefix pass is in no phase
 
 
 def test_samples_follow_sglangs_order_prefix_pass_first():
     exp = ns.plan("p", 3, None)
     got = [ns.next_sample(exp).branch for _ in range(4)]
     assert got == [None, 0, 1, 2]
-    cps = [ns.custom_params_for(ns.Sample(exp, b), {"other": 1}) for b in (None, 0, 2)]
+    cps = [ns.custom_params_for(ns.Sample(expansion=exp, branch=b), {"other": 1}) for b in (None, 0, 2)]
     assert cps[0] == {"other": 1}
     assert [parse(cp) for cp in cps[1:]] == [parse({KEY: {"phase": "p", "branch": b, "fanout": 3}}) for b in (0, 2)]
 

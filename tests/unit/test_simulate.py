@@ -188,7 +188,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
         sched.waiting_queue = [None] * waiting
         reqs = []
         for r in rows:
-            meta = (request_meta.RequestMeta(r.key.removeprefix("phase:"), r.order) if r.phase
+            meta = (request_meta.RequestMeta(phase=r.key.removeprefix("phase:"), branch=r.order) if r.phase
                     else request_meta.SERIAL)
             rid = r.key.removeprefix("rid:") if not r.phase else f"{r.key}/{r.order}"
             done = last_seen[(r.key, r.order)] == i

@@ -16,7 +16,7 @@ MODEL = LinearLatencyModel(c0=2e-3, c_seq=1e-3, c_ctx=0.0)
 
 
 def req(rid: str, phase: str | None = None, branch: int = 0, done: bool = False) -> SimpleNamespace:
-    meta = request_meta.RequestMeta(phase, branch, 2) if phase else request_meta.SERIAL
+    meta = request_meta.RequestMeta(phase=phase, branch=branch, fanout=2) if phase else request_meta.SERIAL
     return SimpleNamespace(rid=rid, bw_meta=meta, kv=SimpleNamespace(kv_committed_len=50), to_finish=None,
                            finished=lambda: done)
 
