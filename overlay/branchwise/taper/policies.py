@@ -13,63 +13,12 @@ A policy decides, for one decode step, how many ready rows of each request run (
   phase (capped by its ready rows), even when the budget later shrinks; the step controller keeps
   the pins. Every other policy replans every step.
 
-taper weighs what a deferral costs later against the step time it saves now. With a step latency
-T = c0 + c_seq * rows + c_ctx * ctx, a deferred row still runs later at the same cost, so deferral
-only moves work: it lowers this step's T and pays for that with a longer phase (its slot held, its
-protected row in more steps, each of which pays c0 again, queued requests waiting). Moving work is
-worth it only when the steps it moves to are less tight. `weighed_budget` holds the first three
-terms, the planner the fourth (taper-defer-cost only):
-
-* SLO-matched budget (off: taper-no-mean). A serial stage is judged on its mean TPOT, so its slack
-  is (tokens + 1) * slo - elapsed since the stage began (controller.SlackTracker, mean=True), like
-  a phase's: a request that ran ahead of its pace lends what it banked to the step (the paper's
-  per-gap slack forgets it, and defers rows the SLO would allow). A phase's effective TPOT counts
-  the tokens of all its branches: running w of its rows relaxes its own bound to
-  T <= rho * (slack + (w - 1) * slo), so deferring a late phase's rows never helps that phase. The
-  budget is rho * min over requests of that bound at full width, and every phase gets as many rows
-  (a floor, run whatever the budget) as its own bound needs at that budget. The bank is lent only
-  while the engine has lighter steps ahead: no request waits for admission (ArrayBatch.waiting)
-  and the protected rows alone fit the SLO pace (rho * slo). A saturated engine (a queue, or
-  protected rows beyond the pace) has none: a slot that a finished phase frees is refilled at once,
-  so a stage cannot win back later what it spends now, and its bank is its only margin against
-  the steps the planner does not see (the prefills of the requests it admits). There serial slack
-  is read per gap as in the paper (ArrayBatch.gap_slack_s): a stage within slo at every gap meets
-  its mean too.
-* Overload rule (off: taper-no-overload). When the rows that must run already exceed the budget,
-  deferral cannot save the tightest requests this step: their budget was lost before any
-  opportunistic row was counted. Those requests stop setting the budget; each of them bounds the
-  step at its SLO pace, rho * slo (a step within it lets a late request catch up by (1 - rho) * slo;
-  a phase's pace counts its ready rows). The requests that can still be kept within their budget
-  set it as before. Without this rule (and the phases' floors) the budget goes to protected rows,
-  nothing is admitted, phases live on, their protected rows pile up in every step and the steps
-  grow: the trap where eager beats taper-paper. With it, once the steps outgrow the SLO the phases
-  fall behind their own targets and their floors widen them until they are back on pace: they
-  finish and give back their slots and protected rows, which is how eager gets out of the trap.
-* Backlog term (off: taper-no-backlog). While requests wait for admission (ArrayBatch.waiting > 0)
-  the engine has no idle time ahead in which deferred work could be caught up: time saved now is
-  spent on the same demand later, and every deferred row keeps a slot from the queue. So the budget
-  never drops below the SLO pace, rho * min slo: requests behind their pace still catch up, by less
-  (the term binds only while some request is behind its pace).
-  Without a backlog narrower steps cost only the phases' own wall time, which their bound counts.
-* Deferral price (taper-defer-cost only). Deferring is itself work: a step that runs a subset
-  prepares its sub-batch and carries its deferred rows (on a CPU box ~0.5 ms + 0.05 ms a row, a
-  tenth of a 5 ms SLO, against ~0.13 ms saved per row), and it pays that in every step until the
-  rows run. A deferred row runs once a step has room for it: the budget left above the forced
-  rows (`room`) is the most deferred work a later step like this one can take back, so the
-  deferral is held for (the opportunistic rows' cost / room) steps, at least one; with no room,
-  indefinitely. A plan is priced at what it will cost: T(its rows) + the model's deferral price
-  (LinearLatencyModel.deferral: per step that defers, per deferred row) times the steps it is held;
-  admitting a row saves its cost less that, and a plan that defers runs only where it is predicted
-  shorter than running every ready row; otherwise every row runs (planner.plan_step, `deferral`).
-  The price is measured, never set: the step controller's refit learns it from realized steps and
-  the rows they deferred (OnlineRefit with deferral=True), and a price the refit cannot tell from
-  the steps' noise is 0. It is not taper's default: in the default simulator, where deferral is
-  free, the refit still found a price in the SPRINT workload and lowered taper's capacity there
-  below taper-paper's, so the significance rule does not yet keep the term inert where it should.
-
-With plentiful slack every term is inert and taper admits everything that fits, as the paper does.
-The extra inputs are per-request SLOs (ArrayBatch.slo_s) and the queue length (ArrayBatch.waiting);
-without slo_s taper plans as taper-paper.
+taper weighs what a deferral costs later (its request stays alive, its protected row recurs, its
+slot is held) against the step time it saves now; `weighed_budget` holds its three terms, each with an
+ablation: an SLO-matched budget (taper-no-mean), an overload rule (taper-no-overload) and a backlog
+floor (taper-no-backlog); the planner holds taper-defer-cost's deferral price. With plentiful slack
+every term is inert and taper admits everything that fits, as the paper does. The derivation of each
+term is docs/design/taper-rule.md.
 """
 
 from __future__ import annotations
