@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -22,7 +23,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Self
+from typing import Any, ClassVar, Self
 
 
 def has_gpu() -> bool:
@@ -32,7 +33,34 @@ def has_gpu() -> bool:
         return False
 
 
+def ephemeral_ports() -> tuple[int, int]:
+    """The kernel's range for bind(0) and outgoing sockets (Linux; its default elsewhere)."""
+    try:
+        low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    except (OSError, ValueError):
+        low, high = 32768, 60999
+    return low, high
+
+
+def _can_bind(port: int) -> bool:
+    with socket.socket() as sock:
+        try:
+            sock.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A port nothing listens on, below the ephemeral range. A bind(0) port is ephemeral: in the
+    seconds before a server binds it (SGLang imports first), the kernel may hand it to any process's
+    bind(0) or outgoing socket (gloo, ZMQ, an HTTP client), and the server then fails to bind."""
+    low, _ = ephemeral_ports()
+    rng = random.SystemRandom()
+    for _ in range(100 if low > 12000 else 0):
+        port = rng.randrange(10000, low - 1000)  # SGLang puts its own ports up to 1000 above ours
+        if _can_bind(port):
+            return port
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
@@ -50,6 +78,10 @@ class ServerError(RuntimeError):
     pass
 
 
+BIND_FAILED = "address already in use"  # uvicorn's and smg's log line, lower-cased
+BIND_TRIES = 3
+
+
 @dataclass(kw_only=True)
 class _Process:
     """A child process group with a log file, ready once `ready()` says so (server or router)."""
@@ -57,6 +89,7 @@ class _Process:
     port: int = 0
     log_path: Path | None = None
     proc: subprocess.Popen | None = None
+    auto_ports: ClassVar[tuple[str, ...]] = ("port",)  # port fields a start picks itself when they are 0
 
     @property
     def url(self) -> str:
@@ -72,7 +105,21 @@ class _Process:
         raise NotImplementedError
 
     def _spawn(self, env: dict[str, str], timeout_s: float, what: str) -> None:
-        self.port = self.port or free_port()
+        """Start and wait until ready. A port the process failed to bind (another process took it
+        first) is picked again when this start picked it, up to BIND_TRIES times; a port the caller
+        gave fails at once. Without this a lost bind leaves uvicorn waiting to shut down, forever."""
+        picked = [name for name in self.auto_ports if not getattr(self, name)]
+        for attempt in range(1, BIND_TRIES + 1):
+            for name in picked:
+                setattr(self, name, free_port())
+            if self._spawn_once(env, timeout_s, what):
+                return
+            if not picked or attempt == BIND_TRIES:
+                ports = ", ".join(f"{name} {getattr(self, name)}" for name in self.auto_ports)
+                raise ServerError(f"{what} could not bind its port ({ports}), try {attempt}:\n{self.log_tail()}")
+
+    def _spawn_once(self, env: dict[str, str], timeout_s: float, what: str) -> bool:
+        """True once ready; False when the process failed to bind a port (it is stopped)."""
         if self.log_path is None:
             fd, name = tempfile.mkstemp(prefix=f"branchwise-{what}-", suffix=".log")
             os.close(fd)
@@ -83,16 +130,22 @@ class _Process:
         log.close()
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
+            if self.bind_failed():
+                self.stop()
+                return False
             if self.proc.poll() is not None:
                 raise ServerError(f"{what} exited with {self.proc.returncode}:\n{self.log_tail()}")
             try:
                 if self.ready():
-                    return
+                    return True
             except (urllib.error.URLError, ConnectionError, TimeoutError, OSError, ValueError):
                 pass
             time.sleep(0.5)
         self.stop()
         raise ServerError(f"{what} not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def bind_failed(self) -> bool:
+        return BIND_FAILED in self.log_tail(200).lower()
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
@@ -165,6 +218,7 @@ class LocalRouter(_Process):
     workers: list[str]
     args: list[str] = field(default_factory=list)
     metrics_port: int = 0
+    auto_ports: ClassVar[tuple[str, ...]] = ("port", "metrics_port")
 
     def command(self) -> list[str]:
         return [sys.executable, "-m", "smg", "launch", "--host", "127.0.0.1", "--port", str(self.port),
@@ -177,7 +231,6 @@ class LocalRouter(_Process):
         return ready >= set(self.workers)
 
     def start(self, timeout_s: float = 60.0) -> LocalRouter:
-        self.metrics_port = self.metrics_port or free_port()
         self._spawn(os.environ.copy(), timeout_s, "router")
         return self
 

@@ -1,11 +1,19 @@
-"""branchwise.launch without servers: merging several schedulers' reports, and the router flags."""
+"""branchwise.launch without servers: ports, a lost bind, merging several schedulers' reports, and
+the router flags."""
 
 from __future__ import annotations
 
+import os
 import re
+import socket
+import sys
+from dataclasses import dataclass
 from pathlib import Path
 
-from branchwise.launch import ROUTER_ARGS, merge_reports
+import pytest
+
+from branchwise import launch
+from branchwise.launch import ROUTER_ARGS, ServerError, ephemeral_ports, free_port, merge_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -51,3 +59,69 @@ def test_cluster_rows_per_scheduler_and_split_phases():
     assert rows["cluster"]["branch_req"] == 11 and rows["cluster"]["deferred"] == 6
     assert rows["w2 dp=0"]["phases"] == 2 and rows["cluster"]["phases"] == 3
     assert phases == {"phases": 3, "split": 1}  # phase c reached two ranks
+
+
+# Binds its port like uvicorn does: on failure it logs the error and then never exits.
+LISTENER = """
+import os, socket, sys, time
+sock = socket.socket()
+try:
+    sock.bind(("127.0.0.1", int(sys.argv[1])))
+except OSError as exc:
+    print("ERROR:", exc, flush=True)
+    time.sleep(600)
+sock.listen()
+while True:
+    conn = sock.accept()[0]
+    conn.sendall(str(os.getpid()).encode())
+    conn.close()
+"""
+
+
+@dataclass(kw_only=True)
+class Listener(launch._Process):
+    def command(self) -> list[str]:
+        return [sys.executable, "-c", LISTENER, str(self.port)]
+
+    def ready(self) -> bool:  # this process answers, not whoever holds the port
+        with socket.create_connection(("127.0.0.1", self.port), timeout=1) as sock:
+            return sock.recv(16) == str(self.proc.pid).encode()
+
+    def start(self) -> Listener:
+        self._spawn(dict(os.environ), 60, "listener")
+        return self
+
+
+@pytest.fixture
+def taken():
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", free_port()))
+        sock.listen()
+        yield sock.getsockname()[1]
+
+
+def test_free_port_is_below_the_ephemeral_range_and_free():
+    low, _ = ephemeral_ports()
+    for _ in range(20):
+        port = free_port()
+        assert port < low and launch._can_bind(port)
+
+
+def test_a_lost_bind_on_a_picked_port_starts_again_on_another(taken, monkeypatch, tmp_path):
+    picks = iter([taken, taken])
+    monkeypatch.setattr(launch, "free_port", lambda: next(picks, None) or free_port())
+    with Listener(log_path=tmp_path / "log") as proc:
+        assert proc.port != taken and proc.ready()
+        assert "ERROR" not in proc.log_tail()  # the log is the last try's, not the failed ones'
+
+
+def test_a_lost_bind_on_a_given_port_fails_at_once_with_the_port(taken, tmp_path):
+    with pytest.raises(ServerError, match=f"port {taken}") as err:
+        Listener(port=taken, log_path=tmp_path / "log").start()
+    assert "already in use" in str(err.value)
+
+
+def test_a_port_that_stays_taken_fails_after_the_tries(taken, monkeypatch, tmp_path):
+    monkeypatch.setattr(launch, "free_port", lambda: taken)
+    with pytest.raises(ServerError, match=f"try {launch.BIND_TRIES}"):
+        Listener(log_path=tmp_path / "log").start()
