@@ -52,7 +52,7 @@ class LastStep:
     launch_ts: float
     rows: int
     ctx: int
-    deferred: int = 0  # rows of the running batch this step did not run (the refit's deferral price)
+    deferred: int = 0  # live rows TAPER deferred this step (the refit's deferral price)
 
 
 @dataclass(slots=True)
@@ -324,7 +324,8 @@ def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, taper.kept)
     if sub is None:
         return Exit.NO_FIT, None
-    step_timer.tag(timer, "deferred", len(live) - len(active))
+    sub.branchwise_deferred = len(live) - len(active)  # report_step's count: not finishing rows
+    step_timer.tag(timer, "deferred", sub.branchwise_deferred)
     return Exit.SUBSET, sub
 
 
@@ -420,8 +421,7 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
         ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
         if taper.metrics:
             taper.metrics.observe_step(latency, ctl.stats, taper.counters)
-    full = getattr(scheduler, "running_batch", None)
-    deferred = max(len(full.reqs) - len(reqs), 0) if full is not None and full is not batch else 0
+    deferred = getattr(batch, "branchwise_deferred", 0)  # set on a TAPER sub-batch (decode_step)
     # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
     # cost ~150 ns a call
     taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx, deferred)

@@ -129,3 +129,19 @@ def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req):
     # after SGLang's own check on every step (finished by length at the 2nd token), tracked only
     assert seen == [(1, False), (2, True)]
     assert plain.finished() and "update_finish_state" not in vars(plain)
+
+
+def test_the_refit_sees_the_rows_taper_deferred_not_the_rows_that_left():
+    """A sub-batch says how many live rows it deferred; rows finishing in flight (in the running
+    batch, not in the sub-batch) are not deferred rows."""
+    s = scheduler()
+    st = s.branchwise.taper
+    st.phases_seen = True
+    rows = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1), req("p/2", "ph", 2), req("done")]
+    s.running_batch = decode_batch(rows, 0)
+    sub = decode_batch(rows[:2], 0)
+    sub.branchwise_deferred = 2  # p/1 and p/2; "done" was finishing
+    sh.after_process_batch_result(None, s, sub)
+    assert st.last_step is not None and st.last_step.deferred == 2
+    sh.after_process_batch_result(None, s, s.running_batch)  # the whole batch: nothing deferred
+    assert st.last_step.deferred == 0
