@@ -58,8 +58,8 @@ def _sglang_rows(reqs: list[Any]) -> None:
 def measure(bs: int, steps: int) -> tuple[float, float]:
     """(median us per step of SGLang's per-row work alone, of the same with the hooks)."""
     cfg = BranchwiseConfig()
-    st = sh.BranchwiseState(cfg, controller=sh._build_controller(cfg))
-    sched = SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st))
+    st = sh.BranchwiseState(config=cfg, controller=sh._build_controller(cfg))
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st))
     # the output streamer shares the scheduler's tree cache, where fork.build leaves its manager
     streamer = SimpleNamespace(tree_cache=SimpleNamespace(_branchwise_fork=SimpleNamespace(tracking=False)))
     reqs = _reqs(bs)

@@ -72,7 +72,7 @@ class Branch:
     finish_reason: str | None = None  # "tag" | "stop" | "length" | "abort" | ...
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class ParallelPhase:
     """One phase from fork to release; `state` is its lifecycle (`Stage`)."""
 

@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from branchwise.step_timer import StepTimer
 
 
-@dataclass(slots=True, eq=False)
+@dataclass(slots=True, eq=False, kw_only=True)
 class Branchwise:
     """Everything Branchwise keeps for one scheduler; a None field is a component that is off."""
 

@@ -55,7 +55,7 @@ class LastStep:
     deferred: int = 0  # live rows TAPER deferred this step (the refit's deferral price)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class BranchwiseState:
     """What Branchwise keeps per scheduler process."""
 

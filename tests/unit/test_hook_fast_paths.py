@@ -37,8 +37,8 @@ def decode_batch(reqs: list, it: int) -> SimpleNamespace:
 
 def scheduler(policy: str = "taper") -> SimpleNamespace:
     cfg = BranchwiseConfig(branch_policy=policy)
-    st = sh.BranchwiseState(cfg, controller=StepController(parse_policy(policy, model=MODEL)))
-    return SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st))
+    st = sh.BranchwiseState(config=cfg, controller=StepController(parse_policy(policy, model=MODEL)))
+    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st))
 
 
 def test_serial_batches_skip_per_row_bookkeeping_but_count_rows():

@@ -84,7 +84,7 @@ def test_client_phase_named_like_a_server_fork_phase_does_not_group_with_it():
 
 
 def test_deliveries_use_the_same_keys_and_bounds():
-    st = sh.BranchwiseState(CFG)
+    st = sh.BranchwiseState(config=CFG)
     reqs = [req("victim"), req("h/0", "victim", 0, slo_ms=0.001), req("h/1", "victim", 1, slo_ms=0.001)]
     delivered, ctx = sh._deliveries(st, reqs)
     assert delivered == {"rid:victim": Delivery(1, 0.05, False), "phase:victim": Delivery(2, 0.025, True)}

@@ -102,7 +102,7 @@ def test_errors():
     with pytest.raises(PhaseError, match="unknown phase"):
         reg.release("zz")
     with pytest.raises(PhaseError, match="fanout must be >= 1"):
-        ParallelPhase("x", "r", 0)
+        ParallelPhase(phase_id="x", parent_rid="r", fanout=0)
     with pytest.raises(ValueError):  # a label per header
         reg.open("q", ("a", "b"), ("1",))
     # nesting: branch of r/p0 opens r/p0/b1/p0 at depth 1; one more level exceeds max_depth=2

@@ -27,10 +27,10 @@ def decode_batch(reqs: list, it: int) -> SimpleNamespace:
 
 
 def scheduler(policy: str = "eager") -> SimpleNamespace:
-    st = sh.BranchwiseState(BranchwiseConfig(branch_policy=policy),
+    st = sh.BranchwiseState(config=BranchwiseConfig(branch_policy=policy),
                             controller=StepController(parse_policy(policy, model=MODEL)))
     st.phases_seen = True
-    return SimpleNamespace(branchwise=runtime.Branchwise(st.config, taper=st), waiting_queue=[], running_batch=None)
+    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st), waiting_queue=[], running_batch=None)
 
 
 def test_keys_leave_the_controller_with_their_last_row():

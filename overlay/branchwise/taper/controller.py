@@ -1,38 +1,14 @@
 """The per-step admission controller: rows of a decode batch in, active row indices out.
 
-Pure (no SGLang). One decode step, top to bottom:
-1. The scheduler hook turns its ScheduleBatch into `Row`s and calls `select(rows, now)`. Rows of
-   one parallel phase share a `key` (the phase); a serial request's key is its own.
-2. `select` groups the rows by key (each group in branch order) and, when some key has more than
-   one row, builds the planner's `ArrayBatch`: per key its ready rows' context lengths, its slack
-   from the key's `SlackTracker`, its SLO, weight and pin.
-3. The policy (policies.py) turns that into a `StepPlan` (planner.py): a width per key.
-4. `select` returns the first `width` rows of each key (plus forced rows); the hook runs them
-   (deferral.py) and afterwards reports the deliveries (`on_step_done`) and the realized step
-   latency (`on_latency`, which refits the policy's model in place).
-
-Slack is how long the next step may take before a request's TPOT exceeds its SLO:
-- serial stage, per gap (the paper's reading): the next token comes one step from now, so
-      slack = slo - (now - last_token_delivery)
-- parallel phase: the SLO applies to the phase's effective TPOT = phase wall time / tokens over all
-  its branches. The next step adds at least one token, so it keeps the effective TPOT within the
-  SLO iff (now + T - phase_start) / (tokens_in_phase + 1) <= slo, i.e.
-      slack = (tokens_in_phase + 1) * slo - (now - phase_start)
-  (counting only the protected row's token keeps this conservative when more rows run).
-- serial stage on its mean pace (policies whose terms include `mean`): a serial stage's TPOT is its
-  wall time over its tokens, like a phase's, so its slack takes the phase form from the stage start;
-  a request that ran ahead of its pace has banked the difference.
-The decision time is always passed in (the scheduler clock of TP rank 0), never read here, so the
-controller decides deterministically and the same on every rank.
-
-Per-key state (slack trackers, taper-no-replan pins) lives while the key has rows: the caller
-reports keys whose last row finished or was aborted (`on_finished`), and their entries go; a
-select whose batch lacks keys the controller still holds drops those too (requests retracted to
-the queue start a fresh clock when they return).
-
-A failure inside planning (a policy or predictor bug, a bad number) must not stop the step: under
-TP the other ranks wait in a broadcast for rank 0's decision. `select` logs the first failure,
-counts them in stats.planner_errors, and runs every row (nothing deferred).
+Pure (no SGLang). `StepController.select(rows, now)` groups the hook's `Row`s by key (a parallel
+phase, or a serial request's rid), builds the planner's `ArrayBatch` with each key's slack from its
+`SlackTracker` (how long the next step may take before the key's TPOT exceeds its SLO), has the
+policy (policies.py) plan a width per key, and returns each key's first `width` rows plus forced
+ones. The hook then reports deliveries (`on_step_done`), the realized latency (`on_latency`, which
+refits the model) and keys that left for good (`on_finished`). The decision time is passed in,
+never read here, so the controller decides the same on every rank; a planning failure runs every
+row (counted in stats.planner_errors) rather than stall the step. The slack formulas, the lifetime
+of per-key state and the failure rule are derived in docs/design/taper-controller.md.
 """
 
 from __future__ import annotations
@@ -79,9 +55,10 @@ class Delivery:
 
 @dataclass(slots=True)
 class SlackTracker:
-    """One key's delivery clock (module docstring). The controller starts it at the key's first
-    plan or delivery, in a phase for phase keys; `on_tokens(now, n)` gets the tokens delivered by
-    all of the key's rows in that step. `mean`: a serial stage's slack is read on its mean pace."""
+    """One key's delivery clock (docs/design/taper-controller.md). The controller starts it at the
+    key's first plan or delivery, in a phase for phase keys; `on_tokens(now, n)` gets the tokens
+    delivered by all of the key's rows in that step. `mean`: a serial stage's slack is read on its
+    mean pace."""
 
     slo_s: float
     last_token_s: float  # time of the last token delivery (the clock's start initially)

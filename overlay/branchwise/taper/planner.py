@@ -1,23 +1,14 @@
 """TAPER's per-step planner (Algorithm 1): a decode batch in (`ArrayBatch`), widths out (`StepPlan`).
 
-S0 runs one row per request, always, even over budget. Then rows are admitted greedily by marginal
-utility per marginal predicted latency while T(S) <= budget. A request offers its ready rows in the
-order the hook lists them, so only its next row is ever a candidate.
-
-How it is computed (vectorised, no per-candidate objects). Each row has a price: its marginal
-predicted seconds (a constant per row, because T is separable) per unit of marginal utility. A heap
-over the requests' next rows pops rows in the order of their running-max price along the request
-(a cheap row queued behind an expensive one waits for it); one sort of all rows by that key, ties
-to the earlier row, gives the same order (up to the order among equal keys). The plan is then the
-longest prefix of that order whose cumulative cost fits the budget: one cumsum and one binary search.
-
-Stopping at the first row that does not fit (rather than skipping that request and trying the
-rest, Algorithm 1's pruning rule) leaves less than one row's cost of the budget unused and makes
-the plan monotone in the budget: more slack never narrows any request. With linear utility and
-equal weights (the paper's configuration) both rules agree except on exact cost ties, because
-later rows cost at least as much as the one that failed. `fill=True` runs the pruning rule exactly.
-
-The static policies (off, cap:K, eager) plan with `plan_capped`: a fixed width per request.
+`plan_step` is the budget rule's plan: every request's protected row runs, even over budget; then
+rows are admitted greedily by marginal utility per marginal predicted latency while T(S) <= budget,
+each request offering only its next ready row. It takes one sort, one cumulative sum and one binary
+search per step (no per-candidate objects), and stops at the first row that does not fit, which
+keeps the plan monotone in the budget (`fill=True`: Algorithm 1's pruning rule exactly). Its
+options are the policies' extras: pinned widths (taper-no-replan), row floors and a deferral price
+(taper's terms, policies.py). The static policies (off, cap:K, eager) plan with `plan_capped`: a
+fixed width per request. Why the sort gives the greedy order and how the stopping rule compares
+with Algorithm 1's: docs/design/taper-planner.md.
 """
 
 from __future__ import annotations

@@ -1,24 +1,17 @@
 """Branch admission policies as data: `parse_policy(name) -> Policy`, and the rules a Policy names.
 
 A policy decides, for one decode step, how many ready rows of each request run (`Policy.plan`):
-
 * Static rule (off = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows per request, no clock.
 * Budget rule (the taper family): every request's protected row runs, then opportunistic rows are
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
-  per gap. taper-no-slack (infinite budget) and taper-const-predictor (a constant T) are its
-  ablations. taper adds three terms (`Terms`, below), each with an ablation that turns it off;
-  taper-defer-cost is taper with a fourth, a price on deferral itself (not the default: below).
-* Pin rule (`replan`): taper-no-replan holds the width of a phase's first plan for the rest of the
-  phase (capped by its ready rows), even when the budget later shrinks; the step controller keeps
-  the pins. Every other policy replans every step.
-
-taper weighs what a deferral costs later (its request stays alive, its protected row recurs, its
-slot is held) against the step time it saves now; `weighed_budget` holds its three terms, each with an
-ablation: an SLO-matched budget (taper-no-mean), an overload rule (taper-no-overload) and a backlog
-floor (taper-no-backlog); the planner holds taper-defer-cost's deferral price. With plentiful slack
-every term is inert and taper admits everything that fits, as the paper does. The derivation of each
-term is docs/design/taper-rule.md.
+  per gap; taper-no-slack (infinite budget) and taper-const-predictor (a constant T) ablate it.
+  taper weighs the budget by three terms (`Terms`, `weighed_budget`), each with an ablation: an
+  SLO-matched budget (taper-no-mean), an overload rule (taper-no-overload) and a backlog floor
+  (taper-no-backlog); taper-defer-cost adds a price on deferral itself (`held_price`, not the
+  default). docs/design/taper-rule.md derives each term.
+* Pin rule (`replan`): taper-no-replan holds a phase at its first plan's width (capped by its ready
+  rows) though the budget later shrinks; the step controller keeps the pins. Others replan each step.
 """
 
 from __future__ import annotations
@@ -111,7 +104,8 @@ class Policy:
         return plan
 
     def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
-        """The deferral price over the steps a deferral is held (module docstring), or None (free)."""
+        """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
+        (deferral is free)."""
         model = self.model
         price = model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
         if not any(price):
@@ -132,9 +126,10 @@ class Policy:
         return self.rho * float(a.slack_s.min()), None, {}
 
     def weighed_budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
-        """taper's budget and per-request row floor (module docstring), from a.slack_s and a.slo_s,
-        and notes saying which terms applied ("per_gap", "overload", "backlog": 1.0). The overload
-        term makes the plan non-monotone in row cost: longer contexts can switch it on and widen."""
+        """taper's budget and per-request row floor (docs/design/taper-rule.md), from a.slack_s and
+        a.slo_s, and notes saying which terms applied ("per_gap", "overload", "backlog": 1.0). The
+        overload term makes the plan non-monotone in row cost: longer contexts can switch it on and
+        widen."""
         rho, slack, slo, model, terms = self.rho, a.slack_s, a.slo_s, self.model, self.terms
         assert rho is not None and slo is not None and model is not None
         notes: dict[str, float] = {}
