@@ -18,10 +18,11 @@ custom_params, bad sampling params, bad JSON). `--concurrency` workers keep that
 up (the launched server caps running requests, so its waiting queue fills); no job outlives
 --job-timeout-s and the run stops by itself.
 
---deferring stamps every request with one TPOT SLO taken from the server itself after warm-up: the
-latency its refit step model predicts for a step of --concurrency rows (one protected row per job
-in flight), launched with --branch-min-slo-tpot-ms low enough to allow it. Each request's own row
-fits that budget, extra branch rows do not, so TAPER defers rows at its budget on any machine.
+--deferring stamps every request with one TPOT SLO measured on the server after warm-up: the time
+per output token of as many serial requests decoding together as can run at once (--concurrency,
+at most the server's --max-running-requests), launched with --branch-min-slo-tpot-ms low enough to
+allow it. Each request's own row fits that budget, extra branch rows do not, so TAPER defers rows
+at its budget on any machine.
 
 At the end it checks and prints:
   lost        every job ended with its expected class of answer within the timeout: 2xx, a 4xx
@@ -43,6 +44,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import faulthandler
 import json
 import os
 import random
@@ -62,12 +64,13 @@ from bench.cli import add_server_source
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
 from branchwise import client
-from branchwise.launch import LocalServer, merged_state
+from branchwise.launch import LocalServer, get_json, merged_state
 from branchwise.tiny_model import WORDS
 
 SERVER_ARGS = ["--branch-policy", "taper", "--enable-custom-logit-processor", "--max-running-requests", "12"]
 JSON_HEADERS = {"Content-Type": "application/json"}
 IDLE_DEADLINE_S = 90.0
+STALL_MARGIN_S = 120.0  # past a job's timeout with nothing done: the client itself is stuck
 POLL_S = 0.5
 
 # Job kinds and their weights in the mix (fixed before any run; see docs/benchmarks.md, "Correctness under load").
@@ -159,6 +162,7 @@ class Soak:
     stream_extra: list[str] = field(default_factory=list)  # rids whose stream went on after its final
     endpoint: Any = None
     slo_ms: float | None = None  # --deferring: every request's TPOT SLO (measured after warm-up)
+    stall_exit: bool = False  # a stuck client exits after dumping its stacks (the CLI), or only dumps
 
     def rid(self, idx: int, suffix: str = "") -> str:
         """Fixed-width job numbers: no job's rid prefixes another's (abort is by rid prefix)."""
@@ -555,6 +559,13 @@ def job_kind(seed: int, idx: int, mix: dict[str, int]) -> str:
     return random.Random(f"{seed}/{idx}/kind").choices(kinds, [mix[k] for k in kinds])[0]
 
 
+def arm_stall_dump(s: Soak) -> None:
+    """A job ends within its timeout while the event loop runs, so no job ending for longer than
+    that means the loop is blocked (a lock, an import, a blocking call): print every thread's
+    stack to stderr (and with stall_exit, exit rather than hang). Each ending job re-arms it."""
+    faulthandler.dump_traceback_later(s.job_timeout_s + STALL_MARGIN_S, exit=s.stall_exit)
+
+
 async def run_job(s: Soak, idx: int, kind: str) -> Outcome:
     rng = random.Random(f"{s.seed}/{idx}/params")
     t0 = time.monotonic()
@@ -565,6 +576,8 @@ async def run_job(s: Soak, idx: int, kind: str) -> Outcome:
         return Outcome(idx, kind, "LOST", f"no final answer within {s.job_timeout_s:.0f} s", time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - every failure is reported with its job
         return Outcome(idx, kind, "FAIL", f"{type(e).__name__}: {e}"[:500], time.monotonic() - t0)
+    finally:
+        arm_stall_dump(s)
 
 
 # ---- server observation --------------------------------------------------------------------------
@@ -656,15 +669,27 @@ class End:
     orphans0: int = 0  # orphans the idle leak check freed before the load
 
 
-def deferring_slo_ms(bw: dict[str, Any], rows: int) -> float:
-    """The step latency the server's own refit model predicts for `rows` rows of ~256 context
-    tokens each: an SLO each request's protected row meets and extra branch rows exceed."""
-    from branchwise.taper import model_from_json
+async def measured_tpot_ms(s: Soak, rows: int, tokens: int = 48) -> float:
+    """The time per output token of `rows` serial requests decoding together, streamed and timed
+    here (median over the requests): the step latency at that many rows on this server, now. As an
+    SLO each request's own row meets it and extra branch rows push a step past it."""
 
-    model = (bw.get("taper") or {}).get("model")
-    if not model:
-        raise RuntimeError("--deferring needs --branch-policy taper (its report carries the step model)")
-    return 1e3 * model_from_json(model).predict(rows, 256 * rows)
+    async def one(i: int) -> float:
+        payload = {"text": text(random.Random(i)), "rid": f"{s.run_id}-tpot{i}", "stream": True,
+                   "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
+        marks: list[tuple[float, int]] = []
+        async with s.http.post(s.url + "/generate", json=payload) as resp:
+            if resp.status != 200:
+                raise RuntimeError(f"TPOT probe: HTTP {resp.status}: {(await resp.text())[:300]}")
+            async for line in resp.content:
+                data = line.decode().strip().removeprefix("data:").strip()
+                if data and data != "[DONE]":
+                    marks.append((time.monotonic(), json.loads(data)["meta_info"]["completion_tokens"]))
+        (t0, k0), (t1, k1) = marks[0], marks[-1]
+        return (t1 - t0) / max(k1 - k0, 1)
+
+    per_token = sorted(await asyncio.gather(*[one(i) for i in range(rows)]))
+    return 1e3 * per_token[len(per_token) // 2]
 
 
 @dataclass
@@ -698,22 +723,24 @@ class SoakOptions:
     deferring: bool = False  # every request carries the SLO measured after warm-up (module docstring)
 
 
-def run(url: str, a: SoakOptions, server: LocalServer | None = None) -> Result:
+def run(url: str, a: SoakOptions, server: LocalServer | None = None, stall_exit: bool = False) -> Result:
     """The soak against `url` (`server`: the launched server, for its process and log checks)."""
-    return asyncio.run(_run(url, a, server))
+    return asyncio.run(_run(url, a, server, stall_exit))
 
 
-async def _run(url: str, a: SoakOptions, server: LocalServer | None) -> Result:
+async def _run(url: str, a: SoakOptions, server: LocalServer | None, stall_exit: bool) -> Result:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
         s = Soak(url, a.seed, http, f"soak{os.getpid():x}{int(time.time()) % 100000:05d}", a.job_timeout_s,
-                 dict(MIX))
+                 dict(MIX), stall_exit=stall_exit)
         try:
             t0 = time.monotonic()
+            arm_stall_dump(s)
             outcomes, w, end = await _load(s, a)
             return Result(outcomes, checks(s, a, outcomes, w, end, server), info(w, end), end,
                           time.monotonic() - t0)
         finally:
+            faulthandler.cancel_dump_traceback_later()
             s.pool.shutdown(wait=False, cancel_futures=True)
 
 
@@ -729,9 +756,12 @@ async def _load(s: Soak, a: SoakOptions) -> tuple[list[Outcome], Watch, End]:
     end.deferred0 = (bw1.get("taper") or {}).get("rows_deferred", 0)
     end.orphans0 = (fork1.get("counters") or {}).get("orphans_freed", 0)
     if a.deferring:
-        s.slo_ms = deferring_slo_ms(bw1, a.concurrency)
-        print(f"deferring: every request's TPOT SLO {s.slo_ms:.2f} ms (the server's predicted step of "
-              f"{a.concurrency} rows)", flush=True)
+        running = (await asyncio.to_thread(get_json, s.url + "/server_info")).get("max_running_requests")
+        rows = min(a.concurrency, running or a.concurrency)
+        s.slo_ms = await measured_tpot_ms(s, rows)
+        await wait_idle(s)
+        print(f"deferring: every request's TPOT SLO {s.slo_ms:.2f} ms (measured: {rows} serial requests "
+              "decoding together)", flush=True)
 
     w, stop = Watch(), asyncio.Event()
     watcher = asyncio.ensure_future(watch(s, w, stop))
@@ -869,7 +899,7 @@ def main(argv: list[str] | None = None) -> int:
         server = LocalServer(str(a.model), launch_args(a), env=launch_env(a)).start()
         print(f"server {server.url} (log {server.log_path})", flush=True)
     try:
-        result = run(server.url if server else str(a.url), a, server)
+        result = run(server.url if server else str(a.url), a, server, stall_exit=True)
         if server is not None and not result.ok:
             print(f"server log tail ({server.log_path}):\n{server.log_tail()}", flush=True)
     finally:
