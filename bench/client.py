@@ -107,21 +107,23 @@ def token_times(g: Generation, t0: float) -> list[float]:
     return out + [g.end - t0] * max(g.completion_tokens - len(out), 0)
 
 
-async def _gen(tg: Target, session: Any, ids: list[int], sp: dict, rid: str, tokens: int) -> Generation:
-    g = await tg.generate(tg.url, None, sp, rid, True, input_ids=ids, session=session)
+async def _gen(tg: Target, session: Any, ids: list[int], sp: dict, rid: str, tokens: int, route: str) -> Generation:
+    """One streamed stage or branch; `route`: its program's router key (every request of a program
+    reaches one worker behind a router, where its prefix is cached)."""
+    g = await tg.generate(tg.url, None, sp, rid, True, input_ids=ids, session=session, routing_key=route)
     if g.aborted or g.completion_tokens != tokens:
         raise RequestFailed(f"{rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
     return g
 
 
 async def _fork_join(tg: Target, session: Any, ids: list[int], group: str, lengths: tuple[int, ...],
-                     ) -> tuple[list[Generation], list[list[int]]]:
+                     route: str) -> tuple[list[Generation], list[list[int]]]:
     """One parallel phase: a stamped request per branch on the shared prefix, gathered in branch order."""
     n = len(lengths)
     heads = [branch_head(i, tg.vocab) for i in range(n)]
     tasks = [asyncio.ensure_future(_gen(
         tg, session, ids + heads[i], bw.stamp_branch(_sp(m, tg), group, i, n, tg.slo_tpot_ms),
-        bw.branch_rid(group, i), m)) for i, m in enumerate(lengths)]
+        bw.branch_rid(group, i), m, route)) for i, m in enumerate(lengths)]
     try:
         return list(await asyncio.gather(*tasks)), heads
     except BaseException:  # one branch failed or we were cancelled: don't leave siblings running
@@ -152,14 +154,15 @@ async def run_program(o: Outcome, tg: Target, session: Any, t0: float) -> None:
     ids = prompt_ids(spec.rid, spec.prompt_tokens, tg.seed, tg.vocab)
     if spec.samples:
         return await _samples(o, tg, session, ids, t0)
+    route = f"{tg.run_id}-{spec.rid}"
     for k, stage in enumerate(spec.stages):
         if isinstance(stage, int):
             sp = bw.stamp_serial(_sp(stage, tg), tg.slo_tpot_ms)
-            g = await _gen(tg, session, ids, sp, f"{tg.run_id}-{spec.rid}-s{k}", stage)
+            g = await _gen(tg, session, ids, sp, f"{route}-s{k}", stage, route)
             o.stages.append((False, token_times(g, t0)))
             ids = ids + g.output_ids
             continue
-        gens, heads = await _fork_join(tg, session, ids, bw.new_group(f"{tg.run_id}-{spec.rid}-p{k}"), stage)
+        gens, heads = await _fork_join(tg, session, ids, bw.new_group(f"{route}-p{k}"), stage, route)
         o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
         ids = ids + [x for h, g in zip(heads, gens, strict=True) for x in h + g.output_ids] + [SEP_ID]
     o.finished = True

@@ -41,11 +41,14 @@ class FakeGenerate:
 
     def __init__(self, hook=None) -> None:
         self.calls: list[tuple[list[int], dict, str]] = []
+        self.routes: list[str | None] = []  # each call's routing_key
         self.hook = hook
 
-    async def __call__(self, url, text, sp, rid, stream, *, input_ids=None, session=None) -> Generation:
+    async def __call__(self, url, text, sp, rid, stream, *, input_ids=None, session=None,
+                       routing_key=None) -> Generation:
         assert text is None and stream
         self.calls.append((input_ids, sp, rid))
+        self.routes.append(routing_key)
         if self.hook is not None and (wait := self.hook(len(self.calls) - 1)) is not None:
             await wait
         n, now = sp["max_new_tokens"], time.perf_counter()
@@ -136,6 +139,17 @@ def test_program_is_serial_then_stamped_fork_then_join_in_branch_order():
     assert [(p, len(t)) for p, t in o.stages] == [(False, 3), (True, 7), (False, 2)]
     rec = o.record()
     assert rec.finished and rec.decomposable and rec.output_tokens == 12
+
+
+def test_every_request_of_a_program_carries_its_programs_router_key():
+    """Behind a router a program's serial stages and branches reach one worker, where its prefix is."""
+    fake = FakeGenerate()
+    run_fake([spec("r0", (3, (2, 4), 2)), spec("r1", (2, (1, 1)))], fake)
+    by_program: dict[str, set] = {}
+    for (_, _, rid), route in zip(fake.calls, fake.routes, strict=True):
+        by_program.setdefault("r0" if "r0" in rid else "r1", set()).add(route)
+    assert all(len(routes) == 1 and None not in routes for routes in by_program.values()), by_program
+    assert by_program["r0"] != by_program["r1"]
 
 
 def test_a_best_of_n_program_is_one_request_of_n_samples():
