@@ -125,80 +125,84 @@ class _SimPoint:
         self.setup = setup
 
     def __call__(self, policy: str, rate: float, seed: int) -> dict:
-        s = self.setup
-        trace = _trace(s.trace)
-        t_end = s.warmup_s + s.window_s + s.drain_s
-        arrivals_s = t_end if s.drain_arrivals else s.warmup_s + s.window_s
-        specs = regime_specs(trace, rate, arrivals_s, seed, s.preset, s.scaling)
-        model = LinearLatencyModel(*s.model)
-        ctl = build_controller(policy, model, s.rho, s.calibrated)
-        res = Simulator(specs, ctl, model, s.cfg, t_end, seed).run()
-        window = (s.warmup_s, s.warmup_s + s.window_s)
-        m = summarize(res.records, s.slo_s, window, steps=res.steps, slo_ttft_s=s.slo_ttft_s, horizon_s=t_end)
+        setup = self.setup
+        trace = _trace(setup.trace)
+        t_end = setup.warmup_s + setup.window_s + setup.drain_s
+        arrivals_s = t_end if setup.drain_arrivals else setup.warmup_s + setup.window_s
+        specs = regime_specs(trace, rate, arrivals_s, seed, setup.preset, setup.scaling)
+        model = LinearLatencyModel(*setup.model)
+        ctl = build_controller(policy, model, setup.rho, setup.calibrated)
+        res = Simulator(specs, ctl, model, setup.cfg, t_end, seed).run()
+        window = (setup.warmup_s, setup.warmup_s + setup.window_s)
+        metrics = summarize(res.records, setup.slo_s, window, steps=res.steps, slo_ttft_s=setup.slo_ttft_s,
+                            horizon_s=t_end)
         extra = ("requests", "raw_throughput_tok_s", "slo_attainment_gap", "ttft_p50_s", "step_latency_mean_ms",
                  "admission_rate", "decomp_decode_p50_s", "serial_decode_p50_s")
-        return load_point(rate, m) | {k: m.get(k) for k in extra} | {"cpu_s": res.stats["cpu_s"]}
+        return load_point(rate, metrics) | {k: metrics.get(k) for k in extra} | {"cpu_s": res.stats["cpu_s"]}
 
 
-def sim_engine(a: CapacityOptions) -> Engine:
-    trace = load_trace(a.trace)
-    reg = get_regime(a.regime)
-    model = load_model(a.latency_model) if a.latency_model else reg.model
+def sim_engine(opts: CapacityOptions) -> Engine:
+    trace = load_trace(opts.trace)
+    reg = get_regime(opts.regime)
+    model = load_model(opts.latency_model) if opts.latency_model else reg.model
     if not isinstance(model, LinearLatencyModel):
         raise ValueError("the simulator needs a linear latency model")
-    slo_s = a.slo_tpot_ms / 1e3
+    slo_s = opts.slo_tpot_ms / 1e3
     # the workload's means at a nominal rate (the bound and the SLO-sized cap use them)
-    ref = regime_specs(trace, 1.0, 3600.0, 0, a.preset, reg.scaling)
-    cfg = reg.engine_for(slo_s, resolve_max_running(a.max_running, model, slo_s, ref))
-    setup = SimSetup(a.trace, a.preset, slo_s, a.slo_ttft_s, a.rho, model.coefs(),
-                     bool(a.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s, reg.drain_s,
+    ref = regime_specs(trace, 1.0, 3600.0, 0, opts.preset, reg.scaling)
+    cfg = reg.engine_for(slo_s, resolve_max_running(opts.max_running, model, slo_s, ref))
+    setup = SimSetup(opts.trace, opts.preset, slo_s, opts.slo_ttft_s, opts.rho, model.coefs(),
+                     bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s, reg.drain_s,
                      reg.scaling, reg.drain_arrivals)
     bound = fluid_bound_rps(model, slo_s, ref)
     conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
             "drain_s": setup.drain_s}
-    return Engine("sim", _SimPoint(setup), bound, a.jobs, conf)
+    return Engine("sim", _SimPoint(setup), bound, opts.jobs, conf)
 
 
-def replay_engine(a: CapacityOptions) -> Engine:
+def replay_engine(opts: CapacityOptions) -> Engine:
     """Live servers (bench.live): one server per policy (--launch) or one running server (--url), the
     grid's 1.0 at the live fluid bound of a probe of the first non-taper server."""
     from bench.live import LivePoints, Servers, ServerSettings, calibrate
     from bench.point import PointSetup
     from bench.programs import Scaling
 
-    policies = [p.strip() for p in a.policies.split(",") if p.strip()]
-    if not (a.launch or a.url):
+    policies = [name.strip() for name in opts.policies.split(",") if name.strip()]
+    if not (opts.launch or opts.url):
         raise ValueError("--engine replay needs --launch or --url")
-    if a.url and len(policies) != 1:
+    if opts.url and len(policies) != 1:
         raise ValueError("--engine replay --url: a running server has one policy; pass it alone in --policies "
                          "(or use --launch)")
-    settings = ServerSettings(a.model, a.rho, a.server_threads, a.max_total_tokens, a.server_args)
-    servers = (Servers(settings, slo_ms=a.slo_tpot_ms) if a.launch
-               else Servers(urls={policies[0]: a.url}))
-    base = PointSetup(load_trace(a.trace), a.slo_tpot_ms, Scaling(1.0, 256), preset=a.preset,
-                      slo_ttft_s=a.slo_ttft_s)
+    settings = ServerSettings(opts.model, opts.rho, opts.server_threads, opts.max_total_tokens,
+                              opts.server_args)
+    servers = (Servers(settings, slo_ms=opts.slo_tpot_ms) if opts.launch
+               else Servers(urls={policies[0]: opts.url}))
+    base = PointSetup(load_trace(opts.trace), opts.slo_tpot_ms, Scaling(1.0, 256), preset=opts.preset,
+                      slo_ttft_s=opts.slo_ttft_s)
     try:
-        op = calibrate(servers, policies, base, Path(a.out), slo_ms=a.slo_tpot_ms)
+        operating = calibrate(servers, policies, base, Path(opts.out), slo_ms=opts.slo_tpot_ms)
     except BaseException:
         servers.close()
         raise
-    points = LivePoints(servers, op.setup, op.fluid_bound_rps, Path(a.out))
-    conf = {"engine": "replay", "fluid_bound_rps": op.fluid_bound_rps, "probe": op.probe.as_dict(),
-            "duration_s": op.setup.duration_s, "drain_s": op.setup.drain_s, "scaling": asdict(op.setup.scaling),
-            "server": "launch" if a.launch else a.url}
-    return Engine("replay", points, op.fluid_bound_rps, 1, conf, on_close=servers.close)
+    points = LivePoints(servers, operating.setup, operating.fluid_bound_rps, Path(opts.out))
+    conf = {"engine": "replay", "fluid_bound_rps": operating.fluid_bound_rps,
+            "probe": operating.probe.as_dict(),
+            "duration_s": operating.setup.duration_s, "drain_s": operating.setup.drain_s,
+            "scaling": asdict(operating.setup.scaling),
+            "server": "launch" if opts.launch else opts.url}
+    return Engine("replay", points, operating.fluid_bound_rps, 1, conf, on_close=servers.close)
 
 
 # ----------------------------------------------------------------------------------- the instrument
 def grid(bound_rps: float) -> list[float]:
-    return [round(g * bound_rps, 6) for g in GRID]
+    return [round(frac * bound_rps, 6) for frac in GRID]
 
 
 def _mean(points: list[dict], key: str) -> float | None:
-    v = [p[key] for p in points if p.get(key) is not None and math.isfinite(p[key])]
-    return float(np.mean(v)) if v else None
+    values = [point[key] for point in points if point.get(key) is not None and math.isfinite(point[key])]
+    return float(np.mean(values)) if values else None
 
 
 def holds(point: Mapping[str, Any]) -> bool:
@@ -209,10 +213,10 @@ def bracket(rates: list[float], att: list[float | None]) -> tuple[float, float |
     """(lower, upper): the highest grid rate with every rate up to it at >= TARGET (0.0 if the first
     fails) and the first one below TARGET (None if all hold)."""
     lo = 0.0
-    for r, x in zip(rates, att, strict=True):
-        if x is None or x < TARGET:
-            return lo, r
-        lo = r
+    for rate, attainment in zip(rates, att, strict=True):
+        if attainment is None or attainment < TARGET:
+            return lo, rate
+        lo = rate
     return lo, None
 
 
@@ -225,12 +229,14 @@ def _document(bound: float, policies: list[str], rates: list[float], caps: dict[
               got: dict[Job, dict], seeds: list[int]) -> dict[str, Any]:
     """capacity.json's document over `seeds`: capacities (mean, spread) and points averaged over seeds."""
     doc: dict[str, Any] = {"fluid_bound_rps": bound, "policies": {}}
-    for p in policies:
-        c = caps[p]
-        points = [{"rate": r} | {k: _mean([got[(p, r, s)] for s in seeds], k) for k in POINT_KEYS[1:]} for r in rates]
-        mean = float(np.mean(c))
-        doc["policies"][p] = {"capacity_rps": mean, "capacity_spread": float(max(c) - min(c)),
-                              "capacity_of_bound": mean / bound if bound > 0 else None, "points": points}
+    for policy in policies:
+        policy_caps = caps[policy]
+        points = [{"rate": r} | {k: _mean([got[(policy, r, s)] for s in seeds], k) for k in POINT_KEYS[1:]}
+                  for r in rates]
+        mean = float(np.mean(policy_caps))
+        spread = float(max(policy_caps) - min(policy_caps))
+        doc["policies"][policy] = {"capacity_rps": mean, "capacity_spread": spread,
+                                   "capacity_of_bound": mean / bound if bound > 0 else None, "points": points}
     return doc
 
 
@@ -252,10 +258,10 @@ def measure(engine: Engine, policies: list[str], seeds: list[int], log: Callable
         if not todo:
             break
         res = engine.run([(p, mid, s) for (p, s), mid in todo.items()])
-        for ((p, s), mid), pt in zip(todo.items(), res, strict=True):
+        for ((p, s), mid), point in zip(todo.items(), res, strict=True):
             lo, hi = brackets[(p, s)]
-            brackets[(p, s)] = (mid, hi) if holds(pt) else (lo, mid)
-            got[(p, mid, s)] = pt
+            brackets[(p, s)] = (mid, hi) if holds(point) else (lo, mid)
+            got[(p, mid, s)] = point
         log(f"bisection {step + 1}/{steps}: {len(todo)} points, {time.perf_counter() - t0:.0f} s")
     bound = engine.fluid_bound_rps
     caps = {p: [brackets[(p, s)][0] for s in seeds] for p in policies}
@@ -299,13 +305,13 @@ def latency_check(rate: float, points: Mapping[str, Mapping[str, Any]], focus: s
     """(b) over {policy: point} at one rate (module docstring)."""
     holding = {k: v[LATENCY] for k, v in points.items() if holds(v) and v.get(LATENCY) is not None}
     frontier = min(holding, key=lambda k: holding[k], default=None)
-    me = points.get(focus, {})
+    own = points.get(focus, {})
     applies = any(is_fixed(k) and holds(v) for k, v in points.items())
-    mine = me.get(LATENCY)
-    ok = (not applies) or (holds(me) and mine is not None and frontier is not None
+    mine = own.get(LATENCY)
+    ok = (not applies) or (holds(own) and mine is not None and frontier is not None
                            and mine <= FRONTIER_SLACK * holding[frontier] + 1e-12)
-    return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine, me.get("attainment"),
-                        applies, ok)
+    return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine,
+                        own.get("attainment"), applies, ok)
 
 
 @dataclass(frozen=True, slots=True)
@@ -319,25 +325,25 @@ class Verdict:
 
     @property
     def passed(self) -> bool:
-        return not self.above and all(c.ok for c in self.latency)
+        return not self.above and all(check.ok for check in self.latency)
 
     def lines(self, bound: float) -> list[str]:
-        f = self.focus
-        out = [f"(a) capacity: {f} {self.capacity_rps:.3f} req/s ({fmt(self.capacity_rps / bound if bound else None, nd=3)}"
-               f" of the fluid bound {bound:.3f}) "
+        focus = self.focus
+        of_bound = fmt(self.capacity_rps / bound if bound else None, nd=3)
+        out = [f"(a) capacity: {focus} {self.capacity_rps:.3f} req/s ({of_bound} of the fluid bound {bound:.3f}) "
                + ("PASS (>= every other)" if not self.above else f"FAIL (below {', '.join(self.above)})")]
-        out += [f"(b) {c.line(f)}" for c in self.latency]
+        out += [f"(b) {check.line(focus)}" for check in self.latency]
         if self.over_bound:
             out.append(f"note: capacity above the fluid bound: {', '.join(self.over_bound)}")
         if not self.spans:
             out.append("note: the grid does not run from a rate every policy holds to one none holds")
-        out.append(f"verdict ({f}: capacity highest, and at every rate a fixed policy holds, holding and "
+        out.append(f"verdict ({focus}: capacity highest, and at every rate a fixed policy holds, holding and "
                    f"within {FRONTIER_SLACK:g}x the latency frontier): {'PASS' if self.passed else 'FAIL'}")
         return out
 
     def as_dict(self) -> dict[str, Any]:
         return {"passed": self.passed, "capacity_highest": not self.above, "above": list(self.above),
-                "latency": [asdict(c) for c in self.latency], "over_bound": list(self.over_bound),
+                "latency": [asdict(check) for check in self.latency], "over_bound": list(self.over_bound),
                 "grid_spans_hold_to_fail": self.spans}
 
 
@@ -346,21 +352,23 @@ def verdict(doc: dict, focus: str = "taper") -> Verdict | None:
     pols = doc["policies"]
     if focus not in pols:
         return None
-    me = pols[focus]["capacity_rps"]
-    above = tuple(k for k, v in pols.items() if k != focus and v["capacity_rps"] > me + 1e-12)
-    rates = [p["rate"] for p in pols[focus]["points"]]
-    checks = tuple(latency_check(r, {k: v["points"][i] for k, v in pols.items()}, focus) for i, r in enumerate(rates))
+    own_capacity = pols[focus]["capacity_rps"]
+    above = tuple(k for k, v in pols.items() if k != focus and v["capacity_rps"] > own_capacity + 1e-12)
+    rates = [point["rate"] for point in pols[focus]["points"]]
+    checks = tuple(latency_check(rate, {k: v["points"][i] for k, v in pols.items()}, focus)
+                   for i, rate in enumerate(rates))
     bound = doc.get("fluid_bound_rps") or math.inf
     over = tuple(k for k, v in pols.items() if v["capacity_rps"] > bound * (1 + 1e-9))
     first = [v["points"][0] for v in pols.values()]
     last = [v["points"][-1] for v in pols.values()]
-    spans = all(holds(p) for p in first) and not any(holds(p) for p in last)
-    return Verdict(focus, me, above, checks, over, spans)
+    spans = all(holds(point) for point in first) and not any(holds(point) for point in last)
+    return Verdict(focus, own_capacity, above, checks, over, spans)
 
 
 # ------------------------------------------------------------------------------------------ output
 def _rate_cols(rates: list[float], cell: Callable[[dict], str], sub: str, width: int) -> list[Col]:
-    return [Col(f"{r:.3f}", width, lambda _k, v, i=i: cell(v["points"][i]), sub=sub) for i, r in enumerate(rates)]
+    return [Col(f"{rate:.3f}", width, lambda _k, v, i=i: cell(v["points"][i]), sub=sub)
+            for i, rate in enumerate(rates)]
 
 
 def tables(doc: dict) -> str:
@@ -368,14 +376,15 @@ def tables(doc: dict) -> str:
     (also as a fraction of the fluid bound), and the latency axis (decomposable P50 / P99 end to end
     and finished share, serial P50 end to end; seconds)."""
     pols = doc["policies"]
-    rates = [p["rate"] for p in next(iter(pols.values()))["points"]]
+    rates = [point["rate"] for point in next(iter(pols.values()))["points"]]
 
-    def slo(p: dict) -> str:
-        return f"{fmt(p['attainment'], True, 0)} {fmt(p['finished_frac'], True, 0)} {fmt(p['goodput_tok_s'], nd=0)}"
+    def slo(point: dict) -> str:
+        return (f"{fmt(point['attainment'], True, 0)} {fmt(point['finished_frac'], True, 0)} "
+                f"{fmt(point['goodput_tok_s'], nd=0)}")
 
-    def lat(p: dict) -> str:
-        return (f"{fmt(p['decomp_e2e_p50_s'], nd=1)} {num(p['decomp_e2e_p99_s'])} "
-                f"{fmt(p['decomp_finished_frac'], True, 0)} {fmt(p['serial_e2e_p50_s'], nd=1)}")
+    def lat(point: dict) -> str:
+        return (f"{fmt(point['decomp_e2e_p50_s'], nd=1)} {num(point['decomp_e2e_p99_s'])} "
+                f"{fmt(point['decomp_finished_frac'], True, 0)} {fmt(point['serial_e2e_p50_s'], nd=1)}")
 
     caps = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),
             Col("x bound", 8, lambda _k, v: fmt(v.get("capacity_of_bound"), nd=3)),
@@ -391,22 +400,23 @@ def report(res: dict, focus: str = "taper") -> str:
     """The tables, the verdict on the means and each seed's verdict in one line."""
     doc = res["capacity"]
     parts = [tables(doc)]
-    v = verdict(doc, focus)
-    if v is not None:
-        parts.append("\n".join(v.lines(doc["fluid_bound_rps"])))
+    result = verdict(doc, focus)
+    if result is not None:
+        parts.append("\n".join(result.lines(doc["fluid_bound_rps"])))
         per = res.get("per_seed") or {}
         if len(per) > 1:
-            parts.append("per seed: " + "; ".join(_seed_line(s, d, focus) for s, d in per.items()))
+            parts.append("per seed: "
+                         + "; ".join(_seed_line(seed, seed_doc, focus) for seed, seed_doc in per.items()))
     return "\n\n".join(parts)
 
 
 def _seed_line(seed: int, doc: dict, focus: str) -> str:
-    v = verdict(doc, focus)
-    assert v is not None
-    caps = ", ".join(f"{k} {x['capacity_rps']:.3f}" for k, x in doc["policies"].items())
-    why = [] if not v.above else [f"capacity below {', '.join(v.above)}"]
-    why += [f"latency at {c.rate:.3f}" for c in v.latency if not c.ok]
-    return f"seed {seed}: {caps} -> {'PASS' if v.passed else 'FAIL (' + '; '.join(why) + ')'}"
+    result = verdict(doc, focus)
+    assert result is not None
+    caps = ", ".join(f"{policy} {entry['capacity_rps']:.3f}" for policy, entry in doc["policies"].items())
+    why = [] if not result.above else [f"capacity below {', '.join(result.above)}"]
+    why += [f"latency at {check.rate:.3f}" for check in result.latency if not check.ok]
+    return f"seed {seed}: {caps} -> {'PASS' if result.passed else 'FAIL (' + '; '.join(why) + ')'}"
 
 
 def plot(doc: dict, out: Path, title: str) -> Path:
@@ -418,11 +428,12 @@ def plot(doc: dict, out: Path, title: str) -> Path:
 def write(out: Path, res: dict, config: dict, focus: str = "taper") -> Path:
     """capacity.json (the capacity document) and capacity_detail.json (config, per-seed documents and
     points, verdicts): the one writer of both, for the simulator, the replay engine and bench.sweep."""
-    verdicts = {"means": verdict(res["capacity"], focus)} | {str(s): verdict(d, focus) for s, d in res["per_seed"].items()}
+    verdicts = {"means": verdict(res["capacity"], focus)}
+    verdicts |= {str(seed): verdict(doc, focus) for seed, doc in res["per_seed"].items()}
     detail = {"config": config | {"grid": list(GRID), "target": TARGET, "frontier_slack": FRONTIER_SLACK},
               "verdict": {k: v.as_dict() for k, v in verdicts.items() if v is not None},
-              "per_seed": {str(s): d for s, d in res["per_seed"].items()}, "policies": res["detail"],
-              "wall_s": res["wall_s"]}
+              "per_seed": {str(seed): doc for seed, doc in res["per_seed"].items()},
+              "policies": res["detail"], "wall_s": res["wall_s"]}
     write_json(out / "capacity_detail.json", detail, indent=1, default=str)
     return write_json(out / "capacity.json", res["capacity"], indent=1)
 
@@ -457,10 +468,10 @@ class CapacityOptions:
 
 def _rates(text: str) -> list[float]:
     try:
-        vals = [float(x) for x in text.split(",") if x.strip()]
+        vals = [float(part) for part in text.split(",") if part.strip()]
     except ValueError:
         raise ValueError(f"--rates takes numbers separated by commas, got {text!r}") from None
-    if any(not v > 0 for v in vals) or vals != sorted(vals):
+    if any(not rate > 0 for rate in vals) or vals != sorted(vals):
         raise ValueError(f"--rates must be > 0 and ascending, got {text!r}")
     return vals
 
@@ -489,41 +500,43 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
                     help="sim: bench.regimes' setting (default, live, live-fast): latency model, SLO, engine "
                          "costs, program scale, point length")
     ap.add_argument("--no-plot", action="store_true")
-    a = ap.parse_args(argv)
+    args = ap.parse_args(argv)
     try:
-        a.slo_tpot_ms = a.slo_tpot_ms if a.slo_tpot_ms is not None else 1e3 * get_regime(a.regime).slo_s
+        if args.slo_tpot_ms is None:
+            args.slo_tpot_ms = 1e3 * get_regime(args.regime).slo_s
     except ValueError as e:
         ap.error(str(e))
-    return CapacityOptions(a.trace, a.out, a.policies, a.slo_tpot_ms, a.slo_ttft_s, a.seeds, a.engine, a.preset,
-                           a.rho, a.max_running, a.latency_model, a.jobs, a.launch, a.url, a.server_args,
-                           not a.no_plot, rates=a.rates, regime=a.regime)
+    return CapacityOptions(args.trace, args.out, args.policies, args.slo_tpot_ms, args.slo_ttft_s, args.seeds,
+                           args.engine, args.preset, args.rho, args.max_running, args.latency_model, args.jobs,
+                           args.launch, args.url, args.server_args, not args.no_plot, rates=args.rates,
+                           regime=args.regime)
 
 
 def main(argv: list[str] | None = None) -> int:
-    o = parse_args(argv)
+    opts = parse_args(argv)
     try:
-        policies = [parse_policy_name(p) for p in o.policies.split(",") if p.strip()]
-        seeds = [int(s) for s in o.seeds.split(",") if s.strip()]
-        rates = _rates(o.rates) if o.rates else None
+        policies = [parse_policy_name(name) for name in opts.policies.split(",") if name.strip()]
+        seeds = [int(seed) for seed in opts.seeds.split(",") if seed.strip()]
+        rates = _rates(opts.rates) if opts.rates else None
         if not policies or not seeds:
             raise ValueError("need at least one policy and one seed")
-        engine = sim_engine(o) if o.engine == "sim" else replay_engine(o)
+        engine = sim_engine(opts) if opts.engine == "sim" else replay_engine(opts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     shown = rates or grid(engine.fluid_bound_rps)
-    print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; rates {', '.join(f'{r:.3f}' for r in shown)}"
-          f" req/s; seeds {seeds}; policies {', '.join(policies)}")
+    print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; "
+          f"rates {', '.join(f'{rate:.3f}' for rate in shown)} req/s; seeds {seeds}; policies {', '.join(policies)}")
     try:
         res = measure(engine, policies, seeds, rates=rates, bisect_steps=0 if rates else None)
     finally:
         engine.close()
-    out = Path(o.out)
-    path = write(out, res, asdict(o) | engine.config)
+    out = Path(opts.out)
+    path = write(out, res, asdict(opts) | engine.config)
     print(report(res))
-    if o.plot:
-        plot(res["capacity"], out, f"{Path(o.trace).stem}, {o.preset}, TPOT SLO {o.slo_tpot_ms:g} ms, "
-             f"max running {o.max_running}, seeds {o.seeds}")
+    if opts.plot:
+        plot(res["capacity"], out, f"{Path(opts.trace).stem}, {opts.preset}, TPOT SLO {opts.slo_tpot_ms:g} "
+             f"ms, max running {opts.max_running}, seeds {opts.seeds}")
     print(f"wall {res['wall_s']:.0f} s -> {path}")
     return 0
 

@@ -90,104 +90,111 @@ class Run:
     def records(self) -> list[RequestRecord]:
         """Every program, started or not: metrics count the ones that arrived in the window, and one
         that never got a token is a miss like any other unfinished one."""
-        return [o.record() for o in self.outcomes]
+        return [outcome.record() for outcome in self.outcomes]
 
 
 # ------------------------------------------------------------------------------------ one program
-def _sp(tokens: int, tg: Target) -> dict[str, Any]:
-    sp: dict[str, Any] = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-    if tg.stream_interval > 1:
-        sp["stream_interval"] = tg.stream_interval
-    return sp
+def _sp(tokens: int, target: Target) -> dict[str, Any]:
+    sampling: dict[str, Any] = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    if target.stream_interval > 1:
+        sampling["stream_interval"] = target.stream_interval
+    return sampling
 
 
-def token_times(g: Generation, t0: float) -> list[float]:
+def token_times(gen: Generation, t0: float) -> list[float]:
     """Delivery time of each generated token (a chunk's tokens arrive together), relative to t0."""
-    out = [t - t0 for t, n in zip(g.chunk_times, g.chunk_tokens, strict=True) for _ in range(n)]
-    return out + [g.end - t0] * max(g.completion_tokens - len(out), 0)
+    out = [t - t0 for t, n in zip(gen.chunk_times, gen.chunk_tokens, strict=True) for _ in range(n)]
+    return out + [gen.end - t0] * max(gen.completion_tokens - len(out), 0)
 
 
-async def _gen(tg: Target, session: Any, ids: list[int], sp: dict, rid: str, tokens: int, route: str) -> Generation:
+async def _gen(target: Target, session: Any, ids: list[int], sampling: dict, rid: str,
+               tokens: int, route: str) -> Generation:
     """One streamed stage or branch; `route`: its program's router key (every request of a program
     reaches one worker behind a router, where its prefix is cached)."""
-    g = await tg.generate(tg.url, None, sp, rid, True, input_ids=ids, session=session, routing_key=route)
-    if g.aborted or g.completion_tokens != tokens:
-        raise RequestFailed(f"{rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
-    return g
+    gen = await target.generate(target.url, None, sampling, rid, True, input_ids=ids, session=session,
+                                routing_key=route)
+    if gen.aborted or gen.completion_tokens != tokens:
+        raise RequestFailed(f"{rid}: {gen.completion_tokens}/{tokens} tokens, finish {gen.finish_reason}")
+    return gen
 
 
-async def _fork_join(tg: Target, session: Any, ids: list[int], group: str, lengths: tuple[int, ...],
+async def _fork_join(target: Target, session: Any, ids: list[int], group: str, lengths: tuple[int, ...],
                      route: str) -> tuple[list[Generation], list[list[int]]]:
     """One parallel phase: a stamped request per branch on the shared prefix, gathered in branch order."""
     n = len(lengths)
-    heads = [branch_head(i, tg.vocab) for i in range(n)]
+    heads = [branch_head(i, target.vocab) for i in range(n)]
     tasks = [asyncio.ensure_future(_gen(
-        tg, session, ids + heads[i], bw.stamp_branch(_sp(m, tg), group, i, n, tg.slo_tpot_ms),
-        bw.branch_rid(group, i), m, route)) for i, m in enumerate(lengths)]
+        target, session, ids + heads[i], bw.stamp_branch(_sp(length, target), group, i, n,
+                                                         target.slo_tpot_ms),
+        bw.branch_rid(group, i), length, route)) for i, length in enumerate(lengths)]
     try:
         return list(await asyncio.gather(*tasks)), heads
     except BaseException:  # one branch failed or we were cancelled: don't leave siblings running
-        for t in tasks:
-            t.cancel()
+        for task in tasks:
+            task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
 
 
-async def _samples(o: Outcome, tg: Target, session: Any, ids: list[int], t0: float) -> None:
+async def _samples(outcome: Outcome, target: Target, session: Any, ids: list[int], t0: float) -> None:
     """A best-of-n program (spec.samples: stages (1, (m,) * n)): one streamed request with n samples of
     1 + m tokens each, which the server makes one phase; its tokens are the program's one parallel stage."""
-    (first, phase) = o.spec.stages
+    (first, phase) = outcome.spec.stages
     tokens = first + phase[0]
-    sp = bw.stamp_serial(_sp(tokens, tg), tg.slo_tpot_ms) | {"n": len(phase)}
-    gens = await tg.samples(tg.url, None, sp, f"{tg.run_id}-{o.spec.rid}", input_ids=ids, session=session)
-    for g in gens:
-        if g.aborted or g.completion_tokens != tokens:
-            raise RequestFailed(f"{g.rid}: {g.completion_tokens}/{tokens} tokens, finish {g.finish_reason}")
-    o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
-    o.finished = True
+    sampling = bw.stamp_serial(_sp(tokens, target), target.slo_tpot_ms) | {"n": len(phase)}
+    gens = await target.samples(target.url, None, sampling, f"{target.run_id}-{outcome.spec.rid}",
+                                input_ids=ids, session=session)
+    for gen in gens:
+        if gen.aborted or gen.completion_tokens != tokens:
+            raise RequestFailed(f"{gen.rid}: {gen.completion_tokens}/{tokens} tokens, "
+                                f"finish {gen.finish_reason}")
+    outcome.stages.append((True, [t for gen in gens for t in token_times(gen, t0)]))
+    outcome.finished = True
 
 
-async def run_program(o: Outcome, tg: Target, session: Any, t0: float) -> None:
+async def run_program(outcome: Outcome, target: Target, session: Any, t0: float) -> None:
     """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ...
     (or, for a best-of-n spec, one request with n samples)."""
-    spec = o.spec
-    ids = prompt_ids(spec.rid, spec.prompt_tokens, tg.seed, tg.vocab)
+    spec = outcome.spec
+    ids = prompt_ids(spec.rid, spec.prompt_tokens, target.seed, target.vocab)
     if spec.samples:
-        return await _samples(o, tg, session, ids, t0)
-    route = f"{tg.run_id}-{spec.rid}"
+        return await _samples(outcome, target, session, ids, t0)
+    route = f"{target.run_id}-{spec.rid}"
     for k, stage in enumerate(spec.stages):
         if isinstance(stage, int):
-            sp = bw.stamp_serial(_sp(stage, tg), tg.slo_tpot_ms)
-            g = await _gen(tg, session, ids, sp, f"{route}-s{k}", stage, route)
-            o.stages.append((False, token_times(g, t0)))
-            ids = ids + g.output_ids
+            sampling = bw.stamp_serial(_sp(stage, target), target.slo_tpot_ms)
+            gen = await _gen(target, session, ids, sampling, f"{route}-s{k}", stage, route)
+            outcome.stages.append((False, token_times(gen, t0)))
+            ids = ids + gen.output_ids
             continue
-        gens, heads = await _fork_join(tg, session, ids, bw.new_group(f"{route}-p{k}"), stage, route)
-        o.stages.append((True, [x for g in gens for x in token_times(g, t0)]))
-        ids = ids + [x for h, g in zip(heads, gens, strict=True) for x in h + g.output_ids] + [SEP_ID]
-    o.finished = True
+        group = bw.new_group(f"{route}-p{k}")
+        gens, heads = await _fork_join(target, session, ids, group, stage, route)
+        outcome.stages.append((True, [t for gen in gens for t in token_times(gen, t0)]))
+        joined = [tok for head, gen in zip(heads, gens, strict=True) for tok in head + gen.output_ids]
+        ids = ids + joined + [SEP_ID]
+    outcome.finished = True
 
 
-async def _program_at(o: Outcome, tg: Target, session: Any, t0: float, bar: tqdm) -> None:
-    delay = o.spec.arrival_s - (time.perf_counter() - t0)
+async def _program_at(outcome: Outcome, target: Target, session: Any, t0: float, bar: tqdm) -> None:
+    delay = outcome.spec.arrival_s - (time.perf_counter() - t0)
     if delay > 0:
         await asyncio.sleep(delay)
-    o.started = True
+    outcome.started = True
     try:
-        await run_program(o, tg, session, t0)
+        await run_program(outcome, target, session, t0)
     except (GenerateError, RequestFailed) as e:  # this request's problem: the run goes on
-        o.error = str(e)
+        outcome.error = str(e)
     except ConnectionError as e:  # a dead server ends the run; a dropped connection only this program
-        if not await _alive(tg.url, session):
+        if not await _alive(target.url, session):
             raise
-        o.error = str(e)
+        outcome.error = str(e)
     bar.update()
 
 
 async def _alive(url: str, session: Any) -> bool:
     try:
-        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
-            return r.status == 200
+        async with session.get(url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+            return resp.status == 200
     except (aiohttp.ClientError, TimeoutError):
         return False
 
@@ -214,15 +221,16 @@ async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
     url = await asyncio.to_thread(metrics_url, url)  # a router's: every worker's series
     while True:
         try:
-            async with session.get(url) as r:
-                cur = parse_step_series(await r.text()) if r.status == 200 else None
+            async with session.get(url) as resp:
+                cur = parse_step_series(await resp.text()) if resp.status == 200 else None
         except (aiohttp.ClientError, TimeoutError):
             cur = None  # no series (no --enable-metrics) or no server: the step log just stays empty
         now = time.perf_counter() - run.t0
         if cur is not None and prev is not None and cur["count"] > prev["count"]:
-            d = {k: cur[k] - prev[k] for k in cur}
-            mean = d["sum"] / d["count"]
-            run.steps.add(t_prev, int(d["count"]), d["sum"], mean, int(d["eligible"]), int(d["admitted"]))
+            delta = {k: cur[k] - prev[k] for k in cur}
+            mean = delta["sum"] / delta["count"]
+            run.steps.add(t_prev, int(delta["count"]), delta["sum"], mean, int(delta["eligible"]),
+                          int(delta["admitted"]))
         if cur is not None:
             prev, t_prev = cur, now
         await asyncio.sleep(every_s)
@@ -240,7 +248,7 @@ async def watch_loop(run: Run, every_s: float = 0.05) -> None:
 async def _await_programs(run: Run, tasks: list[asyncio.Task], deadline_s: float) -> None:
     """Wait for every program until the deadline; the first exception (a dead server) ends the run."""
     done, pending = await asyncio.wait(tasks, timeout=deadline_s, return_when=asyncio.FIRST_EXCEPTION)
-    failed = [t.exception() for t in done if not t.cancelled() and t.exception() is not None]
+    failed = [task.exception() for task in done if not task.cancelled() and task.exception() is not None]
     if failed:
         run.error = f"{type(failed[0]).__name__}: {failed[0]}"
         run.t_stop = time.perf_counter() - run.t0
@@ -249,19 +257,21 @@ async def _await_programs(run: Run, tasks: list[asyncio.Task], deadline_s: float
                        f"start: the server is overloaded at this load (lower --load or --rate-scale)")
 
 
-async def replay(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> None:
+async def replay(run: Run, target: Target, deadline_s: float, poll_s: float = 1.0,
+                 progress: bool = True) -> None:
     """Start every program at its arrival time; stop at the first dead-server error or at the deadline."""
     run.t0 = t0 = time.perf_counter()
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=tg.read_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=target.read_timeout_s)
     bar = tqdm(total=len(run.outcomes), desc=run.label, unit="req", disable=not progress, leave=False)
     # force_close: no keep-alive reuse, whose race with the server closing an idle connection shows up
     # as "connection reset" on a healthy server (seen with uvicorn under load)
     conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        tasks = [asyncio.create_task(_program_at(o, tg, session, t0, bar)) for o in run.outcomes]
+        tasks = [asyncio.create_task(_program_at(outcome, target, session, t0, bar))
+                 for outcome in run.outcomes]
         helpers = [asyncio.create_task(watch_loop(run))]
         if poll_s > 0:
-            helpers.append(asyncio.create_task(poll_steps(run, tg.url.rstrip("/"), session, poll_s)))
+            helpers.append(asyncio.create_task(poll_steps(run, target.url.rstrip("/"), session, poll_s)))
         try:
             await _await_programs(run, tasks, deadline_s)
         except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us, then raises KeyboardInterrupt
@@ -269,23 +279,23 @@ async def replay(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, p
             raise
         finally:
             run.t_end = time.perf_counter() - t0
-            for t in [*tasks, *helpers]:
-                t.cancel()
+            for task in [*tasks, *helpers]:
+                task.cancel()
             await asyncio.gather(*tasks, *helpers, return_exceptions=True)
             bar.close()
 
 
-def execute(run: Run, tg: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> Run:
+def execute(run: Run, target: Target, deadline_s: float, poll_s: float = 1.0, progress: bool = True) -> Run:
     """Run `replay` to its end; Ctrl-C ends it early with run.interrupted set and what completed kept."""
-    run.report_before = server_report(tg.url)
+    run.report_before = server_report(target.url)
     try:
-        asyncio.run(replay(run, tg, deadline_s, poll_s, progress))
+        asyncio.run(replay(run, target, deadline_s, poll_s, progress))
     except KeyboardInterrupt:
         run.interrupted = True
         if run.t_stop is None:
             run.t_stop = time.perf_counter() - run.t0
         run.error = run.error or "interrupted (Ctrl-C)"
-    run.report_after = server_report(tg.url)
+    run.report_after = server_report(target.url)
     return run
 
 

@@ -198,9 +198,9 @@ class HookDriver:
     def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
         """The hook's `_row` for every live row: phase rows request-major in branch order, then serial."""
         slo = self.slo_s
-        out = [Row(key=r.phase_key, order=b, ctx=c + grow, slo_s=slo, phase=True)
-               for r in par for b, c in zip(r.branch_index, r.branch_ctx, strict=True)]
-        out += [Row(key=r.key, ctx=r.ctx + lag + grow, slo_s=slo) for r in ser]
+        out = [Row(key=req.phase_key, order=b, ctx=c + grow, slo_s=slo, phase=True)
+               for req in par for b, c in zip(req.branch_index, req.branch_ctx, strict=True)]
+        out += [Row(key=req.key, ctx=req.ctx + lag + grow, slo_s=slo) for req in ser]
         return out
 
     def select(self, rows: list[Row], now: float, waiting: int = 0) -> list[int]:
@@ -208,7 +208,8 @@ class HookDriver:
         key has two rows); `waiting`: requests queued for admission."""
         ctl = self.ctl
         if self.quiet_ts is not None:  # _resume_serial_clocks
-            fresh = {r.key: Delivery(0, r.slo_s, False) for r in rows if not r.phase and r.key not in ctl.trackers}
+            fresh = {row.key: Delivery(0, row.slo_s, False) for row in rows
+                     if not row.phase and row.key not in ctl.trackers}
             ctl.on_step_done(fresh, self.quiet_ts, 0)
             self.quiet_ts = None
         self.selects += 1
@@ -220,7 +221,7 @@ class HookDriver:
         """Drop the clocks of keys whose rows left the batch (the hook does this every 64 planned
         steps; here at every change of composition, so windowed and single steps agree). A parent
         that resumes after its phase's reduce starts a fresh serial clock either way."""
-        keys = {r.phase_key if r.branch_left else r.key for r in live}
+        keys = {req.phase_key if req.branch_left else req.key for req in live}
         if len(self.ctl.trackers) > len(keys) or any(k not in keys for k in self.ctl.trackers):
             self.ctl.forget(keys)
 
@@ -237,12 +238,13 @@ class HookDriver:
         ctl = self.ctl
         if par:
             slo = self.slo_s
-            d = {r.key: Delivery(k, slo, False) for r in ser}
+            deliveries = {req.key: Delivery(k, slo, False) for req in ser}
             if widths is None:
-                d.update((r.phase_key, Delivery(k, slo, True)) for r in par)
+                deliveries.update((req.phase_key, Delivery(k, slo, True)) for req in par)
             else:
-                d.update((r.phase_key, Delivery(w * k, slo, True)) for r, w in zip(par, widths, strict=True))
-            ctl.on_step_done(d, t, n_rows * k)
+                deliveries.update((req.phase_key, Delivery(w * k, slo, True))
+                                  for req, w in zip(par, widths, strict=True))
+            ctl.on_step_done(deliveries, t, n_rows * k)
             self.quiet_ts = None
         else:
             ctl.on_step_done({}, t, n_rows * k)
@@ -342,97 +344,99 @@ class Simulator:
                       "changed_subsets": 0}
 
     # ----------------------------------------------------------------------------- stage machine
-    def _next_stage(self, r: _Req, t: float) -> None:
-        """Open stage r.stage + 1 at time t, or finish the request. Client-side programs: the
+    def _next_stage(self, req: _Req, t: float) -> None:
+        """Open stage req.stage + 1 at time t, or finish the request. Client-side programs: the
         request that ran the stage ends here and the client sends the next one (`_gate`)."""
         self.dirty = True
-        r.stage += 1
-        stages = r.spec.stages
+        req.stage += 1
+        stages = req.spec.stages
         client = self.cfg.client_programs
         if client:
             self.slots -= 1  # the stage's request (a phase's last branch) ends
-        if r.stage == len(stages):
-            r.done = r.record.finished = True
+        if req.stage == len(stages):
+            req.done = req.record.finished = True
             if not client:
                 self.slots -= 1
-            self.kv -= r.ctx
+            self.kv -= req.ctx
             return
-        st = stages[r.stage]
-        r.stage_start, r.stage_tok = t, 0
-        if isinstance(st, tuple):
-            n = len(st)
-            r.branch_left, r.branch_ctx, r.branch_index = list(st), [r.ctx] * n, list(range(n))
-            r.phase_key, r.fanout = f"phase:{r.rid}.{r.stage}", n
-            r.phase_start, r.phase_tok = t, 0
+        stage = stages[req.stage]
+        req.stage_start, req.stage_tok = t, 0
+        if isinstance(stage, tuple):
+            n = len(stage)
+            req.branch_left, req.branch_ctx, req.branch_index = list(stage), [req.ctx] * n, list(range(n))
+            req.phase_key, req.fanout = f"phase:{req.rid}.{req.stage}", n
+            req.phase_start, req.phase_tok = t, 0
             if client:
-                r.branch_ctx, r.phase_extra = [r.ctx + HEADER] * n, HEADER * n
-                self._gate(r, "fork", HEADER * n, t)
+                req.branch_ctx, req.phase_extra = [req.ctx + HEADER] * n, HEADER * n
+                self._gate(req, "fork", HEADER * n, t)
             else:
                 self.slots += n - 1
         else:
-            r.serial_left = st
-            r.last_tok = t
+            req.serial_left = stage
+            req.last_tok = t
             if client:  # the join: every branch but the first is new to the radix cache, and a separator
-                self._gate(r, "join", sum(HEADER + b for b in stages[r.stage - 1][1:]) + 1, t)
+                self._gate(req, "join", sum(HEADER + b for b in stages[req.stage - 1][1:]) + 1, t)
 
-    def _prefilled(self, r: _Req, t: float) -> bool:
+    def _prefilled(self, req: _Req, t: float) -> bool:
         """Prefill done at t: first token (or, after a retraction, resume where it was); a client
         fork's branches get their first tokens, a client join the first token of its stage. True
         while the request decodes on."""
         self.dirty = True
-        if r.saved_ctx >= 0:
-            r.ctx, r.saved_ctx = r.saved_ctx, -1
-            gap = t - r.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
-            r.record.max_gap_s = gap if not r.record.max_gap_s >= gap else r.record.max_gap_s
+        if req.saved_ctx >= 0:
+            req.ctx, req.saved_ctx = req.saved_ctx, -1
+            gap = t - req.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
+            req.record.max_gap_s = gap if not req.record.max_gap_s >= gap else req.record.max_gap_s
             return True
-        kind, r.prefill_kind, r.prefill_reqs, r.gated = r.prefill_kind, "prompt", 1, False
+        kind, req.prefill_kind, req.prefill_reqs, req.gated = req.prefill_kind, "prompt", 1, False
         if kind == "fork":
-            self.kv += len(r.branch_left)
-            self._advance_phase(r, len(r.branch_left), 1, t)
-            return not (r.done or r.gated)
-        r.ctx += 1
+            self.kv += len(req.branch_left)
+            self._advance_phase(req, len(req.branch_left), 1, t)
+            return not (req.done or req.gated)
+        req.ctx += 1
         self.kv += 1
-        r.last_tok = t
+        req.last_tok = t
         if kind == "join":
-            r.stage_tok, r.serial_left = 1, r.serial_left - 1
-            if r.serial_left == 0:
-                self._close_serial(r, t)
-            return not (r.done or r.gated)
-        r.record.first_token_s = t
-        r.stage = 0
-        r.stage_start, r.stage_tok = t, 0
-        r.serial_left = r.spec.stages[0] - 1
-        if r.serial_left == 0:
-            self._next_stage(r, t)
-        return not (r.done or r.gated)
+            req.stage_tok, req.serial_left = 1, req.serial_left - 1
+            if req.serial_left == 0:
+                self._close_serial(req, t)
+            return not (req.done or req.gated)
+        req.record.first_token_s = t
+        req.stage = 0
+        req.stage_start, req.stage_tok = t, 0
+        req.serial_left = req.spec.stages[0] - 1
+        if req.serial_left == 0:
+            self._next_stage(req, t)
+        return not (req.done or req.gated)
 
-    def _close_serial(self, r: _Req, t: float) -> None:
-        r.record.stages.append(StageRecord(False, r.stage_start, t, r.stage_tok))
-        self._next_stage(r, t)
+    def _close_serial(self, req: _Req, t: float) -> None:
+        req.record.stages.append(StageRecord(False, req.stage_start, t, req.stage_tok))
+        self._next_stage(req, t)
 
-    def _advance_phase(self, r: _Req, w: int, k: int, t: float) -> bool:
-        """k steps of the first w ready branches of r, the last ending at t; False once it reduced."""
-        left, cl = r.branch_left, r.branch_ctx
+    def _advance_phase(self, req: _Req, w: int, k: int, t: float) -> bool:
+        """k steps of the first w ready branches of req, the last ending at t; False once it reduced."""
+        left, cl = req.branch_left, req.branch_ctx
         finished = 0
         for j in range(w):
             left[j] -= k
             cl[j] += k
             finished += left[j] == 0
-        r.phase_tok += w * k
-        r.last_tok = t
+        req.phase_tok += w * k
+        req.last_tok = t
         if not finished:
             return True
         self.dirty = True
         keep = [j for j in range(len(left)) if left[j] > 0]
         if keep:
-            r.branch_left, r.branch_ctx, r.branch_index = [left[j] for j in keep], [cl[j] for j in keep], [r.branch_index[j] for j in keep]
+            req.branch_left, req.branch_ctx, req.branch_index = ([left[j] for j in keep], [cl[j] for j in keep],
+                                                                  [req.branch_index[j] for j in keep])
             self.slots -= finished
             return True
         self.slots -= finished - 1  # the parent keeps one slot after the reduce
-        r.record.stages.append(StageRecord(True, r.phase_start, t, r.phase_tok))
-        r.ctx += r.phase_tok + r.phase_extra  # the reduce: every branch's tokens join the parent's context
-        r.branch_left, r.branch_ctx, r.branch_index, r.phase_extra = [], [], [], 0
-        self._next_stage(r, t)
+        req.record.stages.append(StageRecord(True, req.phase_start, t, req.phase_tok))
+        # the reduce: every branch's tokens join the parent's context
+        req.ctx += req.phase_tok + req.phase_extra
+        req.branch_left, req.branch_ctx, req.branch_index, req.phase_extra = [], [], [], 0
+        self._next_stage(req, t)
         return False
 
     # ----------------------------------------------------------------------------------- refit
@@ -485,9 +489,9 @@ class Simulator:
         the server."""
         specs, now = self.specs, self.now
         while self.next_arrival < len(specs) and specs[self.next_arrival].arrival_s <= now:
-            r = _Req(specs[self.next_arrival])
-            self.waiting.append(r)
-            self.everyone.append(r)
+            req = _Req(specs[self.next_arrival])
+            self.waiting.append(req)
+            self.everyone.append(req)
             self.next_arrival += 1
         gated = self.gated
         while gated and gated[0][0] <= now:
@@ -498,37 +502,37 @@ class Simulator:
         nxt = self.specs[self.next_arrival].arrival_s if self.next_arrival < len(self.specs) else math.inf
         return min(nxt, self.gated[0][0]) if self.gated else nxt
 
-    def _gate(self, r: _Req, kind: str, tokens: int, t: float) -> None:
+    def _gate(self, req: _Req, kind: str, tokens: int, t: float) -> None:
         """A client-side program's next request (a fork's branches or a join), sent when the stage
         before it ended at t: it reaches the server client_gap_s later and prefills `tokens`."""
-        r.prefill_kind, r.prefill_left, r.gated = kind, tokens, True
-        r.prefill_reqs = len(r.branch_left) if kind == "fork" else 1
-        self.kv -= r.ctx  # the radix cache keeps it, evictable, until the next request matches it
+        req.prefill_kind, req.prefill_left, req.gated = kind, tokens, True
+        req.prefill_reqs = len(req.branch_left) if kind == "fork" else 1
+        self.kv -= req.ctx  # the radix cache keeps it, evictable, until the next request matches it
         self.gate_seq += 1
-        heapq.heappush(self.gated, (t + self.cfg.client_gap_s, self.gate_seq, r))
+        heapq.heappush(self.gated, (t + self.cfg.client_gap_s, self.gate_seq, req))
 
     def _admit(self) -> None:
         """FCFS admission while the running limit and the KV pool allow (module docstring)."""
         wait, cap, kv_admit = self.waiting, self.running_cap, self.kv_admit
         while wait and self.slots < cap and self.kv + wait[0].prefill_left + (wait[0].ctx if wait[0].gated else 0) <= kv_admit:
-            r = wait.popleft()
-            self.prefilling.append(r)
-            self.slots += max(len(r.branch_left), 1)
-            if r.gated:  # a client's next request: its prefix comes back from the cache (not recomputed)
-                self.kv += r.ctx
+            req = wait.popleft()
+            self.prefilling.append(req)
+            self.slots += max(len(req.branch_left), 1)
+            if req.gated:  # a client's next request: its prefix comes back from the cache (not recomputed)
+                self.kv += req.ctx
 
     def _repartition(self) -> None:
         """The decode set or some request's stage changed: rebuild the serial and phase partitions."""
         self._catch_up()
-        dec = self.decoding = [r for r in self.decoding if not (r.done or r.gated)]
-        ser = self.serial = [r for r in dec if not r.branch_left]
-        self.phased = [r for r in dec if r.branch_left]
+        dec = self.decoding = [req for req in self.decoding if not (req.done or req.gated)]
+        ser = self.serial = [req for req in dec if not req.branch_left]
+        self.phased = [req for req in dec if req.branch_left]
         ser_ctx, ser_k = 0, _BIG
-        for r in ser:
-            ser_ctx += r.ctx
-            ser_k = min(ser_k, r.serial_left)
+        for req in ser:
+            ser_ctx += req.ctx
+            ser_k = min(ser_k, req.serial_left)
         self.serial_ctx, self.serial_steps = ser_ctx, ser_k
-        self.wide = any(len(r.branch_ctx) > 1 for r in self.phased)
+        self.wide = any(len(req.branch_ctx) > 1 for req in self.phased)
         if not self.static:
             self.driver.forget(dec)
         self.dirty, self.fresh, self.cached_widths = False, True, None
@@ -541,18 +545,18 @@ class Simulator:
         replace KV the branches already hold."""
         chunk_max = self.cfg.chunk_tokens
         chunk, kv, reqs, filled = 0, 0, 0, []
-        for r in self.prefilling:
-            take = min(r.prefill_left, chunk_max - chunk)
-            r.prefill_left -= take
-            resume = r.saved_ctx >= 0
-            if resume or r.prefill_kind == "prompt":
-                r.ctx += take
-            if resume or r.prefill_kind != "join":
+        for req in self.prefilling:
+            take = min(req.prefill_left, chunk_max - chunk)
+            req.prefill_left -= take
+            resume = req.saved_ctx >= 0
+            if resume or req.prefill_kind == "prompt":
+                req.ctx += take
+            if resume or req.prefill_kind != "join":
                 kv += take
             chunk += take
-            reqs += r.prefill_reqs
-            if r.prefill_left == 0:
-                filled.append(r)
+            reqs += req.prefill_reqs
+            if req.prefill_left == 0:
+                filled.append(req)
             if chunk >= chunk_max:
                 break
         self.kv += kv
@@ -574,9 +578,9 @@ class Simulator:
             if self.wide:  # otherwise every width is 1 and the hook never calls select
                 self._plan_phases(step)
             else:
-                for r in self.phased:
-                    step.ctx += r.branch_ctx[0]
-                    step.k = min(step.k, r.branch_left[0])
+                for req in self.phased:
+                    step.ctx += req.branch_ctx[0]
+                    step.k = min(step.k, req.branch_left[0])
                 step.rows += len(self.phased)
             step.host = self._host_s(step) + (host.prefill(reqs) - host.prefill.fixed_s if chunk else 0.0)
             step.base = m.predict(step.rows, step.ctx, chunk) + step.host
@@ -590,7 +594,7 @@ class Simulator:
         host = self.host
         if not (host.step or host.plan or host.subset or host.same_subset):
             return 0.0
-        live = len(self.serial) + sum(len(r.branch_ctx) for r in self.phased)
+        live = len(self.serial) + sum(len(req.branch_ctx) for req in self.phased)
         extra = host.step(step.rows)
         if self.wide and not self.static:
             extra += host.plan(live)
@@ -614,7 +618,7 @@ class Simulator:
         else:
             step.row_list = self.driver.rows(par, ser, self.lag)
             step.active = self.driver.select(step.row_list, self.now, len(self.waiting))
-            owner = np.repeat(np.arange(len(par)), [len(r.branch_ctx) for r in par])
+            owner = np.repeat(np.arange(len(par)), [len(req.branch_ctx) for req in par])
             a = np.asarray(step.active)
             widths = np.bincount(owner[a[a < len(owner)]], minlength=len(par)).tolist()
             step.all_in = len(step.active) == len(step.row_list)
@@ -623,18 +627,18 @@ class Simulator:
         step.widths = widths
         need_k = self.cfg.macro_steps
         rows, ctx, k, elig = step.rows, step.ctx, step.k, 0
-        for r, w in zip(par, widths, strict=True):
-            cl = r.branch_ctx
+        for req, w in zip(par, widths, strict=True):
+            cl = req.branch_ctx
             elig += len(cl)
             rows += w
             if w == 1:
                 ctx += cl[0]
-                if need_k and r.branch_left[0] < k:
-                    k = r.branch_left[0]
+                if need_k and req.branch_left[0] < k:
+                    k = req.branch_left[0]
             else:
                 ctx += sum(cl[:w])
                 if need_k:
-                    k = min(k, min(r.branch_left[:w]))
+                    k = min(k, min(req.branch_left[:w]))
         step.rows, step.ctx, step.k = rows, ctx, k
         step.admitted = rows - len(ser) - len(par)
         step.eligible = elig - len(par)
@@ -686,11 +690,11 @@ class Simulator:
             # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
             self._advance_serial(k, t)
             self._advance_phases(step.widths, k, t)
-        for r in step.filled:
-            if self._prefilled(r, t):
-                self.decoding.append(r)
+        for req in step.filled:
+            if self._prefilled(req, t):
+                self.decoding.append(req)
         if step.filled:
-            self.prefilling = [r for r in self.prefilling if r.prefill_left > 0]
+            self.prefilling = [req for req in self.prefilling if req.prefill_left > 0]
         self.now = t
         if self.kv > self.cfg.kv_tokens:
             self._catch_up()
@@ -723,13 +727,13 @@ class Simulator:
             return
         kk, self.lag = k + self.lag, 0
         ser_ctx, ser_k = 0, _BIG
-        for r in ser:
-            r.stage_tok += kk
-            r.last_tok = t
-            left = r.serial_left = r.serial_left - kk
-            c = r.ctx = r.ctx + kk
+        for req in ser:
+            req.stage_tok += kk
+            req.last_tok = t
+            left = req.serial_left = req.serial_left - kk
+            c = req.ctx = req.ctx + kk
             if left == 0:
-                self._close_serial(r, t)
+                self._close_serial(req, t)
                 continue
             ser_ctx += c
             if left < ser_k:
@@ -738,27 +742,27 @@ class Simulator:
 
     def _advance_phases(self, widths: list[int] | None, k: int, t: float) -> None:
         """k steps of each phase's first `width` branches, the last at t."""
-        for j, r in enumerate(self.phased):
+        for j, req in enumerate(self.phased):
             w = widths[j] if widths else 1
-            left = r.branch_left
+            left = req.branch_left
             if w == 1 and left[0] > k:  # the common case, inlined: no branch ends
                 left[0] -= k
-                r.branch_ctx[0] += k
-                r.phase_tok += k
-                r.last_tok = t
+                req.branch_ctx[0] += k
+                req.phase_tok += k
+                req.last_tok = t
             else:
-                self._advance_phase(r, w, k, t)
+                self._advance_phase(req, w, k, t)
 
     def _catch_up(self) -> None:
         """Write the lazily advanced serial tokens into the serial requests."""
         lag, t = self.lag, self.lag_t
         if not lag:
             return
-        for r in self.serial:
-            r.stage_tok += lag
-            r.last_tok = t
-            r.serial_left -= lag
-            r.ctx += lag
+        for req in self.serial:
+            req.stage_tok += lag
+            req.last_tok = t
+            req.serial_left -= lag
+            req.ctx += lag
         self.lag = 0
 
     def _result(self, t_wall: float, t_cpu: float) -> SimResult:
@@ -772,7 +776,7 @@ class Simulator:
             stats["refits"] = ctl.refit.refits
             pm = self.policy.model
             stats["model_after"] = list(pm.coefs()) if hasattr(pm, "coefs") else pm.value_s
-        recs = [r.record for r in self.everyone]
+        recs = [req.record for req in self.everyone]
         set_max_gaps(recs, self.log, self.now)
         return SimResult(self.policy.name, recs, self.log, stats["wall_s"], stats)
 
@@ -795,18 +799,18 @@ class Simulator:
     def _retract(self) -> None:
         """Free the newest requests' KV until the pool fits; they re-prefill what they held."""
         dec, wait = self.decoding, self.waiting
-        live = [r for r in dec if not (r.done or r.gated)]
+        live = [req for req in dec if not (req.done or req.gated)]
         while self.kv > self.cfg.kv_tokens and len(live) > 1:
-            r = live.pop()
-            dec.remove(r)
+            req = live.pop()
+            dec.remove(req)
             self.retractions += 1
-            r.gone_s = r.last_tok
-            kv = r.kv
+            req.gone_s = req.last_tok
+            kv = req.kv
             self.kv -= kv
-            self.slots -= max(len(r.branch_left), 1)
-            r.prefill_left, r.saved_ctx, r.ctx = kv, r.ctx, 0
-            r.prefill_reqs = max(len(r.branch_left), 1)
-            wait.appendleft(r)
+            self.slots -= max(len(req.branch_left), 1)
+            req.prefill_left, req.saved_ctx, req.ctx = kv, req.ctx, 0
+            req.prefill_reqs = max(len(req.branch_left), 1)
+            wait.appendleft(req)
         self.dirty = True
 
 
@@ -818,19 +822,19 @@ def set_max_gaps(recs: list[RequestRecord], log: StepLog, t_end: float) -> None:
     mx = np.append(np.asarray(log.max_latency_s, float), 0.0)
     if not len(recs):
         return
-    first = np.array([r.first_token_s for r in recs], float)
-    last = np.array([r.stages[-1].end_s if r.stages else r.first_token_s for r in recs], float)
-    last = np.where([r.finished for r in recs], last, t_end)
+    first = np.array([rec.first_token_s for rec in recs], float)
+    last = np.array([rec.stages[-1].end_s if rec.stages else rec.first_token_s for rec in recs], float)
+    last = np.where([rec.finished for rec in recs], last, t_end)
     lo = np.searchsorted(t, np.nan_to_num(first, nan=np.inf), side="left")
     hi = np.searchsorted(t, last, side="left")
     idx = np.empty(2 * len(recs), np.int64)
     idx[0::2], idx[1::2] = np.minimum(lo, len(t)), np.minimum(hi, len(t))
     step_max = np.maximum.reduceat(mx, idx)[0::2]
-    for r, a, b, g in zip(recs, lo, hi, step_max.tolist(), strict=True):
-        if r.first_token_s != r.first_token_s:
+    for rec, a, b, gap in zip(recs, lo, hi, step_max.tolist(), strict=True):
+        if rec.first_token_s != rec.first_token_s:
             continue
-        g = g if b > a else 0.0
-        r.max_gap_s = g if not r.max_gap_s >= g else r.max_gap_s
+        gap = gap if b > a else 0.0
+        rec.max_gap_s = gap if not rec.max_gap_s >= gap else rec.max_gap_s
 
 
 def _steps_until(base: float, d: float, span: float) -> int:

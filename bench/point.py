@@ -64,14 +64,16 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
     setup.duration_s (+ drain), wait until the server is idle again; the point's metrics and the run."""
     flushed = flush_cache(url)
     schedule, specs = setup.programs(rate, seed)
-    run = Run(policy, [Outcome(s) for s in specs])
-    tg = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab, generate=setup.generate)
-    execute(run, tg, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
-    if any(o.started and not o.finished for o in run.outcomes):
+    run = Run(policy, [Outcome(spec) for spec in specs])
+    target = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab,
+                    generate=setup.generate)
+    execute(run, target, schedule.duration_s + setup.drain_s, setup.poll_s, progress)
+    if any(outcome.started and not outcome.finished for outcome in run.outcomes):
         abort_all(url)
     idle = flush_cache(url) if not run.interrupted else False  # waits until the server is idle
     res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
-    m = point_metrics(rate, res, specs, schedule.duration_s) | {"cache_flushed": flushed, "left_idle": idle}
+    metrics = (point_metrics(rate, res, specs, schedule.duration_s)
+               | {"cache_flushed": flushed, "left_idle": idle})
     if setup.stream_interval > 1:  # a delivery carries n tokens: the per-gap reading does not apply
-        m["slo_attainment_gap"] = m["max_gap_p99_ms"] = None
-    return m, run
+        metrics["slo_attainment_gap"] = metrics["max_gap_p99_ms"] = None
+    return metrics, run

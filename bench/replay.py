@@ -75,12 +75,12 @@ def _auto_float(text: str) -> float | None:
     if text == "auto":
         return None
     try:
-        v = float(text)
+        value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
-    if not v > 0:
+    if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {text!r}")
-    return v
+    return value
 
 
 _POINT_FLAGS = (  # flag, type, default, help
@@ -116,9 +116,9 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--prompt-scale", type=float, default=_DEF.prompt_scale)
     ap.add_argument("--max-prompt-tokens", type=int, default=_DEF.max_prompt_tokens)
     ap.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
-    g = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
+    point_flags = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
     for flag, kind, default, text in _POINT_FLAGS:
-        g.add_argument(flag, type=kind, default=default, help=text)
+        point_flags.add_argument(flag, type=kind, default=default, help=text)
     ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
     ap.add_argument("--server-args", default="", help="extra flags for --launch servers")
     ap.add_argument("--max-total-tokens", type=int, default=65536,
@@ -137,27 +137,31 @@ def _parser() -> argparse.ArgumentParser:
 def parse_args(argv: list[str] | None) -> ReplayOptions:
     """The flags as ReplayOptions; a bad value exits 2 with the reason (argparse)."""
     ap = _parser()
-    a = ap.parse_args(argv)
-    if a.load is None:
+    args = ap.parse_args(argv)
+    if args.load is None:
         ap.error("--load takes a number > 0")
     try:
-        scaling = Scaling(a.output_scale, a.max_stage_tokens, a.prompt_scale, a.max_prompt_tokens, a.max_program_tokens)
+        scaling = Scaling(args.output_scale, args.max_stage_tokens, args.prompt_scale, args.max_prompt_tokens,
+                          args.max_program_tokens)
     except ValueError as e:
         ap.error(str(e))
-    policies = tuple(p.strip() for p in a.policies.split(",") if p.strip())
-    cal = Calibration(a.schedule, a.duration_s, a.preset, a.seed, a.slo_tpot_ms, a.rate_scale, a.slo_rows,
-                      a.slo_context, a.slo_floor, a.load, a.latency_model, a.launch)
+    policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
+    cal = Calibration(args.schedule, args.duration_s, args.preset, args.seed, args.slo_tpot_ms,
+                      args.rate_scale, args.slo_rows, args.slo_context, args.slo_floor, args.load,
+                      args.latency_model, args.launch)
     return ReplayOptions(
-        a.out, cal, a.url, a.model, a.compare, policies, a.policy_label, a.trace, a.drain_s, scaling, a.taper_rho,
-        a.server_args, a.max_total_tokens, a.vocab, a.server_threads, a.stream_interval, a.poll_s,
-        not a.no_plots, not a.no_progress)
+        args.out, cal, args.url, args.model, args.compare, policies, args.policy_label, args.trace, args.drain_s,
+        scaling, args.taper_rho, args.server_args, args.max_total_tokens, args.vocab, args.server_threads,
+        args.stream_interval, args.poll_s, not args.no_plots, not args.no_progress)
 
 
 # ------------------------------------------------------------------------------------- servers
-def _server(o: ReplayOptions, policy: str, pt: Point | None) -> LocalServer:
+def _server(opts: ReplayOptions, policy: str, point: Point | None) -> LocalServer:
     """A --launch server (not started) for `policy` at the operating point, once it is known."""
-    settings = ServerSettings(o.model, o.taper_rho, o.server_threads, o.max_total_tokens, o.server_args)
-    return settings.server(policy, pt.slo_tpot_ms if pt else None, pt.latency_model if pt else None)
+    settings = ServerSettings(opts.model, opts.taper_rho, opts.server_threads, opts.max_total_tokens,
+                              opts.server_args)
+    return settings.server(policy, point.slo_tpot_ms if point else None,
+                           point.latency_model if point else None)
 
 
 # ---------------------------------------------------------------------------------- one bench run
@@ -176,26 +180,28 @@ class Workload:
     config: dict[str, Any]
 
 
-def prepare(o: ReplayOptions, trace: Any, pt: Point) -> Workload:
-    schedule = fit_schedule(trace, o.cal.schedule, o.cal.duration_s, pt.rate_scale)
-    specs = build_programs(trace, schedule, o.cal.preset, o.cal.seed, o.scaling)
-    wl = workload_stats(specs)
-    auto_slo, auto_rate = o.cal.slo_tpot_ms is None, o.cal.rate_scale is None
+def prepare(opts: ReplayOptions, trace: Any, point: Point) -> Workload:
+    schedule = fit_schedule(trace, opts.cal.schedule, opts.cal.duration_s, point.rate_scale)
+    specs = build_programs(trace, schedule, opts.cal.preset, opts.cal.seed, opts.scaling)
+    stats = workload_stats(specs)
+    auto_slo, auto_rate = opts.cal.slo_tpot_ms is None, opts.cal.rate_scale is None
     config = {
-        "trace": o.trace, "schedule": schedule.name, "duration_s": schedule.duration_s,
-        "rate_scale": pt.rate_scale, "preset": o.cal.preset, "seed": o.cal.seed, "scaling": asdict(o.scaling),
-        "slo_tpot_ms": pt.slo_tpot_ms, "slo_rows": o.cal.slo_rows if auto_slo else None,
-        "slo_floor": o.cal.slo_floor if auto_slo else None, "slo_context": o.cal.slo_context if auto_slo else None,
-        "load": o.cal.load if auto_rate else None, "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
-        "taper_rho": o.taper_rho if o.launch else None, "latency_model": pt.latency_model,
-        "calibration_probe": pt.probe.as_dict() if pt.probe else None,
-        "server": ("launch " + o.model) if o.launch else o.url, "server_threads": o.server_threads if o.launch else None,
-        "stream_interval": o.stream_interval, "workload": wl,
+        "trace": opts.trace, "schedule": schedule.name, "duration_s": schedule.duration_s,
+        "rate_scale": point.rate_scale, "preset": opts.cal.preset, "seed": opts.cal.seed,
+        "scaling": asdict(opts.scaling),
+        "slo_tpot_ms": point.slo_tpot_ms, "slo_rows": opts.cal.slo_rows if auto_slo else None,
+        "slo_floor": opts.cal.slo_floor if auto_slo else None, "slo_context": opts.cal.slo_context if auto_slo else None,
+        "load": opts.cal.load if auto_rate else None, "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
+        "taper_rho": opts.taper_rho if opts.launch else None, "latency_model": point.latency_model,
+        "calibration_probe": point.probe.as_dict() if point.probe else None,
+        "server": ("launch " + opts.model) if opts.launch else opts.url,
+        "server_threads": opts.server_threads if opts.launch else None,
+        "stream_interval": opts.stream_interval, "workload": stats,
         "step_series": "server /metrics deltas, polled every 1 s",
     }
     print(f"{len(specs)} programs over {schedule.duration_s:.0f} s ({schedule.name}), "
-          f"{config['demand_tok_s']:.0f} tok/s demanded, SLO {pt.slo_tpot_ms:.1f} ms, "
-          f"{wl['pdr']:.0%} decomposable, ABF {wl['abf']:.1f}", flush=True)
+          f"{config['demand_tok_s']:.0f} tok/s demanded, SLO {point.slo_tpot_ms:.1f} ms, "
+          f"{stats['pdr']:.0%} decomposable, ABF {stats['abf']:.1f}", flush=True)
     return Workload(schedule, specs, config)
 
 
@@ -203,7 +209,7 @@ def prepare(o: ReplayOptions, trace: Any, pt: Point) -> Workload:
 class Bench:
     """One invocation: the operating point once known, and what each policy's run produced."""
 
-    o: ReplayOptions
+    opts: ReplayOptions
     trace: Any
     pt: Point | None = None
     work: Workload | None = None
@@ -213,25 +219,27 @@ class Bench:
 
     @property
     def out(self) -> Path:
-        return Path(self.o.out)
+        return Path(self.opts.out)
 
-    def point(self, p: Probe | None) -> Point:
+    def point(self, probe: Probe | None) -> Point:
         """The operating point, calibrated on the first probe; the workload follows from it."""
         if self.pt is None:
-            assert p is not None
-            self.pt = calibrate(self.o.cal, self.trace, self.o.scaling, p, self.out)
+            assert probe is not None
+            self.pt = calibrate(self.opts.cal, self.trace, self.opts.scaling, probe, self.out)
         if self.work is None:
-            self.work = prepare(self.o, self.trace, self.pt)
+            self.work = prepare(self.opts, self.trace, self.pt)
         return self.pt
 
-    def _replay(self, policy: str, url: str, p: Probe | None) -> Run:
-        o, pt = self.o, self.point(p)
+    def _replay(self, policy: str, url: str, probe: Probe | None) -> Run:
+        opts, point = self.opts, self.point(probe)
         assert self.work is not None
-        run = Run(policy, [Outcome(s) for s in self.work.specs])
-        tg = Target(url, pt.slo_tpot_ms, o.cal.seed, o.stream_interval, vocab=o.vocab)
-        execute(run, tg, self.work.schedule.duration_s + o.drain_s, o.poll_s, progress=o.progress)
-        res = summarize_run(run, pt.slo_tpot_ms / 1e3, self.work.schedule)
-        res["run"]["probe"] = p.as_dict() | {"at_slo_rows_ms": 1e3 * p.at(o.cal.slo_rows, o.cal.slo_context)} if p else None
+        run = Run(policy, [Outcome(spec) for spec in self.work.specs])
+        target = Target(url, point.slo_tpot_ms, opts.cal.seed, opts.stream_interval, vocab=opts.vocab)
+        execute(run, target, self.work.schedule.duration_s + opts.drain_s, opts.poll_s, progress=opts.progress)
+        res = summarize_run(run, point.slo_tpot_ms / 1e3, self.work.schedule)
+        cal = opts.cal
+        res["run"]["probe"] = (probe.as_dict() | {"at_slo_rows_ms": 1e3 * probe.at(cal.slo_rows, cal.slo_context)}
+                               if probe else None)
         self.runs[policy], self.results[policy] = run, res
         if run.warning:
             print(f"{policy}: warning: {run.warning}", file=sys.stderr)
@@ -239,17 +247,17 @@ class Bench:
 
     def run_policy(self, policy: str) -> bool:
         """Start (or reuse) the server, probe it, replay; False when the whole bench must stop."""
-        o = self.o
-        server = _server(o, policy, self.pt) if o.launch else None
+        opts = self.opts
+        server = _server(opts, policy, self.pt) if opts.launch else None
         stop = False
         try:
-            url = server.start().url if server else o.url
+            url = server.start().url if server else opts.url
             assert url is not None
-            p = probe_url(url) if o.launch else (self.pt.probe if self.pt else None)
-            self.point(p)  # the first (non-taper) server calibrates the operating point
+            probe = probe_url(url) if opts.launch else (self.pt.probe if self.pt else None)
+            self.point(probe)  # the first (non-taper) server calibrates the operating point
             policy = policy or (server_report(url) or {}).get("policy") or "server"  # --url: the server's own
-            run = self._replay(policy, url, p)
-            stop = run.interrupted or (run.error is not None and not o.launch)
+            run = self._replay(policy, url, probe)
+            stop = run.interrupted or (run.error is not None and not opts.launch)
         except (ServerError, ConnectionError, RuntimeError) as e:  # start, probe or a bug in between
             self.results[policy] = {"run": {"error": f"{type(e).__name__}: {e}"}, "partial": True}
         except KeyboardInterrupt:  # during a server start or probe
@@ -265,86 +273,88 @@ class Bench:
     def save(self, expected: int, stopped: bool) -> None:
         if self.work is None:
             return
-        partial = stopped or any(r.get("partial") for r in self.results.values()) or len(self.results) < expected
+        partial = (stopped or any(res.get("partial") for res in self.results.values())
+                   or len(self.results) < expected)
         write_results(self.out, self.results, self.work.config, partial, time.perf_counter() - self.t_wall)
         write_records(self.out, self.runs)
 
     def report(self) -> None:
-        if self.o.plots and self.runs and self.work and self.pt:
+        if self.opts.plots and self.runs and self.work and self.pt:
             from bench.plots import plot_run
 
-            plot_run({k: _Plotted(r.records, r.steps) for k, r in self.runs.items()}, self.work.schedule,
-                     self.pt.slo_tpot_ms / 1e3, self.out)
+            plotted = {policy: _Plotted(run.records, run.steps) for policy, run in self.runs.items()}
+            plot_run(plotted, self.work.schedule, self.pt.slo_tpot_ms / 1e3, self.out)
         print(report_text(self.results))
 
 
-def run_bench(b: Bench, policies: list[str]) -> int:
+def run_bench(bench: Bench, policies: list[str]) -> int:
     """Every policy at one operating point; partial results are saved after each. Exit code."""
     stopped = False
     for policy in policies:
-        stopped = not b.run_policy(policy)
-        b.save(len(policies), stopped)
+        stopped = not bench.run_policy(policy)
+        bench.save(len(policies), stopped)
         if stopped:
             break
-    if b.work is None:
+    if bench.work is None:
         print("error: no run started", file=sys.stderr)
         return 1
-    b.report()
-    failed = any(r.get("run", {}).get("error") for r in b.results.values())
-    print(f"\nwall {time.perf_counter() - b.t_wall:.0f} s -> {b.out / 'results.json'}"
+    bench.report()
+    failed = any(res.get("run", {}).get("error") for res in bench.results.values())
+    print(f"\nwall {time.perf_counter() - bench.t_wall:.0f} s -> {bench.out / 'results.json'}"
           + (" (PARTIAL)" if failed or stopped else ""))
-    if stopped and any(r.get("run", {}).get("interrupted") for r in b.results.values()):
+    if stopped and any(res.get("run", {}).get("interrupted") for res in bench.results.values()):
         return 130
     return 1 if failed else 0
 
 
 # ------------------------------------------------------------------------------------------- CLI
-def _policies(o: ReplayOptions) -> list[str]:
+def _policies(opts: ReplayOptions) -> list[str]:
     """The runs: one per --policies with --compare; --url runs once, as the server's own policy."""
-    if not o.compare:
-        return [o.policy_label or ""]
-    if o.url:
-        pol = (server_report(o.url) or {}).get("policy") or "unknown"
-        print(f"note: --url {o.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
+    if not opts.compare:
+        return [opts.policy_label or ""]
+    if opts.url:
+        pol = (server_report(opts.url) or {}).get("policy") or "unknown"
+        print(f"note: --url {opts.url}: the server's policy is fixed ({pol}); running once as {pol!r}. "
               f"Use --launch to compare policies.")
-        return [o.policy_label or pol]
-    return list(o.policies)
+        return [opts.policy_label or pol]
+    return list(opts.policies)
 
 
-def _calibrate_first(b: Bench, policies: list[str]) -> None:
+def _calibrate_first(bench: Bench, policies: list[str]) -> None:
     """The operating point before the first run, where it can be had (taper's server needs the T(S)
     fit at start: calibrate on an off server first)."""
-    o, c = b.o, b.o.cal
-    if not c.needs_probe:
-        b.pt = c.given()
-    elif o.launch and policies[0].startswith("taper"):
-        with _server(o, "off", None) as srv:
-            b.point(probe_url(srv.url))
-    elif o.url:
-        b.point(probe_url(o.url))
+    opts, cal = bench.opts, bench.opts.cal
+    if not cal.needs_probe:
+        bench.pt = cal.given()
+    elif opts.launch and policies[0].startswith("taper"):
+        with _server(opts, "off", None) as srv:
+            bench.point(probe_url(srv.url))
+    elif opts.url:
+        bench.point(probe_url(opts.url))
 
 
 def main(argv: list[str] | None = None) -> int:
-    o = parse_args(argv)
+    opts = parse_args(argv)
     try:
-        trace = load_trace(o.trace)
-        fit_schedule(trace, o.cal.schedule, o.cal.duration_s, o.cal.rate_scale or 1.0)  # a bad schedule fails now
-        if o.cal.latency_model not in ("auto", "none"):
-            load_model(o.cal.latency_model)
+        trace = load_trace(opts.trace)
+        # a bad schedule fails now
+        fit_schedule(trace, opts.cal.schedule, opts.cal.duration_s, opts.cal.rate_scale or 1.0)
+        if opts.cal.latency_model not in ("auto", "none"):
+            load_model(opts.cal.latency_model)
     except ValueError as e:  # a TraceError too
         print(f"error: {e}", file=sys.stderr)
         return 2
-    policies = _policies(o)
-    b = Bench(o, trace)
+    policies = _policies(opts)
+    bench = Bench(opts, trace)
     try:
-        _calibrate_first(b, policies)
+        _calibrate_first(bench, policies)
     except (ServerError, ConnectionError, RuntimeError) as e:
         print(f"error: calibration failed: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted during calibration; nothing measured", file=sys.stderr)
         return 130
-    return run_bench(b, policies)
+    return run_bench(bench, policies)
 
 
 if __name__ == "__main__":

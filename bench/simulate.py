@@ -49,25 +49,27 @@ def _run_job(job: Job, specs: list[RequestSpec], model: LinearLatencyModel, cfg:
 def run_jobs(jobs: list[Job], specs: list[RequestSpec], model: LinearLatencyModel, cfg: EngineConfig,
              duration: float, seed: int, workers: int = 1) -> dict[str, SimResult]:
     # slowest first: per-step policies dominate the wall time
-    order = sorted(jobs, key=lambda j: not j.policy.startswith("taper"))
+    order = sorted(jobs, key=lambda job: not job.policy.startswith("taper"))
     if workers <= 1 or len(jobs) == 1:
-        done = {j.key: _run_job(j, specs, model, cfg, duration, seed) for j in order}
+        done = {job.key: _run_job(job, specs, model, cfg, duration, seed) for job in order}
     else:
-        with ProcessPoolExecutor(workers) as ex:
-            futs = {j.key: ex.submit(_run_job, j, specs, model, cfg, duration, seed) for j in order}
-            done = {k: f.result() for k, f in futs.items()}
-    return {j.key: done[j.key] for j in jobs}
+        with ProcessPoolExecutor(workers) as pool:
+            futs = {job.key: pool.submit(_run_job, job, specs, model, cfg, duration, seed) for job in order}
+            done = {key: fut.result() for key, fut in futs.items()}
+    return {job.key: done[job.key] for job in jobs}
 
 
 def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool = False) -> list[Job]:
-    jobs = [Job(p, p, rho, calibrated) for p in policies]
+    jobs = [Job(policy, policy, rho, calibrated) for policy in policies]
     if ablations:
-        names = {j.key for j in jobs}
+        names = {job.key for job in jobs}
         abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-defer-cost", "taper-no-slack",
                "taper-no-replan",
                "taper-const-predictor")
-        jobs += [Job(p, p, rho, calibrated) for p in abl if p in POLICY_NAMES and p not in names]
-        jobs += [Job(f"taper(rho={r:g})", "taper", r, calibrated) for r in (0.5, 0.8, 1.0) if r != rho]
+        jobs += [Job(policy, policy, rho, calibrated) for policy in abl
+                 if policy in POLICY_NAMES and policy not in names]
+        jobs += [Job(f"taper(rho={alt:g})", "taper", alt, calibrated)
+                 for alt in (0.5, 0.8, 1.0) if alt != rho]
     return jobs
 
 
@@ -76,18 +78,18 @@ def comparison_table(results: dict[str, dict], baseline: str = "off") -> str:
     """One row per policy: attainment over all arrivals, finished fraction and P99 TTFT first."""
     base = results.get(baseline, {}).get("goodput_tok_s")
 
-    def ratio(_k: str, r: dict) -> str:
-        return fmt(r["goodput_tok_s"] / base if base else None, nd=2)
+    def ratio(_k: str, row: dict) -> str:
+        return fmt(row["goodput_tok_s"] / base if base else None, nd=2)
 
-    def high(_k: str, r: dict) -> str:
-        return fmt(r.get("per_regime", {}).get("high", {}).get("slo_attainment"), True)
+    def high(_k: str, row: dict) -> str:
+        return fmt(row.get("per_regime", {}).get("high", {}).get("slo_attainment"), True)
 
     cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x off", 7, ratio), *HEADLINE,
             Col("att-high", 9, high), Col("att-gap", 8, key("slo_attainment_gap", True)),
             Col("raw tok/s", 10, key("raw_throughput_tok_s")),
-            Col("P99 ser", 9, lambda _k, r: num(r["p99_tpot_serial_ms"])),
-            Col("P99 par", 9, lambda _k, r: num(r["p99_tpot_parallel_ms"])),
-            Col("P99 gap", 9, lambda _k, r: num(r.get("max_gap_p99_ms"))),
+            Col("P99 ser", 9, lambda _k, row: num(row["p99_tpot_serial_ms"])),
+            Col("P99 par", 9, lambda _k, row: num(row["p99_tpot_parallel_ms"])),
+            Col("P99 gap", 9, lambda _k, row: num(row.get("max_gap_p99_ms"))),
             Col("step ms", 8, key("step_latency_mean_ms")), Col("admit", 7, key("admission_rate", True, 0)),
             *LATENCY_COLS]
     return render(results, cols, name_width=24)
@@ -100,29 +102,30 @@ def latency_lines(results: dict[str, dict], focus: str = "taper") -> list[str]:
         return []
     out = []
     windows = {"run": dict(results)}
-    for g in dict.fromkeys(g for r in results.values() for g in r.get("per_regime", {})):
-        windows[g] = {k: r["per_regime"].get(g, {}) for k, r in results.items()}
+    for regime in dict.fromkeys(regime for row in results.values() for regime in row.get("per_regime", {})):
+        windows[regime] = {policy: row["per_regime"].get(regime, {}) for policy, row in results.items()}
     for name, per in windows.items():
-        c = latency_check(0.0, {k: load_point(0.0, m) for k, m in per.items()}, focus)
-        out.append(f"latency check ({name}): " + c.line(focus).split(": ", 1)[1])
+        check = latency_check(0.0, {policy: load_point(0.0, row) for policy, row in per.items()}, focus)
+        out.append(f"latency check ({name}): " + check.line(focus).split(": ", 1)[1])
     return out
 
 
 def regime_table(results: dict[str, dict]) -> str:
     """Per regime: mean step latency, attainment, finished fraction, P99 TTFT, admission rate."""
-    regimes = [g for g in ("low", "high", "moderate") if any(g in r["per_regime"] for r in results.values())]
+    regimes = [regime for regime in ("low", "high", "moderate")
+               if any(regime in row["per_regime"] for row in results.values())]
     if not regimes:
         return ""
 
-    def cell(g: str, name: str, f: Any) -> Col:
-        return Col(f"{g[:4]} {name}", 12, lambda _k, r: f(r["per_regime"].get(g, {})))
+    def cell(regime: str, name: str, pick: Any) -> Col:
+        return Col(f"{regime[:4]} {name}", 12, lambda _k, row: pick(row["per_regime"].get(regime, {})))
 
-    cols = [c for g in regimes for c in (
-        cell(g, "step", lambda x: fmt(x.get("step_latency_mean_ms"))),
-        cell(g, "att", lambda x: fmt(x.get("slo_attainment"), True)),
-        cell(g, "done", lambda x: fmt(x.get("finished_frac"), True)),
-        cell(g, "TTFT99", lambda x: num(x.get("ttft_p99_s"))),
-        cell(g, "adm", lambda x: fmt(x.get("admission_rate"), True, 0)))]
+    cols = [col for regime in regimes for col in (
+        cell(regime, "step", lambda x: fmt(x.get("step_latency_mean_ms"))),
+        cell(regime, "att", lambda x: fmt(x.get("slo_attainment"), True)),
+        cell(regime, "done", lambda x: fmt(x.get("finished_frac"), True)),
+        cell(regime, "TTFT99", lambda x: num(x.get("ttft_p99_s"))),
+        cell(regime, "adm", lambda x: fmt(x.get("admission_rate"), True, 0)))]
     return render(results, cols, name_width=24)
 
 
@@ -178,11 +181,12 @@ def parse_args(argv: list[str] | None) -> SimOptions:
     ap.add_argument("--noise", type=float, default=_DEF.noise)
     ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     ap.add_argument("--no-plots", action="store_true")
-    a = ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     return SimOptions(
-        a.trace, a.out, a.schedule, tuple(p.strip() for p in a.policies.split(",") if p.strip()), a.slo_tpot_ms,
-        a.slo_ttft_s, a.rho, a.seed, a.latency_model, a.ablations, a.preset, a.compress, a.trace_outputs,
-        a.max_running, a.kv_tokens, a.chunk_tokens, a.noise, a.jobs, not a.no_plots)
+        args.trace, args.out, args.schedule, policies, args.slo_tpot_ms, args.slo_ttft_s, args.rho, args.seed,
+        args.latency_model, args.ablations, args.preset, args.compress, args.trace_outputs, args.max_running,
+        args.kv_tokens, args.chunk_tokens, args.noise, args.jobs, not args.no_plots)
 
 
 @dataclass(slots=True)
@@ -195,75 +199,79 @@ class _Setup:
     cfg: EngineConfig
 
 
-def _setup(o: SimOptions) -> _Setup:
+def _setup(opts: SimOptions) -> _Setup:
     """Load and check everything a run needs; ValueError names what is wrong."""
-    trace = load_trace(o.trace)
-    model = load_model(o.latency_model) if o.latency_model else default_model()
-    sched = build_schedule(trace, o.schedule, o.compress)
-    for p in o.policies:
-        parse_policy(p)
+    trace = load_trace(opts.trace)
+    model = load_model(opts.latency_model) if opts.latency_model else default_model()
+    sched = build_schedule(trace, opts.schedule, opts.compress)
+    for policy in opts.policies:
+        parse_policy(policy)
     if not isinstance(model, LinearLatencyModel):
         raise ValueError("the engine needs a linear latency model")
-    specs = compose(trace, sched, o.preset, o.seed, trace_outputs=o.trace_outputs)
-    slo_s = o.slo_tpot_ms / 1e3
-    cap = resolve_max_running(o.max_running, model, slo_s, specs)
-    cfg = EngineConfig(slo_s=slo_s, max_running=cap, kv_tokens=o.kv_tokens,
-                       chunk_tokens=o.chunk_tokens, noise=o.noise, drain_s=600.0 / o.compress)
+    specs = compose(trace, sched, opts.preset, opts.seed, trace_outputs=opts.trace_outputs)
+    slo_s = opts.slo_tpot_ms / 1e3
+    cap = resolve_max_running(opts.max_running, model, slo_s, specs)
+    cfg = EngineConfig(slo_s=slo_s, max_running=cap, kv_tokens=opts.kv_tokens,
+                       chunk_tokens=opts.chunk_tokens, noise=opts.noise, drain_s=600.0 / opts.compress)
     return _Setup(sched, specs, model, cfg)
 
 
-def _document(o: SimOptions, s: _Setup, results: dict[str, dict], phase_s: dict[str, float]) -> dict[str, Any]:
+def _document(opts: SimOptions, setup: _Setup, results: dict[str, dict],
+              phase_s: dict[str, float]) -> dict[str, Any]:
     return {
         "policies": results,
         "config": {
-            "trace": o.trace, "schedule": o.schedule, "compress": o.compress, "preset": o.preset,
-            "trace_outputs": o.trace_outputs, "seed": o.seed, "rho": o.rho, "slo_ttft_s": o.slo_ttft_s,
-            "engine": asdict(s.cfg),
-            "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), s.model.coefs(), strict=True)),
-            "workload": workload_stats(s.specs), "duration_s": s.schedule.duration_s,
+            "trace": opts.trace, "schedule": opts.schedule, "compress": opts.compress, "preset": opts.preset,
+            "trace_outputs": opts.trace_outputs, "seed": opts.seed, "rho": opts.rho,
+            "slo_ttft_s": opts.slo_ttft_s,
+            "engine": asdict(setup.cfg),
+            "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), setup.model.coefs(), strict=True)),
+            "workload": workload_stats(setup.specs), "duration_s": setup.schedule.duration_s,
         },
         "phase_s": phase_s,
     }
 
 
-def simulate(o: SimOptions, s: _Setup, t0: float, phase_s: dict[str, float]) -> dict[str, Any]:
+def simulate(opts: SimOptions, setup: _Setup, t0: float, phase_s: dict[str, float]) -> dict[str, Any]:
     """Every policy's run, its metrics and plots; results.json's document (written by the caller)."""
-    jobs = job_list(list(o.policies), o.rho, o.ablations, calibrated=bool(o.latency_model))
-    sims = run_jobs(jobs, s.specs, s.model, s.cfg, s.schedule.duration_s, o.seed, o.jobs)
+    jobs = job_list(list(opts.policies), opts.rho, opts.ablations, calibrated=bool(opts.latency_model))
+    sims = run_jobs(jobs, setup.specs, setup.model, setup.cfg, setup.schedule.duration_s, opts.seed,
+                    opts.jobs)
     phase_s["simulate"] = time.perf_counter() - t0 - sum(phase_s.values())
-    window = (0.0, s.schedule.duration_s)
-    regimes = [(g.name, g.start_s, g.end_s) for g in s.schedule.regimes]
-    horizon = s.schedule.duration_s + s.cfg.drain_s
-    results = {k: summarize(r.records, s.cfg.slo_s, window, regimes, r.steps, o.slo_ttft_s, horizon)
-               | {"sim": r.stats} for k, r in sims.items()}
+    window = (0.0, setup.schedule.duration_s)
+    regimes = [(regime.name, regime.start_s, regime.end_s) for regime in setup.schedule.regimes]
+    horizon = setup.schedule.duration_s + setup.cfg.drain_s
+    results = {key: summarize(sim.records, setup.cfg.slo_s, window, regimes, sim.steps, opts.slo_ttft_s,
+                              horizon) | {"sim": sim.stats}
+               for key, sim in sims.items()}
     phase_s["metrics"] = time.perf_counter() - t0 - sum(phase_s.values())
-    out = Path(o.out)
+    out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
-    doc = _document(o, s, results, phase_s)
-    if o.plots:
+    doc = _document(opts, setup, results, phase_s)
+    if opts.plots:
         from bench.plots import plot_run
 
-        plot_run(sims, s.schedule, s.cfg.slo_s, out)
+        plot_run(sims, setup.schedule, setup.cfg.slo_s, out)
         phase_s["plots"] = time.perf_counter() - t0 - sum(phase_s.values())
     return doc
 
 
 def main(argv: list[str] | None = None) -> int:
-    o = parse_args(argv)
+    opts = parse_args(argv)
     t0 = time.perf_counter()
     try:
-        s = _setup(o)
+        setup = _setup(opts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    doc = simulate(o, s, t0, {"workload": time.perf_counter() - t0})
+    doc = simulate(opts, setup, t0, {"workload": time.perf_counter() - t0})
     doc["wall_s"] = time.perf_counter() - t0
-    path = write_json(Path(o.out) / "results.json", doc, indent=1)
+    path = write_json(Path(opts.out) / "results.json", doc, indent=1)
     print(comparison_table(doc["policies"]))
     print()
     print(regime_table(doc["policies"]))
     print("\n".join(["", *latency_lines(doc["policies"])]))
-    print(f"\n{len(s.specs)} requests, {s.schedule.duration_s / 60:.0f} min simulated, "
+    print(f"\n{len(setup.specs)} requests, {setup.schedule.duration_s / 60:.0f} min simulated, "
           f"wall {time.perf_counter() - t0:.1f}s -> {path}")
     return 0
 

@@ -203,8 +203,8 @@ class Soak:
         rep, buf = Reply(200), b""
         async for piece in resp.content.iter_any():
             *events, buf = (buf + piece).split(b"\n\n")
-            for ev in events:
-                data = ev.decode().strip().removeprefix("data:").strip()
+            for event in events:
+                data = event.decode().strip().removeprefix("data:").strip()
                 if not data or data == "[DONE]":
                     continue
                 chunk = json.loads(data)
@@ -252,14 +252,14 @@ class Soak:
                 buf, chunks, aborts = b"", 0, None
                 async for piece in resp.content.iter_any():
                     *events, buf = (buf + piece).split(b"\n\n")
-                    for ev in events:
-                        data = ev.decode().strip().removeprefix("data:").strip()
+                    for event in events:
+                        data = event.decode().strip().removeprefix("data:").strip()
                         if data and data != "[DONE]":
                             chunks += 1
                             self._take(reps, index, json.loads(data), None)
                     if abort_after is not None and chunks >= abort_after and aborts is None:
                         aborted = {index[i] for i in victims if i in index}
-                        aborts = asyncio.ensure_future(asyncio.gather(*[self.abort(r) for r in aborted]))
+                        aborts = asyncio.ensure_future(asyncio.gather(*[self.abort(rid) for rid in aborted]))
                 if aborts is not None:
                     await aborts
         if len(reps) != n:
@@ -301,18 +301,18 @@ def expect_ok(rep: Reply, rid: str | None = None, abort_ok: bool = False, limit_
         raise Unexpected(f"{rep.finals} final answers for {rid} ({rep.chunks} chunks)")
     if "error" in (rep.body or {}):
         raise Unexpected(f"error chunk: {rep.body}")
-    fr = rep.finish
+    finish = rep.finish
     if rid is not None and rep.meta.get("id") != rid:
         raise Unexpected(f"answer for {rep.meta.get('id')}, sent {rid}")
-    if fr.get("type") == "abort" and abort_ok and not fr.get("status_code"):
+    if finish.get("type") == "abort" and abort_ok and not finish.get("status_code"):
         return "aborted"
-    if fr.get("type") not in ("stop", "length"):
-        raise Unexpected(f"finish_reason {fr}")
+    if finish.get("type") not in ("stop", "length"):
+        raise Unexpected(f"finish_reason {finish}")
     if limit_error is not None:
-        if limit_error not in str(fr.get("branchwise_error")):
-            raise Unexpected(f"expected a branchwise_error naming {limit_error}, finish_reason {fr}")
-    elif "branchwise_error" in fr:
-        raise Unexpected(f"branchwise_error on a well-formed request: {fr['branchwise_error']}")
+        if limit_error not in str(finish.get("branchwise_error")):
+            raise Unexpected(f"expected a branchwise_error naming {limit_error}, finish_reason {finish}")
+    elif "branchwise_error" in finish:
+        raise Unexpected(f"branchwise_error on a well-formed request: {finish['branchwise_error']}")
     return "ok"
 
 
@@ -337,157 +337,159 @@ def text(rng: random.Random, words: tuple[int, int] = (6, 30)) -> str:
 
 
 def sampling(rng: random.Random, lo: int = 4, hi: int = 48) -> dict[str, Any]:
-    sp: dict[str, Any] = {"max_new_tokens": rng.randint(lo, hi), "ignore_eos": rng.random() < 0.5}
+    params: dict[str, Any] = {"max_new_tokens": rng.randint(lo, hi), "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.3:
-        sp |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
+        params |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
     else:
-        sp["temperature"] = 0.0
+        params["temperature"] = 0.0
     if rng.random() < 0.15:
-        sp["frequency_penalty"] = 0.5
-    return sp
+        params["frequency_penalty"] = 0.5
+    return params
 
 
-def server_fork_payload(s: Soak, rng: random.Random, rid: str, stream: bool, branch_len: tuple[int, int],
+def server_fork_payload(soak: Soak, rng: random.Random, rid: str, stream: bool, branch_len: tuple[int, int],
                         max_new: int) -> dict[str, Any]:
-    g = rng.choice(["multiverse", "sprint"])
+    grammar = rng.choice(["multiverse", "sprint"])
     n = rng.randint(2, 4)
     lens = [rng.randint(*branch_len) for _ in range(n)]
-    if g == "sprint":
-        sj = spec("sprint", n, lens, rounds=rng.randint(1, 2))
+    if grammar == "sprint":
+        skeleton = spec("sprint", n, lens, rounds=rng.randint(1, 2))
     elif rng.random() < 0.2:  # nested phases: every path opens its own <Parallel>
-        sj = spec("multiverse", 2, lens[:2], nest=2, nest_n=2)
+        skeleton = spec("multiverse", 2, lens[:2], nest=2, nest_n=2)
     else:
-        sj = spec("multiverse", n, lens)
-    payload = driven_request(text(rng), sj, grammar=g, rid=rid, stream=stream, max_new_tokens=max_new)
-    if s.slo_ms is not None:
-        payload["sampling_params"]["custom_params"]["branchwise"]["slo_tpot_ms"] = s.slo_ms
+        skeleton = spec("multiverse", n, lens)
+    payload = driven_request(text(rng), skeleton, grammar=grammar, rid=rid, stream=stream,
+                             max_new_tokens=max_new)
+    if soak.slo_ms is not None:
+        payload["sampling_params"]["custom_params"]["branchwise"]["slo_tpot_ms"] = soak.slo_ms
     return payload
 
 
-async def job_serial(s: Soak, idx: int, rng: random.Random) -> str:
-    rid, stream = s.rid(idx), rng.random() < 0.5
+async def job_serial(soak: Soak, idx: int, rng: random.Random) -> str:
+    rid, stream = soak.rid(idx), rng.random() < 0.5
     slo = rng.choice([None, 30.0, 200.0])
-    sp = client.stamp_serial(sampling(rng), slo_tpot_ms=slo if s.slo_ms is None else s.slo_ms)
-    return expect_ok(await s.post({"text": text(rng), "sampling_params": sp, "rid": rid, "stream": stream},
-                                  stream), rid)
+    params = client.stamp_serial(sampling(rng), slo_tpot_ms=slo if soak.slo_ms is None else soak.slo_ms)
+    payload = {"text": text(rng), "sampling_params": params, "rid": rid, "stream": stream}
+    return expect_ok(await soak.post(payload, stream), rid)
 
 
-async def job_client_fork(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_client_fork(soak: Soak, idx: int, rng: random.Random) -> str:
     """head -> n stamped branches on head's text (branchwise.client rids) -> tail on the joined text."""
-    group = s.rid(idx)
+    group = soak.rid(idx)
     head_rid, prompt = f"{group}.h", text(rng)
-    head = await s.post({"text": prompt, "sampling_params": sampling(rng, 4, 16), "rid": head_rid})
+    head = await soak.post({"text": prompt, "sampling_params": sampling(rng, 4, 16), "rid": head_rid})
     expect_ok(head, head_rid)
     fork_text = prompt + head.body["text"]
-    n, bsp = rng.randint(2, 4), sampling(rng, 4, 32)
+    n, branch_params = rng.randint(2, 4), sampling(rng, 4, 32)
     streams = [rng.random() < 0.4 for _ in range(n)]
     reps = await asyncio.gather(*[
-        s.post({"text": fork_text + f" branch {i}:",
-                "sampling_params": client.stamp_branch(bsp, group, i, n, slo_tpot_ms=s.slo_ms),
-                "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i]) for i in range(n)])
+        soak.post({"text": fork_text + f" branch {i}:",
+                   "sampling_params": client.stamp_branch(branch_params, group, i, n,
+                                                          slo_tpot_ms=soak.slo_ms),
+                   "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i]) for i in range(n)])
     for i, rep in enumerate(reps):
         expect_ok(rep, client.branch_rid(group, i))
-    joined = fork_text + "".join(f"\n{i}:{r.body['text']}" for i, r in enumerate(reps))
+    joined = fork_text + "".join(f"\n{i}:{rep.body['text']}" for i, rep in enumerate(reps))
     tail_rid = f"{group}.t"
-    return expect_ok(await s.post({"text": joined, "sampling_params": sampling(rng, 2, 8), "rid": tail_rid}),
-                     tail_rid)
+    tail = {"text": joined, "sampling_params": sampling(rng, 2, 8), "rid": tail_rid}
+    return expect_ok(await soak.post(tail), tail_rid)
 
 
-async def job_frontend(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_frontend(soak: Soak, idx: int, rng: random.Random) -> str:
     """An SGLang frontend program (threads, RuntimeEndpoint) with fork/join: frontends/."""
     from frontends import fork_join, multiverse, sprint
     from frontends.common import backend
 
-    if s.endpoint is None:
-        s.endpoint = await s.in_thread(lambda: backend(s.url))
+    if soak.endpoint is None:
+        soak.endpoint = await soak.in_thread(lambda: backend(soak.url))
     which = rng.choice(["fork_join", "fork_join", "multiverse", "sprint"])
     if which == "fork_join":
         kw = dict(fanout=rng.randint(2, 4), head_tokens=rng.randint(4, 16), branch_tokens=rng.randint(4, 24),
-                  tail_tokens=rng.randint(0, 8), seed=idx, endpoint=s.endpoint)
-        res = await s.in_thread(lambda: fork_join.run_batch(s.url, 1, **kw)[0])
+                  tail_tokens=rng.randint(0, 8), seed=idx, endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: fork_join.run_batch(soak.url, 1, **kw)[0])
     elif which == "multiverse":
-        kw = dict(paths=rng.randint(2, 3), path_tokens=rng.randint(6, 24), seed=idx, endpoint=s.endpoint)
-        res = await s.in_thread(lambda: multiverse.run(s.url, **kw))
+        kw = dict(paths=rng.randint(2, 3), path_tokens=rng.randint(6, 24), seed=idx, endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: multiverse.run(soak.url, **kw))
     else:
         kw = dict(rounds=rng.randint(1, 2), tasks=rng.randint(2, 3), exec_tokens=rng.randint(6, 24), seed=idx,
-                  endpoint=s.endpoint)
-        res = await s.in_thread(lambda: sprint.run(s.url, **kw))
-    for r in res.requests:
-        if r.finish not in ("stop", "length") or not r.rid:
-            raise Unexpected(f"frontend {which} request {r.name} ({r.rid}): finish {r.finish!r}")
-        s.sent.add(r.rid)
-        s.answered[r.rid] += 1
+                  endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: sprint.run(soak.url, **kw))
+    for req in res.requests:
+        if req.finish not in ("stop", "length") or not req.rid:
+            raise Unexpected(f"frontend {which} request {req.name} ({req.rid}): finish {req.finish!r}")
+        soak.sent.add(req.rid)
+        soak.answered[req.rid] += 1
     return "ok"
 
 
-async def job_server_fork(s: Soak, idx: int, rng: random.Random) -> str:
-    rid, stream = s.rid(idx), rng.random() < 0.5
-    rep = await s.post(server_fork_payload(s, rng, rid, stream, (2, 16), 900), stream)
+async def job_server_fork(soak: Soak, idx: int, rng: random.Random) -> str:
+    rid, stream = soak.rid(idx), rng.random() < 0.5
+    rep = await soak.post(server_fork_payload(soak, rng, rid, stream, (2, 16), 900), stream)
     return expect_ok(rep, rid)
 
 
-async def job_wide_fork(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_wide_fork(soak: Soak, idx: int, rng: random.Random) -> str:
     """A server-side fork wider than --branch-max-fanout: not taken, the request runs serially to
     its end and says why in finish_reason.branchwise_error."""
-    rid, stream = s.rid(idx), rng.random() < 0.5
-    sj = spec("multiverse", rng.randint(MAX_FANOUT + 1, MAX_FANOUT + 8), [rng.randint(1, 4)])
-    rep = await s.post(driven_request(text(rng), sj, grammar="multiverse", rid=rid, stream=stream,
-                                      max_new_tokens=1200), stream)
+    rid, stream = soak.rid(idx), rng.random() < 0.5
+    skeleton = spec("multiverse", rng.randint(MAX_FANOUT + 1, MAX_FANOUT + 8), [rng.randint(1, 4)])
+    rep = await soak.post(driven_request(text(rng), skeleton, grammar="multiverse", rid=rid, stream=stream,
+                                         max_new_tokens=1200), stream)
     expect_ok(rep, rid, limit_error="--branch-max-fanout")
     return "ok_serial"
 
 
-async def job_disconnect(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_disconnect(soak: Soak, idx: int, rng: random.Random) -> str:
     """Read 1-3 chunks of a long stream (serial or server fork), then drop the connection."""
-    rid = s.rid(idx)
+    rid = soak.rid(idx)
     if rng.random() < 0.5:
         payload = {"text": text(rng), "rid": rid, "stream": True,
                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
     else:
-        payload = server_fork_payload(s, rng, rid, True, (100, 300), 1500)
-    rep = await s.post(payload, stream=True, stop_after=rng.randint(1, 3))
+        payload = server_fork_payload(soak, rng, rid, True, (100, 300), 1500)
+    rep = await soak.post(payload, stream=True, stop_after=rng.randint(1, 3))
     return "disconnected" if rep.disconnected else expect_ok(rep, rid)
 
 
-async def _abort_after(s: Soak, payload: dict[str, Any], stream: bool, delay_s: float, abort_rid: str,
+async def _abort_after(soak: Soak, payload: dict[str, Any], stream: bool, delay_s: float, abort_rid: str,
                        expect_abort: bool) -> str:
-    task = asyncio.ensure_future(s.post(payload, stream))
+    task = asyncio.ensure_future(soak.post(payload, stream))
     await asyncio.sleep(delay_s)
-    await s.abort(abort_rid)
+    await soak.abort(abort_rid)
     res = expect_ok(await task, payload["rid"], abort_ok=expect_abort)
     if not expect_abort:
         return res
     return "aborted" if res == "aborted" else "finished_before_abort"
 
 
-async def job_abort_parent(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_abort_parent(soak: Soak, idx: int, rng: random.Random) -> str:
     """Abort a server-fork parent (its branches go with it) or a serial stream, by its rid; or send an
     abort for a server-side branch rid, which SGLang ignores (the client never owned that rid)."""
-    rid, stream, delay = s.rid(idx), rng.random() < 0.5, rng.uniform(0.1, 2.5)
+    rid, stream, delay = soak.rid(idx), rng.random() < 0.5, rng.uniform(0.1, 2.5)
     which = rng.choice(["fork", "fork", "serial", "branch_rid"])
     if which == "serial":
         payload = {"text": text(rng), "rid": rid, "stream": stream,
                    "sampling_params": {"max_new_tokens": 400, "ignore_eos": True, "temperature": 0}}
-        return await _abort_after(s, payload, stream, delay, rid, True)
+        return await _abort_after(soak, payload, stream, delay, rid, True)
     if which == "fork":
-        return await _abort_after(s, server_fork_payload(s, rng, rid, stream, (100, 300), 1500), stream, delay,
-                                  rid, True)
-    payload = server_fork_payload(s, rng, rid, stream, (2, 16), 900)
-    return await _abort_after(s, payload, stream, delay, f"{rid}/p0/b0", False)
+        payload = server_fork_payload(soak, rng, rid, stream, (100, 300), 1500)
+        return await _abort_after(soak, payload, stream, delay, rid, True)
+    payload = server_fork_payload(soak, rng, rid, stream, (2, 16), 900)
+    return await _abort_after(soak, payload, stream, delay, f"{rid}/p0/b0", False)
 
 
-async def job_abort_branch(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_abort_branch(soak: Soak, idx: int, rng: random.Random) -> str:
     """Client fork of long branches; abort one branch by its rid: it ends aborted, its siblings do not."""
-    group, n = s.rid(idx), rng.randint(2, 4)
+    group, n = soak.rid(idx), rng.randint(2, 4)
     victim = rng.randrange(n)
     prompt = text(rng)
-    sp = {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True, "temperature": 0}
+    params = {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True, "temperature": 0}
     streams = [rng.random() < 0.4 for _ in range(n)]
-    tasks = [asyncio.ensure_future(s.post(
-        {"text": prompt + f" branch {i}:", "sampling_params": client.stamp_branch(sp, group, i, n),
+    tasks = [asyncio.ensure_future(soak.post(
+        {"text": prompt + f" branch {i}:", "sampling_params": client.stamp_branch(params, group, i, n),
          "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i])) for i in range(n)]
     await asyncio.sleep(rng.uniform(0.1, 2.0))
-    await s.abort(client.branch_rid(group, victim))
+    await soak.abort(client.branch_rid(group, victim))
     reps = await asyncio.gather(*tasks)
     res = "finished_before_abort"
     for i, rep in enumerate(reps):
@@ -497,53 +499,53 @@ async def job_abort_branch(s: Soak, idx: int, rng: random.Random) -> str:
     return res
 
 
-async def job_n_sampling(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_n_sampling(soak: Soak, idx: int, rng: random.Random) -> str:
     """sampling_params.n in 2..4 on one /generate (SGLang's parallel sampling), streamed or not.
     A third of the streamed ones are long and get some of their samples aborted by rid after the
     first chunks: those end aborted (or finished first), the others complete."""
-    rid, n, stream = s.rid(idx), rng.randint(2, 4), rng.random() < 0.5
+    rid, n, stream = soak.rid(idx), rng.randint(2, 4), rng.random() < 0.5
     cut = stream and rng.random() < 0.35
-    sp = sampling(rng, 4, 32) | {"n": n}
-    if sp["temperature"] == 0.0:  # n greedy samples are one answer n times: sample them
-        sp |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
+    params = sampling(rng, 4, 32) | {"n": n}
+    if params["temperature"] == 0.0:  # n greedy samples are one answer n times: sample them
+        params |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
     if cut:
-        sp |= {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True}
-    sp = client.stamp_serial(sp, slo_tpot_ms=s.slo_ms)
+        params |= {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True}
+    params = client.stamp_serial(params, slo_tpot_ms=soak.slo_ms)
     victims = set(rng.sample(range(n), rng.randint(1, n))) if cut else set()
-    reps, aborted = await s.post_n({"text": text(rng), "sampling_params": sp, "rid": rid, "stream": stream},
-                                   stream, rng.randint(1, 3) if cut else None, victims)
+    payload = {"text": text(rng), "sampling_params": params, "rid": rid, "stream": stream}
+    reps, aborted = await soak.post_n(payload, stream, rng.randint(1, 3) if cut else None, victims)
     res = "ok"
-    for r, rep in reps.items():
-        if expect_ok(rep, r, abort_ok=r in aborted) == "aborted":
+    for sample_rid, rep in reps.items():
+        if expect_ok(rep, sample_rid, abort_ok=sample_rid in aborted) == "aborted":
             res = "aborted"
     return res if not cut or res == "aborted" else "finished_before_abort"
 
 
-async def job_bad_meta(s: Soak, idx: int, rng: random.Random) -> str:
-    cp, needle = rng.choice(BAD_META)
+async def job_bad_meta(soak: Soak, idx: int, rng: random.Random) -> str:
+    custom, needle = rng.choice(BAD_META)
     stream = rng.random() < 0.3
-    payload = {"text": text(rng), "rid": s.rid(idx), "stream": stream,
-               "sampling_params": {"max_new_tokens": 8, "custom_params": cp}}
-    return expect_rejected(await s.post(payload, stream), needle)
+    payload = {"text": text(rng), "rid": soak.rid(idx), "stream": stream,
+               "sampling_params": {"max_new_tokens": 8, "custom_params": custom}}
+    return expect_rejected(await soak.post(payload, stream), needle)
 
 
-async def job_bad_sampling(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_bad_sampling(soak: Soak, idx: int, rng: random.Random) -> str:
     bad, needle = rng.choice(BAD_SAMPLING)
     stream = rng.random() < 0.3
-    payload = {"text": text(rng), "rid": s.rid(idx), "stream": stream,
+    payload = {"text": text(rng), "rid": soak.rid(idx), "stream": stream,
                "sampling_params": {"max_new_tokens": 8} | bad}
-    return expect_rejected(await s.post(payload, stream), needle)
+    return expect_rejected(await soak.post(payload, stream), needle)
 
 
-async def job_bad_json(s: Soak, idx: int, rng: random.Random) -> str:
+async def job_bad_json(soak: Soak, idx: int, rng: random.Random) -> str:
     body, needle = rng.choice(BAD_JSON)
     stream = False
     if isinstance(body, dict):
         # streamed: refused after the stream started (an error chunk in HTTP 200), and the route's
         # abort task then runs for a request that was never normalized
         stream = rng.random() < 0.4
-        body = dict(body, rid=s.rid(idx), stream=stream)
-    return expect_rejected(await s.post(body, stream), needle)
+        body = dict(body, rid=soak.rid(idx), stream=stream)
+    return expect_rejected(await soak.post(body, stream), needle)
 
 
 JOBS: dict[str, Callable[[Soak, int, random.Random], Awaitable[str]]] = {
@@ -559,25 +561,26 @@ def job_kind(seed: int, idx: int, mix: dict[str, int]) -> str:
     return random.Random(f"{seed}/{idx}/kind").choices(kinds, [mix[k] for k in kinds])[0]
 
 
-def arm_stall_dump(s: Soak) -> None:
+def arm_stall_dump(soak: Soak) -> None:
     """A job ends within its timeout while the event loop runs, so no job ending for longer than
     that means the loop is blocked (a lock, an import, a blocking call): print every thread's
     stack to stderr (and with stall_exit, exit rather than hang). Each ending job re-arms it."""
-    faulthandler.dump_traceback_later(s.job_timeout_s + STALL_MARGIN_S, exit=s.stall_exit)
+    faulthandler.dump_traceback_later(soak.job_timeout_s + STALL_MARGIN_S, exit=soak.stall_exit)
 
 
-async def run_job(s: Soak, idx: int, kind: str) -> Outcome:
-    rng = random.Random(f"{s.seed}/{idx}/params")
+async def run_job(soak: Soak, idx: int, kind: str) -> Outcome:
+    rng = random.Random(f"{soak.seed}/{idx}/params")
     t0 = time.monotonic()
     try:
-        res = await asyncio.wait_for(JOBS[kind](s, idx, rng), s.job_timeout_s)
+        res = await asyncio.wait_for(JOBS[kind](soak, idx, rng), soak.job_timeout_s)
         return Outcome(idx, kind, res, seconds=time.monotonic() - t0)
     except TimeoutError:
-        return Outcome(idx, kind, "LOST", f"no final answer within {s.job_timeout_s:.0f} s", time.monotonic() - t0)
+        return Outcome(idx, kind, "LOST", f"no final answer within {soak.job_timeout_s:.0f} s",
+                       time.monotonic() - t0)
     except Exception as e:  # noqa: BLE001 - every failure is reported with its job
         return Outcome(idx, kind, "FAIL", f"{type(e).__name__}: {e}"[:500], time.monotonic() - t0)
     finally:
-        arm_stall_dump(s)
+        arm_stall_dump(soak)
 
 
 # ---- server observation --------------------------------------------------------------------------
@@ -593,21 +596,22 @@ class Watch:
     max_waiting: int = 0
 
 
-async def watch(s: Soak, w: Watch, stop: asyncio.Event) -> None:
+async def watch(soak: Soak, watched: Watch, stop: asyncio.Event) -> None:
     while not stop.is_set():
         try:
-            async with s.http.get(s.url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                if r.status != 200:
-                    w.unhealthy.append(f"/health -> {r.status}")
-            async with s.http.get(s.url + "/v1/loads", timeout=aiohttp.ClientTimeout(total=30)) as r:
-                load = (await r.json())["loads"][0]
-            w.polls += 1
+            async with soak.http.get(soak.url + "/health", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                if resp.status != 200:
+                    watched.unhealthy.append(f"/health -> {resp.status}")
+            async with soak.http.get(soak.url + "/v1/loads", timeout=aiohttp.ClientTimeout(total=30)) as resp:
+                load = (await resp.json())["loads"][0]
+            watched.polls += 1
             run, wait = load["num_running_reqs"], load["num_waiting_reqs"]
-            w.busy += bool(run or wait)
-            w.waiting += bool(wait)
-            w.max_running, w.max_waiting = max(w.max_running, run), max(w.max_waiting, wait)
+            watched.busy += bool(run or wait)
+            watched.waiting += bool(wait)
+            watched.max_running = max(watched.max_running, run)
+            watched.max_waiting = max(watched.max_waiting, wait)
         except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as e:
-            w.unhealthy.append(f"poll failed: {e!r}")
+            watched.unhealthy.append(f"poll failed: {e!r}")
         try:
             await asyncio.wait_for(stop.wait(), POLL_S)
         except TimeoutError:
@@ -615,8 +619,8 @@ async def watch(s: Soak, w: Watch, stop: asyncio.Event) -> None:
 
 
 def reports(url: str) -> tuple[dict[str, Any], dict[str, Any]]:
-    st = merged_state(url)
-    return st["branchwise"], st.get("branchwise_fork") or {}
+    state = merged_state(url)
+    return state["branchwise"], state.get("branchwise_fork") or {}
 
 
 def rss_mb(pid: int) -> float:
@@ -626,10 +630,10 @@ def rss_mb(pid: int) -> float:
     raise RuntimeError(f"no VmRSS for pid {pid}")
 
 
-def residue(bw: dict[str, Any], fork: dict[str, Any]) -> dict[str, int]:
+def residue(branchwise: dict[str, Any], fork: dict[str, Any]) -> dict[str, int]:
     """Non-empty per-request Branchwise state (name -> size). The encode cache is bounded, not
     per-request, and `recent`/counters are bounded histories: not listed."""
-    sizes = {f"controller.{k}": v for k, v in (bw.get("sizes") or {}).items()}
+    sizes = {f"controller.{k}": v for k, v in (branchwise.get("sizes") or {}).items()}
     if fork:
         sizes |= {"fork.parked": fork["parked"], "fork.open_phases": fork["open_phases"],
                   "fork.live_branches": fork["live_branches"]}
@@ -637,13 +641,13 @@ def residue(bw: dict[str, Any], fork: dict[str, Any]) -> dict[str, int]:
     return {k: v for k, v in sizes.items() if v}
 
 
-async def wait_idle(s: Soak) -> tuple[dict[str, Any], float]:
+async def wait_idle(soak: Soak) -> tuple[dict[str, Any], float]:
     """Poll until no KV is used and nothing runs, waits or is parked; returns the last load."""
     t0 = time.monotonic()
     while True:
-        async with s.http.get(s.url + "/v1/loads") as r:
-            load = (await r.json())["loads"][0]
-        _, fork = await asyncio.to_thread(reports, s.url)
+        async with soak.http.get(soak.url + "/v1/loads") as resp:
+            load = (await resp.json())["loads"][0]
+        _, fork = await asyncio.to_thread(reports, soak.url)
         busy = (load["num_used_tokens"], load["num_running_reqs"], load["num_waiting_reqs"],
                 fork.get("parked", 0), fork.get("live_branches", 0), fork.get("open_phases", 0))
         if not any(busy) or time.monotonic() - t0 > IDLE_DEADLINE_S:
@@ -669,16 +673,16 @@ class End:
     orphans0: int = 0  # orphans the idle leak check freed before the load
 
 
-async def measured_tpot_ms(s: Soak, rows: int, tokens: int = 48) -> float:
+async def measured_tpot_ms(soak: Soak, rows: int, tokens: int = 48) -> float:
     """The time per output token of `rows` serial requests decoding together, streamed and timed
     here (median over the requests): the step latency at that many rows on this server, now. As an
     SLO each request's own row meets it and extra branch rows push a step past it."""
 
     async def one(i: int) -> float:
-        payload = {"text": text(random.Random(i)), "rid": f"{s.run_id}-tpot{i}", "stream": True,
+        payload = {"text": text(random.Random(i)), "rid": f"{soak.run_id}-tpot{i}", "stream": True,
                    "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
         marks: list[tuple[float, int]] = []
-        async with s.http.post(s.url + "/generate", json=payload) as resp:
+        async with soak.http.post(soak.url + "/generate", json=payload) as resp:
             if resp.status != 200:
                 raise RuntimeError(f"TPOT probe: HTTP {resp.status}: {(await resp.text())[:300]}")
             async for line in resp.content:
@@ -723,74 +727,75 @@ class SoakOptions:
     deferring: bool = False  # every request carries the SLO measured after warm-up (module docstring)
 
 
-def run(url: str, a: SoakOptions, server: LocalServer | None = None, stall_exit: bool = False) -> Result:
+def run(url: str, opts: SoakOptions, server: LocalServer | None = None, stall_exit: bool = False) -> Result:
     """The soak against `url` (`server`: the launched server, for its process and log checks)."""
-    return asyncio.run(_run(url, a, server, stall_exit))
+    return asyncio.run(_run(url, opts, server, stall_exit))
 
 
-async def _run(url: str, a: SoakOptions, server: LocalServer | None, stall_exit: bool) -> Result:
+async def _run(url: str, opts: SoakOptions, server: LocalServer | None, stall_exit: bool) -> Result:
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=30)
     async with aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0)) as http:
-        s = Soak(url, a.seed, http, f"soak{os.getpid():x}{int(time.time()) % 100000:05d}", a.job_timeout_s,
-                 dict(MIX), stall_exit=stall_exit)
+        run_id = f"soak{os.getpid():x}{int(time.time()) % 100000:05d}"
+        soak = Soak(url, opts.seed, http, run_id, opts.job_timeout_s, dict(MIX), stall_exit=stall_exit)
         try:
             t0 = time.monotonic()
-            arm_stall_dump(s)
-            outcomes, w, end = await _load(s, a)
-            return Result(outcomes, checks(s, a, outcomes, w, end, server), info(w, end), end,
-                          time.monotonic() - t0)
+            arm_stall_dump(soak)
+            outcomes, watched, end = await _load(soak, opts)
+            return Result(outcomes, checks(soak, opts, outcomes, watched, end, server), info(watched, end),
+                          end, time.monotonic() - t0)
         finally:
             faulthandler.cancel_dump_traceback_later()
-            s.pool.shutdown(wait=False, cancel_futures=True)
+            soak.pool.shutdown(wait=False, cancel_futures=True)
 
 
-async def _load(s: Soak, a: SoakOptions) -> tuple[list[Outcome], Watch, End]:
-    bw0, _ = await asyncio.to_thread(reports, s.url)
+async def _load(soak: Soak, opts: SoakOptions) -> tuple[list[Outcome], Watch, End]:
+    bw0, _ = await asyncio.to_thread(reports, soak.url)
     pid = int(bw0["pid"])
     # warm-up: one job of every kind (first frontend import, the driver's dill blob, first forks)
-    outcomes = list(await asyncio.gather(*[run_job(s, i, k) for i, k in enumerate(sorted(s.mix))]))
-    await wait_idle(s)
+    warm_up = [run_job(soak, i, kind) for i, kind in enumerate(sorted(soak.mix))]
+    outcomes = list(await asyncio.gather(*warm_up))
+    await wait_idle(soak)
     end = End(pid, rss_mb(pid))
     print(f"warm-up: {len(outcomes)} jobs, scheduler pid {pid}, VmRSS {end.rss0:.0f} MiB", flush=True)
-    bw1, fork1 = await asyncio.to_thread(reports, s.url)
+    bw1, fork1 = await asyncio.to_thread(reports, soak.url)
     end.deferred0 = (bw1.get("taper") or {}).get("rows_deferred", 0)
     end.orphans0 = (fork1.get("counters") or {}).get("orphans_freed", 0)
-    if a.deferring:
-        running = (await asyncio.to_thread(get_json, s.url + "/server_info")).get("max_running_requests")
-        rows = min(a.concurrency, running or a.concurrency)
-        s.slo_ms = await measured_tpot_ms(s, rows)
-        await wait_idle(s)
-        print(f"deferring: every request's TPOT SLO {s.slo_ms:.2f} ms (measured: {rows} serial requests "
+    if opts.deferring:
+        running = (await asyncio.to_thread(get_json, soak.url + "/server_info")).get("max_running_requests")
+        rows = min(opts.concurrency, running or opts.concurrency)
+        soak.slo_ms = await measured_tpot_ms(soak, rows)
+        await wait_idle(soak)
+        print(f"deferring: every request's TPOT SLO {soak.slo_ms:.2f} ms (measured: {rows} serial requests "
               "decoding together)", flush=True)
 
-    w, stop = Watch(), asyncio.Event()
-    watcher = asyncio.ensure_future(watch(s, w, stop))
-    deadline = time.monotonic() + 60 * a.minutes
-    counter = iter(range(len(outcomes), len(outcomes) + a.max_jobs))
+    watched, stop = Watch(), asyncio.Event()
+    watcher = asyncio.ensure_future(watch(soak, watched, stop))
+    deadline = time.monotonic() + 60 * opts.minutes
+    counter = iter(range(len(outcomes), len(outcomes) + opts.max_jobs))
 
     async def worker() -> None:
         for i in counter:
             if time.monotonic() >= deadline:
                 return
-            outcomes.append(await run_job(s, i, job_kind(s.seed, i, s.mix)))
+            outcomes.append(await run_job(soak, i, job_kind(soak.seed, i, soak.mix)))
 
     t_load = time.monotonic()
-    await asyncio.gather(*[worker() for _ in range(a.concurrency)])
+    await asyncio.gather(*[worker() for _ in range(opts.concurrency)])
     end.load_s = time.monotonic() - t_load
     stop.set()
     await watcher
-    end.load, end.idle_s = await wait_idle(s)
-    end.bw, end.fork = await asyncio.to_thread(reports, s.url)
+    end.load, end.idle_s = await wait_idle(soak)
+    end.bw, end.fork = await asyncio.to_thread(reports, soak.url)
     end.alive = Path(f"/proc/{pid}").exists()
     end.rss1 = rss_mb(pid) if end.alive else float("nan")
-    return outcomes, w, end
+    return outcomes, watched, end
 
 
-def checks(s: Soak, a: SoakOptions, outcomes: list[Outcome], w: Watch, end: End,
+def checks(soak: Soak, opts: SoakOptions, outcomes: list[Outcome], watched: Watch, end: End,
            server: LocalServer | None) -> dict[str, tuple[bool, str]]:
-    bad = [o for o in outcomes if o.result in ("LOST", "FAIL")]
-    dup = {r: n for r, n in s.answered.items() if n > 1}
-    foreign = s.foreign + [r for r in s.answered if r not in s.sent]
+    bad = [outcome for outcome in outcomes if outcome.result in ("LOST", "FAIL")]
+    dup = {rid: count for rid, count in soak.answered.items() if count > 1}
+    foreign = soak.foreign + [rid for rid in soak.answered if rid not in soak.sent]
     proc_ok = server is None or (server.proc is not None and server.proc.poll() is None)
     leaked = server is not None and server.log_path is not None and "Received output for" in \
         server.log_path.read_text(errors="replace")  # SGLang's line when an unknown rid reaches it
@@ -800,53 +805,58 @@ def checks(s: Soak, a: SoakOptions, outcomes: list[Outcome], w: Watch, end: End,
     deferred = end.bw.get("taper", {}).get("rows_deferred", 0) - end.deferred0
     out = {
         "lost": (not bad, f"{len(outcomes) - len(bad)}/{len(outcomes)} jobs ended as expected"
-                 + "".join(f"\n    job {o.idx} {o.kind}: {o.result} {o.detail}" for o in bad[:20])),
-        "duplicated": (not dup and not foreign and not s.stream_extra and not leaked,
-                       f"{sum(s.answered.values())} final answers for {len(s.answered)} rids; duplicated "
-                       f"{len(dup)}, foreign {len(foreign)}, streams going on after their final "
-                       f"{len(s.stream_extra)}, branch output reaching the tokenizer {leaked}"
-                       + (f"\n    {list(dup.items())[:5]} {foreign[:5]} {s.stream_extra[:5]}"
-                          if dup or foreign or s.stream_extra else "")),
-        "healthy": (not w.unhealthy and int(end.bw["pid"]) == end.pid and end.alive and proc_ok,
-                    f"{w.polls} polls of /health and /v1/loads, {len(w.unhealthy)} failed; scheduler pid "
-                    f"{end.pid} -> {end.bw['pid']} (alive {end.alive}); server process alive {proc_ok}"
-                    + "".join(f"\n    {u}" for u in w.unhealthy[:5])),
+                 + "".join(f"\n    job {job.idx} {job.kind}: {job.result} {job.detail}" for job in bad[:20])),
+        "duplicated": (not dup and not foreign and not soak.stream_extra and not leaked,
+                       f"{sum(soak.answered.values())} final answers for {len(soak.answered)} rids; "
+                       f"duplicated {len(dup)}, foreign {len(foreign)}, streams going on after their final "
+                       f"{len(soak.stream_extra)}, branch output reaching the tokenizer {leaked}"
+                       + (f"\n    {list(dup.items())[:5]} {foreign[:5]} {soak.stream_extra[:5]}"
+                          if dup or foreign or soak.stream_extra else "")),
+        "healthy": (not watched.unhealthy and int(end.bw["pid"]) == end.pid and end.alive and proc_ok,
+                    f"{watched.polls} polls of /health and /v1/loads, {len(watched.unhealthy)} failed; "
+                    f"scheduler pid {end.pid} -> {end.bw['pid']} (alive {end.alive}); "
+                    f"server process alive {proc_ok}"
+                    + "".join(f"\n    {failure}" for failure in watched.unhealthy[:5])),
         "idle": (not (load["num_used_tokens"] or load["num_running_reqs"] or load["num_waiting_reqs"]),
                  f"KV used {load['num_used_tokens']} tokens, running {load['num_running_reqs']}, waiting "
                  f"{load['num_waiting_reqs']} ({end.idle_s:.1f} s after the last job)"),
-        "rss": (growth < a.rss_bound_mb, f"scheduler VmRSS {end.rss0:.0f} -> {end.rss1:.0f} MiB "
-                f"({growth:+.0f}, bound +{a.rss_bound_mb:.0f})"),
+        "rss": (growth < opts.rss_bound_mb, f"scheduler VmRSS {end.rss0:.0f} -> {end.rss1:.0f} MiB "
+                f"({growth:+.0f}, bound +{opts.rss_bound_mb:.0f})"),
         "dicts": (not res and orphans == 0, ("Branchwise per-request state all empty" if not res else f"left: {res}")
                   + f"; idle leak check freed {orphans} orphans during the load"),
     }
-    if a.deferring:
-        out["deferred"] = (deferred > 0, f"TAPER deferred {deferred} rows during the load (SLO {s.slo_ms:.2f} ms)")
+    if opts.deferring:
+        out["deferred"] = (deferred > 0,
+                           f"TAPER deferred {deferred} rows during the load (SLO {soak.slo_ms:.2f} ms)")
     return out
 
 
-def info(w: Watch, end: End) -> list[str]:
-    c, t = end.fork.get("counters", {}), end.bw.get("taper", {})
+def info(watched: Watch, end: End) -> list[str]:
+    counters, taper = end.fork.get("counters", {}), end.bw.get("taper", {})
     return [
-        f"load: {end.load_s:.0f} s; requests in flight at {w.busy}/{w.polls} polls, waiting queue non-empty at "
-        f"{w.waiting} (max running {w.max_running}, max waiting {w.max_waiting})",
-        f"server: {c.get('forks', 0)} server-side forks, {c.get('branches', 0)} branches, "
-        f"{c.get('joins', 0)} joins, {c.get('parked_aborted', 0)} parked parents aborted, "
-        f"{c.get('orphans_freed', 0)} orphans freed; taper {t.get('planned_steps', 0)} planned steps, "
-        f"{t.get('rows_deferred', 0)} rows deferred ({t.get('rows_deferred', 0) - end.deferred0} during the load)",
+        f"load: {end.load_s:.0f} s; requests in flight at {watched.busy}/{watched.polls} polls, "
+        f"waiting queue non-empty at {watched.waiting} "
+        f"(max running {watched.max_running}, max waiting {watched.max_waiting})",
+        f"server: {counters.get('forks', 0)} server-side forks, {counters.get('branches', 0)} branches, "
+        f"{counters.get('joins', 0)} joins, {counters.get('parked_aborted', 0)} parked parents aborted, "
+        f"{counters.get('orphans_freed', 0)} orphans freed; taper {taper.get('planned_steps', 0)} planned "
+        f"steps, {taper.get('rows_deferred', 0)} rows deferred "
+        f"({taper.get('rows_deferred', 0) - end.deferred0} during the load)",
     ]
 
 
-def summary(r: Result) -> str:
+def summary(result: Result) -> str:
     by_kind: dict[str, Counter[str]] = {}
-    for o in r.outcomes:
-        by_kind.setdefault(o.kind, Counter())[o.result] += 1
-    lines = [f"soak: {len(r.outcomes)} jobs in {r.seconds:.0f} s", *r.info]
+    for outcome in result.outcomes:
+        by_kind.setdefault(outcome.kind, Counter())[outcome.result] += 1
+    lines = [f"soak: {len(result.outcomes)} jobs in {result.seconds:.0f} s", *result.info]
     for kind in sorted(by_kind):
-        c = by_kind[kind]
-        lines.append(f"  {kind:<13} {sum(c.values()):>5}  " + ", ".join(f"{k} {v}" for k, v in sorted(c.items())))
-    for name, (ok, msg) in r.checks.items():
+        counts = by_kind[kind]
+        lines.append(f"  {kind:<13} {sum(counts.values()):>5}  "
+                     + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
+    for name, (ok, msg) in result.checks.items():
         lines.append(f"{'PASS' if ok else 'FAIL'} {name:<10} {msg}")
-    lines.append("soak passed" if r.ok else "soak FAILED")
+    lines.append("soak passed" if result.ok else "soak FAILED")
     return "\n".join(lines)
 
 
@@ -866,40 +876,41 @@ def parse_args(argv: list[str] | None) -> SoakOptions:
                     help="--launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1 (the CPU forward thread)")
     ap.add_argument("--deferring", action="store_true",
                     help="stamp every request with the SLO measured after warm-up, at which TAPER defers rows")
-    a = ap.parse_args(argv)
-    if a.url and not a.url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:")):
+    args = ap.parse_args(argv)
+    if args.url and not args.url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:")):
         ap.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
-    if a.minutes <= 0 or a.concurrency < 1 or a.max_jobs < 1:
+    if args.minutes <= 0 or args.concurrency < 1 or args.max_jobs < 1:
         ap.error("--minutes, --concurrency and --max-jobs must be positive")
-    if (a.forward_thread or a.async_output) and a.url:
+    if (args.forward_thread or args.async_output) and args.url:
         ap.error("--async-output and --forward-thread are launch settings (a running server has its own)")
-    return SoakOptions(a.url and a.url.rstrip("/"), a.model, a.server_args, a.minutes, a.concurrency, a.seed,
-                       a.max_jobs, a.job_timeout_s, a.rss_bound_mb, a.async_output, a.forward_thread, a.deferring)
+    return SoakOptions(args.url and args.url.rstrip("/"), args.model, args.server_args, args.minutes,
+                       args.concurrency, args.seed, args.max_jobs, args.job_timeout_s, args.rss_bound_mb,
+                       args.async_output, args.forward_thread, args.deferring)
 
 
-def launch_args(a: SoakOptions) -> list[str]:
-    extra = shlex.split(a.server_args)
-    if (a.async_output or a.forward_thread) and "--async-output" not in extra:
+def launch_args(opts: SoakOptions) -> list[str]:
+    extra = shlex.split(opts.server_args)
+    if (opts.async_output or opts.forward_thread) and "--async-output" not in extra:
         extra.append("--async-output")  # the forward thread runs under it
-    return SERVER_ARGS + (DEFERRING_ARGS if a.deferring else []) + extra
+    return SERVER_ARGS + (DEFERRING_ARGS if opts.deferring else []) + extra
 
 
-def launch_env(a: SoakOptions) -> dict[str, str]:
-    return {"BRANCHWISE_FORWARD_THREAD": "1"} if a.forward_thread else {}
+def launch_env(opts: SoakOptions) -> dict[str, str]:
+    return {"BRANCHWISE_FORWARD_THREAD": "1"} if opts.forward_thread else {}
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    opts = parse_args(argv)
     server = None
-    if a.url is None:
+    if opts.url is None:
         from branchwise.tiny_model import build
 
-        if not (Path(a.model) / "config.json").exists():
-            build(a.model)
-        server = LocalServer(str(a.model), launch_args(a), env=launch_env(a)).start()
+        if not (Path(opts.model) / "config.json").exists():
+            build(opts.model)
+        server = LocalServer(str(opts.model), launch_args(opts), env=launch_env(opts)).start()
         print(f"server {server.url} (log {server.log_path})", flush=True)
     try:
-        result = run(server.url if server else str(a.url), a, server, stall_exit=True)
+        result = run(server.url if server else str(opts.url), opts, server, stall_exit=True)
         if server is not None and not result.ok:
             print(f"server log tail ({server.log_path}):\n{server.log_tail()}", flush=True)
     finally:
