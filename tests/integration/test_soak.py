@@ -43,5 +43,8 @@ def test_one_minute_mixed_load_loses_nothing(srv):
     results = Counter(o.result for o in res.outcomes)
     assert results["aborted"] and results["rejected"] and results["disconnected"], results
     forks = res.end.fork["counters"]
-    assert forks.get("forks", 0) > 0 and forks.get("joins", 0) > 0 and forks.get("parked_aborted", 0) > 0, forks
+    # Whether an abort lands while its parent is parked depends on the machine's speed (a slow box
+    # aborts most parents before their fork point), so it is not asserted here: test_fork_lifecycle
+    # drives an abort into every point of a fork's life deterministically.
+    assert forks.get("forks", 0) > 0 and forks.get("joins", 0) > 0, forks
     assert forks.get("orphans_freed", 0) == 0, forks  # the lifecycle itself left nothing for the leak check
