@@ -117,8 +117,7 @@ class Policy:
         if not any(price):
             return None
         room = budget - floor_cost(a, model, floor)
-        starts = a.ready.cumsum() - a.ready
-        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[starts]).sum())
+        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[a.starts]).sum())
         held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
         return price[0] * held, price[1] * held
 
