@@ -180,7 +180,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     if lo is None:
         forced = starts
     else:
-        forced = np.flatnonzero(pos < lo[seg])
+        forced = (pos < lo[seg]).nonzero()[0]
         t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
         if t0 > budget_s and deferral is None:
             return StepPlan(rids, lo, predicted_s=t0, budget_s=budget_s,

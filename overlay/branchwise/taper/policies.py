@@ -144,30 +144,34 @@ class Policy:
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
         credit = np.where(phase, slo * extra, 0.0) if terms.mean else 0.0
         bound = rho * (slack + credit)  # each request's bound on T at full width
+        floors = terms.mean and bool(phase.any())
+        per_slo = np.maximum(slo, 1e-9) if floors else slo
 
         def floor_at(budget: float) -> np.ndarray | None:
             """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo)."""
-            if not terms.mean or not phase.any() or not math.isfinite(budget):
+            if not floors or not math.isfinite(budget):
                 return None
-            need = np.ceil((budget / rho - slack) / np.maximum(slo, 1e-9))
-            need = np.where(phase, np.clip(need, 0, extra), 0).astype(np.int64)
+            need = np.ceil((budget / rho - slack) / per_slo)
+            # clip as minimum(maximum()): np.clip's Python wrapper costs several us
+            need = np.where(phase, np.minimum(np.maximum(need, 0), extra), 0).astype(np.int64)
             return need + 1 if need.any() else None
 
         # the SLO pace: a step this long keeps a request on target (a phase at full width gets
         # `ready` tokens from it)
         pace = rho * slo * (a.ready if terms.mean else 1)
-        budget = float(bound.min())
+        budget = first = float(bound.min())
+        floor = floor_at(budget)
         if terms.overload:
-            forced_s = floor_cost(a, model, floor_at(budget))
+            forced_s = floor_cost(a, model, floor)
             if forced_s > budget:
                 late = bound < forced_s  # no deferral keeps these within their budget this step
                 budget = min(float(bound[~late].min()) if not late.all() else math.inf,
                              float(pace[late].min()))
                 notes["overload"] = 1.0
-        if terms.backlog and a.waiting > 0 and float(pace.min()) > budget:
-            budget = float(pace.min())
+        if terms.backlog and a.waiting > 0 and (pace_s := float(pace.min())) > budget:
+            budget = pace_s
             notes["backlog"] = 1.0
-        return budget, floor_at(budget), notes
+        return budget, floor if budget == first else floor_at(budget), notes  # a term moved it: floor again
 
 
 def parse_policy_name(name: str) -> str:
