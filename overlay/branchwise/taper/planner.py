@@ -23,7 +23,7 @@ The static policies (off, cap:K, eager) plan with `plan_capped`: a fixed width p
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,6 +42,9 @@ _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)  # 0..4095, sliced for the common batch sizes
 _ROWS.flags.writeable = False
+# the price of deferring (plan_step): (per step that defers, per deferred row) seconds, or a
+# function that computes it on demand
+Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -134,7 +137,7 @@ def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> S
 
 def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
               *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None,
-              deferral: tuple[float, float] | None = None) -> StepPlan:
+              deferral: Deferral | None = None) -> StepPlan:
     """Widths per request for one decode step.
 
     pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
@@ -144,11 +147,12 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     deferral: (per step that defers, per deferred row) seconds, the price of deferring (taper's
     deferral-cost term): a plan that defers d rows is predicted at T(its rows) + the first + d x
     the second, so admitting a row saves its cost less the second, and the plan that defers runs
-    only when it is predicted shorter than running every ready row.
+    only when it is predicted shorter than running every ready row. Or a function returning that
+    nonzero price, called only when not every ready row fits (most steps never need it).
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
-    if deferral is not None and not any(deferral):
+    if deferral is not None and not callable(deferral) and not any(deferral):
         deferral = None
     rids = a.rids
     n = len(rids)
@@ -194,10 +198,11 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
                         considered=considered, notes=notes)
     base = t0
     if deferral is not None:  # every row deferred costs its share; admitting it saves cost - per row
-        base = t0 + deferral[0] + deferral[1] * considered
-        cost = np.maximum(cost - deferral[1], 0.0)
+        per_step, per_row = deferral() if callable(deferral) else deferral
+        base = t0 + per_step + per_row * considered
+        cost = np.maximum(cost - per_row, 0.0)
         cost[forced] = 0.0
-        if float(cost.sum()) <= deferral[0]:  # no plan that defers beats running every row: no greedy pass
+        if float(cost.sum()) <= per_step:  # no plan that defers beats running every row: no greedy pass
             notes["defer_cost"] = 1.0
             return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
                             considered=considered, notes=notes)

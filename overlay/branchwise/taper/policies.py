@@ -26,6 +26,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
@@ -104,18 +105,26 @@ class Policy:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
         budget, floor, notes = self.budget(a)
-        deferral = self.held_price(a, budget, floor) if self.terms.defer_cost else None
+        deferral = None
+        if self.terms.defer_cost and any(self.deferral_price()):  # plan_step prices it if rows do not all fit
+            deferral = partial(self._held_price, a, budget, floor)
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
                          floor=floor, deferral=deferral)
         plan.notes.update(notes)
         return plan
 
+    def deferral_price(self) -> tuple[float, float]:
+        """The model's (per deferring step, per deferred row) seconds; (0, 0): deferring is free."""
+        model = self.model
+        return model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
+
     def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (module docstring), or None (free)."""
+        return self._held_price(a, budget, floor) if any(self.deferral_price()) else None
+
+    def _held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float]:
         model = self.model
-        price = model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
-        if not any(price):
-            return None
+        price = self.deferral_price()
         room = budget - floor_cost(a, model, floor)
         waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[a.starts]).sum())
         held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
