@@ -208,6 +208,15 @@ def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
     assert plan.predicted_s <= 0.0175 + 1e-12
 
 
+def test_a_deferral_price_given_as_a_function_is_computed_only_when_rows_do_not_all_fit():
+    from branchwise.taper.planner import plan_step
+
+    m = LinearLatencyModel(0.010, 1e-3, 0.0)
+    a = _phase_batch(8, slack=0.015)  # protected 12 ms, all 19 ms
+    assert plan_step(a, m, 0.020, deferral=lambda: pytest.fail("priced")).widths.tolist() == [1, 8]
+    assert plan_step(a, m, 0.012, deferral=lambda: (3e-3, 0.7e-3)).notes.get("defer_cost") == 1.0
+
+
 def test_taper_prices_a_deferral_over_the_steps_it_is_held():
     """taper-defer-cost holds a deferral for (opportunistic rows' cost / room above the forced rows)
     steps, at least one, and prices it per step held: with no room above the protected rows any

@@ -164,7 +164,10 @@ class StepController:
             for key, w, head in zip(groups, width, heads, strict=True):
                 if head.phase and key not in self.fixed:
                     self.fixed[key] = w
-        self._account(plan, batch, time.perf_counter() - t0)
+        admitted = sum(width)
+        self._account(plan, batch, admitted, time.perf_counter() - t0)
+        if admitted == len(rows):  # every row runs (the common plan): no per-row pass
+            return list(range(len(rows)))
         active = [i for w, idx in zip(width, groups.values(), strict=True) for n, i in enumerate(idx)
                   if n < w or rows[i].forced]
         self.stats.rows_deferred += len(rows) - len(active)
@@ -205,13 +208,13 @@ class StepController:
                 tr.start_phase(now)
         return tr
 
-    def _account(self, plan: StepPlan, batch: ArrayBatch, planner_s: float) -> None:
+    def _account(self, plan: StepPlan, batch: ArrayBatch, rows: int, planner_s: float) -> None:
         st = self.stats
         st.planned_steps += 1
         st.planner_s += planner_s
         n = len(batch.rids)
         st.candidates += len(batch.ctx) - n
-        st.admitted += plan.rows - n
+        st.admitted += rows - n
         st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
         for term in _COUNTED:
             if term in plan.notes:

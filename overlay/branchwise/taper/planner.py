@@ -14,7 +14,7 @@ with Algorithm 1's: docs/design/taper-planner.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -33,6 +33,9 @@ _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)  # 0..4095, sliced for the common batch sizes
 _ROWS.flags.writeable = False
+# the price of deferring (plan_step): (per step that defers, per deferred row) seconds, or a
+# function that computes it on demand
+Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
@@ -55,6 +58,9 @@ class ArrayBatch:
     slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
     waiting: int = 0  # requests queued for admission (SGLang's waiting queue): the backlog
     gap_slack_s: np.ndarray | None = None  # float64[n], slack_s read per gap (the paper's serial slack)
+    # derived once here, read by every rule of the step (a numpy call costs ~1 us at these sizes)
+    starts: np.ndarray = field(init=False, repr=False)  # int64[n], each request's first (protected) row
+    protected_ctx: int = field(init=False, repr=False)  # context tokens of the protected rows, S0's
 
     def __post_init__(self) -> None:
         n = len(self.rids)
@@ -62,12 +68,17 @@ class ArrayBatch:
             raise ValueError(f"ArrayBatch: ready and slack_s need one entry per request ({n})")
         if n and int(self.ready.min()) < 1:
             raise ValueError("ArrayBatch: every request needs at least one ready row")
-        if self.ctx.shape != (int(self.ready.sum()),):
+        starts = self.ready.cumsum()
+        if self.ctx.shape != (int(starts[-1]) if n else 0,):
             raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
         for name in ("weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
             a = getattr(self, name)
             if a is not None and a.shape != (n,):
                 raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
+        starts -= self.ready
+        starts.flags.writeable = False  # shared by every reader of the batch
+        object.__setattr__(self, "starts", starts)
+        object.__setattr__(self, "protected_ctx", int(self.ctx[starts].sum()))
 
 
 @dataclass(slots=True)
@@ -104,16 +115,20 @@ def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> S
     w = a.ready if cap is None else np.minimum(a.ready, cap)
     predicted = 0.0
     if model is not None and len(a.rids):
-        starts = a.ready.cumsum() - a.ready
-        pos = np.arange(len(a.ctx)) - starts.repeat(a.ready)
-        keep = pos < w.repeat(a.ready)
-        predicted = model.predict(int(w.sum()), int(a.ctx[keep].sum()), a.extra_tokens)
+        if cap is None:  # every row (eager)
+            rows, ctx = len(a.ctx), int(a.ctx.sum())
+        elif cap == 1:  # the protected rows (off)
+            rows, ctx = len(a.rids), a.protected_ctx
+        else:
+            keep = np.arange(len(a.ctx)) < (a.starts + w).repeat(a.ready)
+            rows, ctx = int(w.sum()), int(a.ctx[keep].sum())
+        predicted = model.predict(rows, ctx, a.extra_tokens)
     return StepPlan(a.rids, w, predicted)
 
 
 def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
               *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None,
-              deferral: tuple[float, float] | None = None) -> StepPlan:
+              deferral: Deferral | None = None) -> StepPlan:
     """Widths per request for one decode step.
 
     pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
@@ -123,19 +138,18 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     deferral: (per step that defers, per deferred row) seconds, the price of deferring (taper's
     deferral-cost term): a plan that defers d rows is predicted at T(its rows) + the first + d x
     the second, so admitting a row saves its cost less the second, and the plan that defers runs
-    only when it is predicted shorter than running every ready row.
+    only when it is predicted shorter than running every ready row. Or a function returning that
+    nonzero price, called only when not every ready row fits (most steps never need it).
     """
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
-    if deferral is not None and not any(deferral):
+    if deferral is not None and not callable(deferral) and not any(deferral):
         deferral = None
     rids = a.rids
     n = len(rids)
     if n == 0:
         return StepPlan(rids, _ones(0), 0.0, budget_s)
-    ready, ctx = a.ready, a.ctx
-    starts = ready.cumsum()
-    starts -= ready  # index of each request's first (protected) row
+    ready, ctx, starts = a.ready, a.ctx, a.starts
     lo = None  # rows per request that run no matter what; None: one (the protected row)
     fixed = a.fixed_width if pinned else None
     if fixed is not None and fixed.any():
@@ -149,7 +163,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     elif floor is not None and bool((floor > 1).any()):
         lo = np.minimum(np.maximum(floor, 1), ready)
     else:
-        t0 = model.predict(n, int(ctx[starts].sum()), a.extra_tokens)  # T(S0)
+        t0 = model.predict(n, a.protected_ctx, a.extra_tokens)  # T(S0)
         if t0 > budget_s and deferral is None:  # the protected composition alone is over budget: it runs
             return StepPlan(rids, _ones(n), predicted_s=t0, budget_s=budget_s,
                             notes={"protected_s": t0})
@@ -161,7 +175,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
     if lo is None:
         forced = starts
     else:
-        forced = np.flatnonzero(pos < lo[seg])
+        forced = (pos < lo[seg]).nonzero()[0]
         t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
         if t0 > budget_s and deferral is None:
             return StepPlan(rids, lo, predicted_s=t0, budget_s=budget_s,
@@ -175,10 +189,11 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
                         considered=considered, notes=notes)
     base = t0
     if deferral is not None:  # every row deferred costs its share; admitting it saves cost - per row
-        base = t0 + deferral[0] + deferral[1] * considered
-        cost = np.maximum(cost - deferral[1], 0.0)
+        per_step, per_row = deferral() if callable(deferral) else deferral
+        base = t0 + per_step + per_row * considered
+        cost = np.maximum(cost - per_row, 0.0)
         cost[forced] = 0.0
-        if float(cost.sum()) <= deferral[0]:  # no plan that defers beats running every row: no greedy pass
+        if float(cost.sum()) <= per_step:  # no plan that defers beats running every row: no greedy pass
             notes["defer_cost"] = 1.0
             return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
                             considered=considered, notes=notes)
@@ -244,10 +259,7 @@ def _fill(rest: np.ndarray, cost: np.ndarray, seg: np.ndarray, pos: np.ndarray, 
 def floor_cost(a: ArrayBatch, model: LatencyModel, floor: np.ndarray | None) -> float:
     """Predicted latency of the composition that runs `floor` rows per request (None: one each)."""
     if floor is None:
-        starts = a.ready.cumsum() - a.ready
-        return model.predict(len(a.rids), int(a.ctx[starts].sum()), a.extra_tokens)
+        return model.predict(len(a.rids), a.protected_ctx, a.extra_tokens)
     lo = np.minimum(np.maximum(floor, 1), a.ready)
-    seg = _arange(len(a.rids)).repeat(a.ready)
-    starts = a.ready.cumsum() - a.ready
-    keep = _arange(len(a.ctx)) - starts[seg] < lo[seg]
+    keep = _arange(len(a.ctx)) < (a.starts + lo).repeat(a.ready)  # a row below its request's floor
     return model.predict(int(lo.sum()), int(a.ctx[keep].sum()), a.extra_tokens)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from functools import partial
 from types import MappingProxyType
 
 import numpy as np
@@ -97,22 +98,29 @@ class Policy:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
         budget, floor, notes = self.budget(a)
-        deferral = self.held_price(a, budget, floor) if self.terms.defer_cost else None
+        deferral = None
+        if self.terms.defer_cost and any(self.deferral_price()):  # plan_step prices it if rows do not all fit
+            deferral = partial(self._held_price, a, budget, floor)
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
                          floor=floor, deferral=deferral)
         plan.notes.update(notes)
         return plan
 
+    def deferral_price(self) -> tuple[float, float]:
+        """The model's (per deferring step, per deferred row) seconds; (0, 0): deferring is free."""
+        model = self.model
+        return model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
+
     def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
         (deferral is free)."""
+        return self._held_price(a, budget, floor) if any(self.deferral_price()) else None
+
+    def _held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float]:
         model = self.model
-        price = model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
-        if not any(price):
-            return None
+        price = self.deferral_price()
         room = budget - floor_cost(a, model, floor)
-        starts = a.ready.cumsum() - a.ready
-        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[starts]).sum())
+        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[a.starts]).sum())
         held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
         return price[0] * held, price[1] * held
 
@@ -140,30 +148,34 @@ class Policy:
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
         credit = np.where(phase, slo * extra, 0.0) if terms.mean else 0.0
         bound = rho * (slack + credit)  # each request's bound on T at full width
+        floors = terms.mean and bool(phase.any())
+        per_slo = np.maximum(slo, 1e-9) if floors else slo
 
         def floor_at(budget: float) -> np.ndarray | None:
             """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo)."""
-            if not terms.mean or not phase.any() or not math.isfinite(budget):
+            if not floors or not math.isfinite(budget):
                 return None
-            need = np.ceil((budget / rho - slack) / np.maximum(slo, 1e-9))
-            need = np.where(phase, np.clip(need, 0, extra), 0).astype(np.int64)
+            need = np.ceil((budget / rho - slack) / per_slo)
+            # clip as minimum(maximum()): np.clip's Python wrapper costs several us
+            need = np.where(phase, np.minimum(np.maximum(need, 0), extra), 0).astype(np.int64)
             return need + 1 if need.any() else None
 
         # the SLO pace: a step this long keeps a request on target (a phase at full width gets
         # `ready` tokens from it)
         pace = rho * slo * (a.ready if terms.mean else 1)
-        budget = float(bound.min())
+        budget = first = float(bound.min())
+        floor = floor_at(budget)
         if terms.overload:
-            forced_s = floor_cost(a, model, floor_at(budget))
+            forced_s = floor_cost(a, model, floor)
             if forced_s > budget:
                 late = bound < forced_s  # no deferral keeps these within their budget this step
                 budget = min(float(bound[~late].min()) if not late.all() else math.inf,
                              float(pace[late].min()))
                 notes["overload"] = 1.0
-        if terms.backlog and a.waiting > 0 and float(pace.min()) > budget:
-            budget = float(pace.min())
+        if terms.backlog and a.waiting > 0 and (pace_s := float(pace.min())) > budget:
+            budget = pace_s
             notes["backlog"] = 1.0
-        return budget, floor_at(budget), notes
+        return budget, floor if budget == first else floor_at(budget), notes  # a term moved it: floor again
 
 
 def parse_policy_name(name: str) -> str:
