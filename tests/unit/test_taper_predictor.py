@@ -238,3 +238,16 @@ def test_a_calibrated_model_keeps_its_slopes_and_tracks_drift_in_c0():
         refit.observe(n, c, truth.predict(n, c))
     assert model.coefs()[1:] == slopes and refit.intercept_refits == refit.refits >= 1
     assert model.c0 > 5e-3 and "slopes fixed" in refit.last_skip
+
+
+def test_a_deferral_price_above_a_steps_latency_does_not_break_the_refit():
+    """A --latency-model price (c_defer) larger than some quick deferring steps: their T part is
+    clipped at 0 instead of failing the fit (which would escape into the scheduler loop)."""
+    model = LinearLatencyModel(c0=1e-3, c_seq=1e-4, c_ctx=1e-8, c_defer=2e-3)
+    refit = OnlineRefit(model, deferral=True, every=10, min_samples=10)
+    rng = np.random.default_rng(0)
+    for _ in range(60):  # every step defers and is quicker than the price: no split, the model's price
+        rows, ctx = int(rng.integers(2, 30)), int(rng.integers(100, 5000))
+        refit.observe(rows, ctx, 0.5e-3 + 1e-5 * rows, deferred=int(rng.integers(1, 5)))
+    assert refit.refits + refit.skipped >= 5
+    assert all(np.isfinite(model.coefs())) and min(model.coefs()) >= 0.0

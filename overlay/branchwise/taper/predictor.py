@@ -415,8 +415,9 @@ class OnlineRefit:
             new &= defers
             self.evidence.add(rest[new] - float(base.mean()), d[new], float(base.var(ddof=1)) / len(base))
             price = self.evidence.price()
-        # T's part of each step: the deferral price taken out
-        plain = lat - np.where(defers, price[0] + price[1] * d, 0.0)
+        # T's part of each step: the deferral price taken out (a price is a mean over steps, so a
+        # quick deferring step may come out below it: its T part is 0, not negative)
+        plain = np.maximum(lat - np.where(defers, price[0] + price[1] * d, 0.0), 0.0)
         why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
         if why:
             pick = ~defers if split else slice(None)
