@@ -4,8 +4,8 @@ regulated by taper with the outputs of the default (stock) server, streamed, abo
 Two servers, both with --parallel-sampling --random-seed 0, so an unseeded sample's seed is a
 function of its rid (derived from the client's rid) and sampled outputs compare across servers:
   stock  the default policy: SGLang's own schedule (the reference, and the default's counting)
-  taper  taper with an SLO between two decode step times probed on the stock server (as
-         test_taper's partial-admission test), so its plans admit some sample rows and defer others
+  taper  taper with a latency model and an SLO whose budget lies between the protected rows and
+         every row (test_taper.budget_between), so its plans admit some sample rows and defer others
 """
 
 from __future__ import annotations
@@ -23,10 +23,9 @@ import pytest
 
 from branchwise.launch import branchwise_report, get_json, post_json
 from branchwise.request_meta import KEY
-from branchwise.taper.predictor import LinearLatencyModel
 from branchwise.validate import MAX_N
 from tests.integration.test_albireo import stream
-from tests.integration.test_taper import decode_step_s
+from tests.integration.test_taper import budget_between
 
 COMMON = ("--parallel-sampling", "--random-seed", "0")
 PROMPTS = [f"sample {i}: the plan then" for i in range(6)]
@@ -70,12 +69,8 @@ def runs(servers, tmp_path_factory) -> dict[str, Any]:
     got: dict[str, Any] = {"stock": stock, "ref": {
         "greedy": n_batch(stock.url, GREEDY, "g"), "sampled": n_batch(stock.url, SAMPLED, "s")}}
     protected, everything = PHASES + (len(PROMPTS) - PHASES) * N, len(PROMPTS) * N
-    t_lo, t_hi = decode_step_s(stock.url, protected), decode_step_s(stock.url, everything)
-    assert t_hi > t_lo > 0, (t_lo, t_hi)  # the probe must see rows cost time
-    c_seq = (t_hi - t_lo) / (everything - protected)
     path = tmp_path_factory.mktemp("n_sampling") / "model.json"
-    path.write_text(LinearLatencyModel(c0=max(t_lo - protected * c_seq, 0.0), c_seq=c_seq, c_ctx=0.0).to_json())
-    slo_ms = round(1e3 * (t_lo + t_hi) / 2 / RHO, 3)
+    slo_ms = budget_between(path, protected, everything, RHO)
     taper = servers.get("--branch-policy", "taper", "--branch-slo-tpot-ms", str(slo_ms), "--taper-rho", str(RHO),
                         "--latency-model", str(path), *COMMON)
     before = branchwise_report(taper.url)
