@@ -293,12 +293,15 @@ class DeferralEvidence:
     against the model's slopes (frozen, or refit on a window that cannot separate them) any slope
     error times that difference would read as a price where deferral is free. Each step enters
     once, when its window is refit, centred on the means of that window (`a(window)`: the box's
-    drift cancels). The price is a property of the box and the code, not of the moment, so the sums
-    accumulate over the run; it is believed only where the price at the mean deferral stands out of
-    the regression's noise by three standard errors (a refit tests every `every` steps: a looser
-    test would find a price in noise now and then), and it is then (c_defer, c_deferred) >= 0 (a
-    negative one is dropped and the other refit alone). Cost per refit: O(steps added) plus a 4x4
-    solve."""
+    drift cancels), and weighted by 1 / T(its composition): a step's noise scales with the step (a
+    step twice as long varies twice as much), so the regression is one of relative latency and
+    its standard errors hold for long and short steps alike (deferring steps are often the longer
+    ones: unweighted, their larger noise is read as a smaller error). The price is a property of
+    the box and the code, not of the moment, so the sums accumulate over the run; it is believed
+    only where the price at the mean deferral stands out of the regression's noise by three
+    standard errors (a refit tests every `every` steps: a looser test would find a price in noise
+    now and then), and it is then (c_defer, c_deferred) >= 0 (a negative one is dropped and the
+    other refit alone). Cost per refit: O(steps added) plus a 4x4 solve."""
 
     n: int = 0
     n_defer: int = 0
@@ -308,8 +311,8 @@ class DeferralEvidence:
     yy: float = 0.0
 
     def add(self, x: np.ndarray, y: np.ndarray, deferred: np.ndarray) -> None:
-        """Steps (rows of x, centred on their window's means) with latencies y (centred likewise)
-        and the rows each deferred."""
+        """Steps (rows of x, centred on their window's means and weighted) with latencies y
+        (centred and weighted likewise) and the rows each deferred."""
         self.n += len(y)
         self.n_defer += int((deferred > 0).sum())
         self.s_d += float(deferred.sum())
@@ -446,10 +449,12 @@ class OnlineRefit:
         defers = d > 0
         fresh, self._fresh = min(self._fresh, len(d)), 0
         price = m.deferral()
-        if self.deferral:  # the new steps, centred on their window (DeferralEvidence)
+        if self.deferral:  # the new steps, centred on their window, relative to T (DeferralEvidence)
             x = np.stack([n, ctx, defers.astype(np.float64), d], axis=1)
             new = slice(len(d) - fresh, None)
-            self.evidence.add((x - x.mean(axis=0))[new], (lat - lat.mean())[new], d[new])
+            t_hat = m.c0 + m.c_seq * n[new] + m.c_ctx * ctx[new]
+            w = 1.0 / np.where(t_hat > 0.0, t_hat, float(lat.mean()))
+            self.evidence.add((x - x.mean(axis=0))[new] * w[:, None], (lat - lat.mean())[new] * w, d[new])
             price = self.evidence.price()
         # T's part of each step: the deferral price taken out
         plain = lat - np.where(defers, price[0] + price[1] * d, 0.0)
