@@ -279,3 +279,25 @@ def test_without_a_believed_price_the_deferral_refit_is_the_plain_one():
         for rf in refits:
             rf.observe(rows, ctx, lat, deferred=d)
     assert learn.deferral() == (0.0, 0.0) and learn == plain and refits[0].refits == refits[1].refits > 0
+
+
+def test_long_noisy_deferring_steps_are_not_read_as_a_price():
+    """Noise scales with the step (10%), and the steps that defer are ~7x longer than the others:
+    deferring is free. Weighted by 1 / T the regression's standard error holds for both, and a
+    price is believed in at most a few of 100 runs (each tested at every refit). Unweighted, the
+    short steps' small noise would set the error bar: 17 of these 100 runs find a price."""
+    box = LinearLatencyModel(c0=0.5e-3, c_seq=0.1e-3, c_ctx=1e-8)
+    believed = 0
+    for rep in range(100):
+        rng = np.random.default_rng(100 + rep)
+        model = LinearLatencyModel(*box.coefs())
+        refit = OnlineRefit(model, window=64, every=16, slopes_fixed=True, deferral=True)
+        for i in range(480):
+            d = int(rng.integers(1, 12)) if i % 4 == 0 else 0
+            rows = int(rng.integers(60, 80)) if d else int(rng.integers(2, 10))
+            ctx = rows * int(rng.integers(200, 2000))
+            refit.observe(rows, ctx, box.predict(rows, ctx) * rng.lognormal(0.0, 0.1), deferred=d)
+            if model.deferral() != (0.0, 0.0):
+                believed += 1
+                break
+    assert believed <= 3
