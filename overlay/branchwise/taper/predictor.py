@@ -276,52 +276,95 @@ def _fit(n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> 
     return LinearLatencyModel(c0=c[0], c_seq=c[1], c_ctx=c[2], c_tok=c[3])
 
 
-MIN_SPLIT = 8  # steps that deferred, and steps that did not, before the deferral price is refit
+MIN_SPLIT = 8  # steps that deferred, and steps that did not, before the deferral price is believed
+_PRICE_Z = 3.0  # standard errors by which the price must stand out of the noise
+_RCOND = 1e-9  # a direction of the composition this much weaker than the strongest is not identified
 
 
 @dataclass(slots=True)
 class DeferralEvidence:
-    """What deferring steps took beyond T, over every refit window so far: each deferring step's
-    excess over T less the mean excess of its window's steps that did not defer (so the box's drift
-    cancels). The price is a property of the box and the code, not of the moment, so the evidence
-    accumulates; it is believed only where its mean stands out of the noise by three standard
-    errors (a refit tests every `every` steps: a looser test would find a price in noise now and
-    then), and it is then (c_defer, c_deferred) >= 0, a least-squares line on the deferred rows."""
+    """What deferring steps took beyond what their composition explains, over every refit window.
+
+    The price is the deferral part of one least-squares regression of step latency on the step's
+    composition and its deferral, x = (rows, context tokens, 1 if it deferred, rows it deferred):
+    latency = a(window) + b_rows rows + b_ctx ctx + c_defer [deferred > 0] + c_deferred deferred.
+    The composition slopes are estimated here jointly with the price, never taken from the model:
+    deferring steps differ in composition from the others (other rows, other contexts), and
+    against the model's slopes (frozen, or refit on a window that cannot separate them) any slope
+    error times that difference would read as a price where deferral is free. Each step enters
+    once, when its window is refit, centred on the means of that window (`a(window)`: the box's
+    drift cancels), and weighted by 1 / T(its composition): a step's noise scales with the step (a
+    step twice as long varies twice as much), so the regression is one of relative latency and
+    its standard errors hold for long and short steps alike (deferring steps are often the longer
+    ones: unweighted, their larger noise is read as a smaller error). The price is a property of
+    the box and the code, not of the moment, so the sums accumulate over the run; it is believed
+    only where the price at the mean deferral stands out of the regression's noise by three
+    standard errors (a refit tests every `every` steps: a looser test would find a price in noise
+    now and then), and it is then (c_defer, c_deferred) >= 0 (a negative one is dropped and the
+    other refit alone). Cost per refit: O(steps added) plus a 4x4 solve."""
 
     n: int = 0
-    s_e: float = 0.0
-    s_ee: float = 0.0
-    s_d: float = 0.0
-    s_dd: float = 0.0
-    s_de: float = 0.0
-    base_var: float = 0.0  # sum over windows of (its deferring steps)^2 x the variance of its baseline
+    n_defer: int = 0
+    s_d: float = 0.0  # rows deferred, over the steps that deferred
+    xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    yy: float = 0.0
 
-    def add(self, excess: np.ndarray, deferred: np.ndarray, baseline_var: float) -> None:
-        k = len(excess)
-        self.n += k
-        self.s_e += float(excess.sum())
-        self.s_ee += float(excess @ excess)
+    def add(self, x: np.ndarray, y: np.ndarray, deferred: np.ndarray) -> None:
+        """Steps (rows of x, centred on their window's means and weighted) with latencies y
+        (centred and weighted likewise) and the rows each deferred."""
+        self.n += len(y)
+        self.n_defer += int((deferred > 0).sum())
         self.s_d += float(deferred.sum())
-        self.s_dd += float(deferred @ deferred)
-        self.s_de += float(deferred @ excess)
-        self.base_var += k * k * baseline_var
+        self.xx += x.T @ x
+        self.xy += x.T @ y
+        self.yy += float(y @ y)
 
     def price(self) -> tuple[float, float]:
-        n = self.n
-        if n < MIN_SPLIT:
+        if self.n_defer < MIN_SPLIT or self.n - self.n_defer < MIN_SPLIT:
             return 0.0, 0.0
-        mean = self.s_e / n
-        var = max(self.s_ee - n * mean * mean, 0.0) / (n - 1)
-        if mean <= 3.0 * math.sqrt(var / n + self.base_var / (n * n)):
+        dbar = self.s_d / self.n_defer
+        both = self._fit((2, 3), (1.0, dbar))
+        if both is None:  # every deferring step deferred as many rows: one column holds the price
+            alone = self._fit((2,), (1.0,))
+            return (alone[0], 0.0) if alone is not None and alone[0] > _PRICE_Z * alone[1] else (0.0, 0.0)
+        (c_defer, c_deferred), est, se = both
+        if est <= _PRICE_Z * se:
             return 0.0, 0.0
-        dbar = self.s_d / n
-        sdd, sde = self.s_dd - n * dbar * dbar, self.s_de - n * dbar * mean
-        slope = sde / sdd if sdd > 0 else 0.0
-        if slope <= 0:
-            return mean, 0.0
-        if mean - slope * dbar < 0:
-            return 0.0, self.s_de / self.s_dd
-        return mean - slope * dbar, slope
+        if c_defer >= 0.0 and c_deferred >= 0.0:
+            return c_defer, c_deferred
+        if c_deferred < 0.0:
+            alone = self._fit((2,), (1.0,))
+            return (max(alone[0], 0.0), 0.0) if alone is not None else (0.0, 0.0)
+        alone = self._fit((3,), (1.0,))
+        return (0.0, max(alone[0], 0.0)) if alone is not None else (0.0, 0.0)
+
+    def _fit(self, cols: tuple[int, ...], at: tuple[float, ...]) -> Any:
+        """((the coefficients of the deferral columns `cols`, (rows, ctx) partialled out), their
+        combination `at`, its standard error); for one column (its coefficient, its standard error);
+        None where the data cannot identify them."""
+        scale = np.sqrt(np.diag(self.xx))
+        scale[scale == 0.0] = 1.0
+        xx = self.xx / np.outer(scale, scale)
+        xy = self.xy / scale
+        z, d = [0, 1], list(cols)
+        zz_inv = np.linalg.pinv(xx[np.ix_(z, z)], rcond=_RCOND, hermitian=True)
+        dz = xx[np.ix_(d, z)]
+        a = xx[np.ix_(d, d)] - dz @ zz_inv @ dz.T  # the deferral columns' information beyond the composition
+        r = xy[d] - dz @ zz_inv @ xy[z]
+        if np.any(np.diag(a) <= _RCOND) or np.linalg.cond(a) > 1.0 / _RCOND:
+            return None
+        a_inv = np.linalg.inv(a)
+        b = a_inv @ r
+        rss = max(self.yy - float(xy[z] @ zz_inv @ xy[z]) - float(b @ r), 0.0)  # 0: an exact fit
+        dof = self.n - np.linalg.matrix_rank(xx[np.ix_(z, z)], tol=_RCOND, hermitian=True) - len(d)
+        if dof <= 0:
+            return None
+        w = np.asarray(at) * (1.0 / scale[d])  # the combination in seconds
+        coef = b / scale[d]
+        est = float(np.asarray(at) @ coef)
+        se = math.sqrt(rss / dof * float(w @ a_inv @ w))
+        return (float(coef[0]), se) if len(d) == 1 else ((float(coef[0]), float(coef[1])), est, se)
 
 
 def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
@@ -346,9 +389,9 @@ class OnlineRefit:
     `slopes_fixed`: only ever correct the intercept (a model calibrated offline, e.g. --latency-model,
     keeps its measured shape; the box's speed drift is still tracked).
     `deferral`: also learn the price of deferring (module docstring) from steps observed with their
-    deferred rows (DeferralEvidence, over all windows). While the window holds MIN_SPLIT steps that
-    did not defer, c0 comes from them; otherwise from every step with the price taken out, so the
-    price does not leak into c0.
+    deferred rows (DeferralEvidence, over all windows). The fits above see every step with the
+    learned price taken out, so the price does not leak into c0; while no price is believed the
+    refit is the one without `deferral`.
     Run it on TP rank 0 only, where the plan is decided; never per rank.
     """
 
@@ -405,23 +448,20 @@ class OnlineRefit:
         d = np.fromiter(self._deferred, np.float64, len(self._deferred))
         defers = d > 0
         fresh, self._fresh = min(self._fresh, len(d)), 0
-        split = self.deferral and int((~defers).sum()) >= MIN_SPLIT
         price = m.deferral()
-        if split:  # the new deferring steps' excess over the window's steps that did not defer
-            rest = lat - m.c_seq * n - m.c_ctx * ctx
-            base = rest[~defers]
-            new = np.zeros(len(d), bool)
-            new[len(d) - fresh:] = True
-            new &= defers
-            self.evidence.add(rest[new] - float(base.mean()), d[new], float(base.var(ddof=1)) / len(base))
+        if self.deferral:  # the new steps, centred on their window, relative to T (DeferralEvidence)
+            x = np.stack([n, ctx, defers.astype(np.float64), d], axis=1)
+            new = slice(len(d) - fresh, None)
+            t_hat = m.c0 + m.c_seq * n[new] + m.c_ctx * ctx[new]
+            w = 1.0 / np.where(t_hat > 0.0, t_hat, float(lat.mean()))
+            self.evidence.add((x - x.mean(axis=0))[new] * w[:, None], (lat - lat.mean())[new] * w, d[new])
             price = self.evidence.price()
         # T's part of each step: the deferral price taken out (a price is a mean over steps, so a
         # quick deferring step may come out below it: its T part is 0, not negative)
         plain = np.maximum(lat - np.where(defers, price[0] + price[1] * d, 0.0), 0.0)
         why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
         if why:
-            pick = ~defers if split else slice(None)
-            c0_fit = max(0.0, float(np.mean((plain - m.c_seq * n - m.c_ctx * ctx)[pick])))
+            c0_fit = max(0.0, float(np.mean(plain - m.c_seq * n - m.c_ctx * ctx)))
             cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok, *price)
         else:
             fit = _fit(n, ctx, plain, np.zeros_like(n))
