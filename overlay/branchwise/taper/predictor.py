@@ -285,23 +285,13 @@ _RCOND = 1e-9  # a direction of the composition this much weaker than the strong
 class DeferralEvidence:
     """What deferring steps took beyond what their composition explains, over every refit window.
 
-    The price is the deferral part of one least-squares regression of step latency on the step's
-    composition and its deferral, x = (rows, context tokens, 1 if it deferred, rows it deferred):
-    latency = a(window) + b_rows rows + b_ctx ctx + c_defer [deferred > 0] + c_deferred deferred.
-    The composition slopes are estimated here jointly with the price, never taken from the model:
-    deferring steps differ in composition from the others (other rows, other contexts), and
-    against the model's slopes (frozen, or refit on a window that cannot separate them) any slope
-    error times that difference would read as a price where deferral is free. Each step enters
-    once, when its window is refit, centred on the means of that window (`a(window)`: the box's
-    drift cancels), and weighted by 1 / T(its composition): a step's noise scales with the step (a
-    step twice as long varies twice as much), so the regression is one of relative latency and
-    its standard errors hold for long and short steps alike (deferring steps are often the longer
-    ones: unweighted, their larger noise is read as a smaller error). The price is a property of
-    the box and the code, not of the moment, so the sums accumulate over the run; it is believed
-    only where the price at the mean deferral stands out of the regression's noise by three
-    standard errors (a refit tests every `every` steps: a looser test would find a price in noise
-    now and then), and it is then (c_defer, c_deferred) >= 0 (a negative one is dropped and the
-    other refit alone). Cost per refit: O(steps added) plus a 4x4 solve."""
+    The sums of one weighted least-squares regression, accumulated over the run:
+    latency = a(window) + b_rows rows + b_ctx ctx + c_defer [deferred > 0] + c_deferred deferred,
+    each step centred on its window and weighted by 1 / T(its composition). The composition slopes
+    are estimated jointly with the price, never taken from the model, so slope error cannot read
+    as a price. `price()` believes the price at the mean deferral only 3 standard errors out of
+    the noise, then (c_defer, c_deferred) >= 0. Why each choice: docs/design/taper-rule.md,
+    "Deferral price". Cost per refit: O(steps added) plus a 4x4 solve."""
 
     n: int = 0
     n_defer: int = 0
