@@ -281,6 +281,20 @@ _PRICE_Z = 3.0  # standard errors by which the price must stand out of the noise
 _RCOND = 1e-9  # a direction of the composition this much weaker than the strongest is not identified
 
 
+@dataclass(frozen=True, slots=True)
+class _PriceFit:
+    """Deferral columns fitted beside the composition: their coefficients (seconds), the
+    combination asked for and its standard error."""
+
+    coef: tuple[float, ...]
+    est: float
+    se: float
+
+    @property
+    def believed(self) -> bool:
+        return self.est > _PRICE_Z * self.se
+
+
 @dataclass(slots=True)
 class DeferralEvidence:
     """What deferring steps took beyond what their composition explains, over every refit window.
@@ -311,28 +325,29 @@ class DeferralEvidence:
         self.yy += float(y @ y)
 
     def price(self) -> tuple[float, float]:
+        """(c_defer, c_deferred) in seconds: (0, 0) until the joint price at the mean deferral is
+        believed; a negative part is dropped and the other column refit alone, clipped at 0. Each
+        path tests significance once: the joint fit, or the lone column where no joint fit exists."""
         if self.n_defer < MIN_SPLIT or self.n - self.n_defer < MIN_SPLIT:
             return 0.0, 0.0
-        dbar = self.s_d / self.n_defer
-        both = self._fit((2, 3), (1.0, dbar))
+        both = self._fit((2, 3), (1.0, self.s_d / self.n_defer))
         if both is None:  # every deferring step deferred as many rows: one column holds the price
             alone = self._fit((2,), (1.0,))
-            return (alone[0], 0.0) if alone is not None and alone[0] > _PRICE_Z * alone[1] else (0.0, 0.0)
-        (c_defer, c_deferred), est, se = both
-        if est <= _PRICE_Z * se:
+            return (alone.est, 0.0) if alone is not None and alone.believed else (0.0, 0.0)
+        if not both.believed:
             return 0.0, 0.0
+        c_defer, c_deferred = both.coef
         if c_defer >= 0.0 and c_deferred >= 0.0:
             return c_defer, c_deferred
         if c_deferred < 0.0:
             alone = self._fit((2,), (1.0,))
-            return (max(alone[0], 0.0), 0.0) if alone is not None else (0.0, 0.0)
+            return (max(alone.est, 0.0), 0.0) if alone is not None else (0.0, 0.0)
         alone = self._fit((3,), (1.0,))
-        return (0.0, max(alone[0], 0.0)) if alone is not None else (0.0, 0.0)
+        return (0.0, max(alone.est, 0.0)) if alone is not None else (0.0, 0.0)
 
-    def _fit(self, cols: tuple[int, ...], at: tuple[float, ...]) -> Any:
-        """((the coefficients of the deferral columns `cols`, (rows, ctx) partialled out), their
-        combination `at`, its standard error); for one column (its coefficient, its standard error);
-        None where the data cannot identify them."""
+    def _fit(self, cols: tuple[int, ...], at: tuple[float, ...]) -> _PriceFit | None:
+        """The deferral columns `cols` fitted with (rows, ctx) partialled out, and their combination
+        `at` with its standard error; None where the data cannot identify them."""
         scale = np.sqrt(np.diag(self.xx))
         scale[scale == 0.0] = 1.0
         xx = self.xx / np.outer(scale, scale)
@@ -352,9 +367,8 @@ class DeferralEvidence:
             return None
         w = np.asarray(at) * (1.0 / scale[d])  # the combination in seconds
         coef = b / scale[d]
-        est = float(np.asarray(at) @ coef)
-        se = math.sqrt(rss / dof * float(w @ a_inv @ w))
-        return (float(coef[0]), se) if len(d) == 1 else ((float(coef[0]), float(coef[1])), est, se)
+        return _PriceFit(coef=tuple(float(c) for c in coef), est=float(np.asarray(at) @ coef),
+                         se=math.sqrt(rss / dof * float(w @ a_inv @ w)))
 
 
 def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
