@@ -1,34 +1,15 @@
 """The simulator's engine: continuous-batching decode steps driving the server's TAPER controller.
 
-Engine model (SGLang-like, one server):
-* every step runs all decoding requests' chosen rows plus up to `chunk_tokens` of chunked prefill
-  (mixed batch); its latency is the latency model's T(rows, context tokens, prefill tokens) times
-  lognormal noise;
-* a request is admitted FCFS while the running requests (a live branch is a request, as in SGLang's
-  running_batch) are fewer than `max_running` (SGLang's default for the pool unless set) and its
-  prompt fits the KV pool below `admit_kv_frac`;
-* a parallel phase forks all its branches at once; a branch shares the parent's KV prefix and owns
-  only its generated tokens; deferred branches keep their KV; the reduce is free and the parent
-  resumes with every branch's tokens in its context; when the pool overflows the newest request is
-  retracted (KV freed, recomputed on re-admission);
-* the widths come from the server's own `StepController` (taper/controller.py), driven by `HookDriver`
-  exactly as overlay/branchwise/scheduler_hook.py drives it: `Row`s for the live rows, `select` only
-  when some phase has more than one ready row, deliveries per key after each step (the quiet-step
-  rule for batches without phase rows included), realized pure-decode latencies to its refit.
+One SGLang-like server: every step runs the decoding requests' chosen rows plus chunked prefill, at
+the latency model's T(rows, context tokens, prefill tokens) times lognormal noise; requests are
+admitted FCFS under a running limit and a KV-pool bound; a parallel phase forks its branches on the
+parent's KV and reduces for free; an overflowing pool retracts the newest request. The widths come
+from the server's own `StepController`, driven by `HookDriver` as scheduler_hook.py drives it.
 
-`Simulator.run` is one loop: arrivals, admission, the partition into serial and phase rows (rebuilt
-only when some request's rows changed), the step's composition (`_compose`), how many identical steps
-run at once (`_window`), and running them (`_execute`). Several steps run in one go when no step in
-between can differ: no row finishes, no arrival can be admitted, the pool cannot overflow. For off,
-cap:K and eager the widths depend on ready-row counts only, so one `select` serves the window. For
-slack-driven policies a window also needs: an arrival cannot fall inside it (a controller input may
-count the queue), every key already has its delivery clock, no refit falls inside it, and either no
-phase has a second ready row (nothing to plan) or the controller admitted every ready row now and a
-probe controller sharing its clocks also admits every row of the window's worst case (contexts of its
-last step, today's slack; T is monotone and slack never shrinks while steps stay within the SLO).
-Step times inside a window are exact (T grows linearly with context); only the latency noise is drawn
-once per window. `macro_steps=False` steps one by one, and the unit tests hold both modes to the same
-deliveries.
+`Simulator.run` is one loop: arrive, admit, repartition, compose a step (`_compose`), choose how
+many provably identical steps run at once (`_window`), run them (`_execute`). `macro_steps=False`
+steps one by one; the unit tests hold both modes to the same deliveries. The engine model, host
+costs and the window rule are in docs/design/simulator.md.
 """
 
 from __future__ import annotations
@@ -86,18 +67,24 @@ class HostCosts:
     at the probe's batches; these are what a live workload and Branchwise add to it. Each is charged
     to the step it happens in, so every row of that step waits for it."""
 
-    step: Cost = Cost()  # every decode step, rows = rows run (output processing, other processes)
-    plan: Cost = Cost()  # a decode step whose widths a budget rule planned, rows = live rows (snapshot, plan)
-    subset: Cost = Cost()  # a step that defers rows, its active set changed since the last step; rows = deferred
-    same_subset: Cost = Cost()  # a step that defers rows with the last step's active set; rows = deferred
-    prefill: Cost = Cost()  # a prefill forward beyond T(0, 0, tokens), rows = its requests (arrivals, branches, joins)
+    # every decode step, rows = rows run (output processing, other processes)
+    step: Cost = Cost()
+    # a decode step whose widths a budget rule planned, rows = live rows (snapshot, plan)
+    plan: Cost = Cost()
+    # a step that defers rows, its active set changed since the last step; rows = deferred
+    subset: Cost = Cost()
+    # a step that defers rows with the last step's active set; rows = deferred
+    same_subset: Cost = Cost()
+    # a prefill forward beyond T(0, 0, tokens), rows = its requests (arrivals, branches, joins)
+    prefill: Cost = Cost()
 
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
     slo_s: float = 0.050
     kv_tokens: int = 1_500_000  # KV pool (Qwen3-32B, 8xA100-80GB, ~62% of memory; TAPER D)
-    max_running: int = 0  # running requests incl. branches (SGLang --max-running-requests); 0: SGLang's default
+    # running requests incl. branches (SGLang --max-running-requests); 0: SGLang's default
+    max_running: int = 0
     context_len: int = CONTEXT_LEN  # the served model's context length (SGLang's default limit uses it)
     admit_kv_frac: float = 0.9  # admit only while the pool is below this (headroom for decode growth)
     chunk_tokens: int = 8192  # chunked-prefill tokens per step (SGLang default for 80 GB GPUs)
@@ -117,7 +104,9 @@ class EngineConfig:
 
     @property
     def running_cap(self) -> int:
-        return self.max_running if self.max_running > 0 else sglang_max_running(self.kv_tokens, self.context_len)
+        if self.max_running > 0:
+            return self.max_running
+        return sglang_max_running(self.kv_tokens, self.context_len)
 
 
 _DEF = EngineConfig()
@@ -134,7 +123,8 @@ def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, c
         return StepController(pol)
     learn = pol.terms.defer_cost  # the policy prices deferral: the refit learns its price
     if calibrated:
-        return StepController(pol, OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True, deferral=learn))
+        refit = OnlineRefit(pol.model, window=64, every=16, slopes_fixed=True, deferral=learn)
+        return StepController(pol, refit)
     return StepController(pol, OnlineRefit(pol.model, deferral=learn))
 
 
@@ -142,9 +132,10 @@ class _Req:
     """Mutable per-request simulation state."""
 
     __slots__ = (
-        "spec", "rid", "key", "phase_key", "fanout", "prefill_left", "ctx", "saved_ctx", "stage", "serial_left",
-        "done", "stage_start", "stage_tok", "last_tok", "branch_left", "branch_ctx", "branch_index", "phase_start",
-        "phase_tok", "record", "gone_s", "phase_extra", "prefill_kind", "prefill_reqs", "gated",
+        "spec", "rid", "key", "phase_key", "fanout", "prefill_left", "ctx", "saved_ctx", "stage",
+        "serial_left", "done", "stage_start", "stage_tok", "last_tok", "branch_left", "branch_ctx",
+        "branch_index", "phase_start", "phase_tok", "record", "gone_s", "phase_extra", "prefill_kind",
+        "prefill_reqs", "gated",
     )
 
     def __init__(self, spec: RequestSpec) -> None:
@@ -172,7 +163,8 @@ class _Req:
         # branches'); a retracted request re-prefills what it held (saved_ctx >= 0) whatever this says
         self.prefill_kind = "prompt"
         self.prefill_reqs = 1  # SGLang requests the pending prefill stands for
-        self.gated = False  # between a client's stages: from a stage's end until the next request's prefill
+        # between a client's stages: from a stage's end until the next request's prefill
+        self.gated = False
 
     @property
     def kv(self) -> int:
@@ -198,8 +190,8 @@ class HookDriver:
     def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
         """The hook's `_row` for every live row: phase rows request-major in branch order, then serial."""
         slo = self.slo_s
-        out = [Row(key=req.phase_key, order=b, ctx=c + grow, slo_s=slo, phase=True)
-               for req in par for b, c in zip(req.branch_index, req.branch_ctx, strict=True)]
+        out = [Row(key=req.phase_key, order=order, ctx=ctx + grow, slo_s=slo, phase=True)
+               for req in par for order, ctx in zip(req.branch_index, req.branch_ctx, strict=True)]
         out += [Row(key=req.key, ctx=req.ctx + lag + grow, slo_s=slo) for req in ser]
         return out
 
@@ -218,11 +210,12 @@ class HookDriver:
         return active
 
     def forget(self, live: list[_Req]) -> None:
-        """Drop the clocks of keys whose rows left the batch (the hook does this every 64 planned
-        steps; here at every change of composition, so windowed and single steps agree). A parent
-        that resumes after its phase's reduce starts a fresh serial clock either way."""
+        """Drop the clocks of keys whose rows left the batch. The hook drops a key once its last row
+        finishes (_release_finished) and the controller's planned steps drop keys absent from their
+        rows; here it happens at every change of composition, so windowed and single steps agree. A
+        parent that resumes after its phase's reduce starts a fresh serial clock either way."""
         keys = {req.phase_key if req.branch_left else req.key for req in live}
-        if len(self.ctl.trackers) > len(keys) or any(k not in keys for k in self.ctl.trackers):
+        if len(self.ctl.trackers) > len(keys) or any(key not in keys for key in self.ctl.trackers):
             self.ctl.forget(keys)
 
     def would_admit_all(self, rows: list[Row], now: float, waiting: int = 0) -> bool:
@@ -232,25 +225,25 @@ class HookDriver:
         probe = StepController(ctl.policy, None, ctl.trackers, dict(ctl.fixed))
         return len(probe.select(rows, now, waiting=waiting)) == len(rows)
 
-    def delivered(self, par: list[_Req], widths: list[int] | None, ser: list[_Req], k: int, t: float,
-                  n_rows: int) -> None:
-        """after_process_batch_result for k identical steps, the last ending at t."""
+    def delivered(self, par: list[_Req], widths: list[int] | None, ser: list[_Req], n_steps: int,
+                  end_s: float, n_rows: int) -> None:
+        """after_process_batch_result for n_steps identical steps, the last ending at end_s."""
         ctl = self.ctl
         if par:
             slo = self.slo_s
-            deliveries = {req.key: Delivery(k, slo, False) for req in ser}
+            deliveries = {req.key: Delivery(n_steps, slo, False) for req in ser}
             if widths is None:
-                deliveries.update((req.phase_key, Delivery(k, slo, True)) for req in par)
+                deliveries.update((req.phase_key, Delivery(n_steps, slo, True)) for req in par)
             else:
-                deliveries.update((req.phase_key, Delivery(w * k, slo, True))
-                                  for req, w in zip(par, widths, strict=True))
-            ctl.on_step_done(deliveries, t, n_rows * k)
+                deliveries.update((req.phase_key, Delivery(width * n_steps, slo, True))
+                                  for req, width in zip(par, widths, strict=True))
+            ctl.on_step_done(deliveries, end_s, n_rows * n_steps)
             self.quiet_ts = None
         else:
-            ctl.on_step_done({}, t, n_rows * k)
+            ctl.on_step_done({}, end_s, n_rows * n_steps)
             if self.quiet_ts is None:  # serial clocks go stale while no phase row runs
-                ctl.forget({key for key, tr in ctl.trackers.items() if tr.in_phase})
-            self.quiet_ts = t
+                ctl.forget({key for key, tracker in ctl.trackers.items() if tracker.in_phase})
+            self.quiet_ts = end_s
 
 
 @dataclass(slots=True)
@@ -264,14 +257,14 @@ class SimResult:
 
 @dataclass(slots=True)
 class _Step:
-    """One iteration: k identical steps of `rows` rows over `ctx` context tokens (the first one also
-    prefills `chunk` tokens); latency (base + growth * j) * noise for the j-th of them."""
+    """One iteration: n_steps identical steps of `rows` rows over `ctx` context tokens (the first
+    one also prefills `chunk` tokens); latency (base + growth * j) * noise for the j-th of them."""
 
     chunk: int
     filled: list[_Req]  # requests whose prefill this step completes
     rows: int
     ctx: int
-    k: int  # steps until some row ends its stage (then cut by `_window`)
+    n_steps: int  # steps until some row ends its stage (then cut by `_window`)
     widths: list[int] | None = None  # rows run per phase; None: one each (no choice)
     eligible: int = 0  # opportunistic rows offered to the controller
     admitted: int = 0  # ... and run
@@ -281,7 +274,7 @@ class _Step:
     base: float = 0.0
     growth: float = 0.0
     noise: float = 1.0
-    first_extra: float = 0.0  # host time only the first of the k steps pays (its active set changed)
+    first_extra: float = 0.0  # host time only the first of the steps pays (its active set changed)
     prefill_only: bool = False  # a prefill forward of its own (EngineConfig.prefill_steps)
     host: float = 0.0  # host seconds in `base` (HostCosts)
     subset: bool = False  # some live row is deferred (set only where HostCosts charge for it)
@@ -289,9 +282,9 @@ class _Step:
 
 
 class Simulator:
-    def __init__(self, specs: list[RequestSpec], controller: StepController | Policy, model: LinearLatencyModel,
-                 cfg: EngineConfig, t_end: float, seed: int = 0) -> None:
-        self.specs = sorted(specs, key=lambda s: s.arrival_s)
+    def __init__(self, specs: list[RequestSpec], controller: StepController | Policy,
+                 model: LinearLatencyModel, cfg: EngineConfig, t_end: float, seed: int = 0) -> None:
+        self.specs = sorted(specs, key=lambda spec: spec.arrival_s)
         if not isinstance(controller, StepController):  # a bare policy: the hook's controller around it
             controller = StepController(controller)
         self.ctl, self.model, self.cfg = controller, model, cfg
@@ -337,15 +330,16 @@ class Simulator:
         self.gated: list[tuple[float, int, _Req]] = []
         self.gate_seq = 0
         self.gen = 0  # partition generation: the active set can only be the same within one
-        self.last_subset: tuple[int, tuple[int, ...] | None] | None = None  # the last step's subset, if any
+        # the last step's subset, if any
+        self.last_subset: tuple[int, tuple[int, ...] | None] | None = None
         self.host = cfg.host
         self.tally = {"decode_steps": 0, "decode_s": 0.0, "rows_run": 0, "rows_deferred": 0,
                       "prefill_steps": 0, "prefill_s": 0.0, "host_s": 0.0, "subset_steps": 0,
                       "changed_subsets": 0}
 
     # ----------------------------------------------------------------------------- stage machine
-    def _next_stage(self, req: _Req, t: float) -> None:
-        """Open stage req.stage + 1 at time t, or finish the request. Client-side programs: the
+    def _next_stage(self, req: _Req, t_s: float) -> None:
+        """Open stage req.stage + 1 at time t_s, or finish the request. Client-side programs: the
         request that ran the stage ends here and the client sends the next one (`_gate`)."""
         self.dirty = True
         req.stage += 1
@@ -360,106 +354,111 @@ class Simulator:
             self.kv -= req.ctx
             return
         stage = stages[req.stage]
-        req.stage_start, req.stage_tok = t, 0
+        req.stage_start, req.stage_tok = t_s, 0
         if isinstance(stage, tuple):
-            n = len(stage)
-            req.branch_left, req.branch_ctx, req.branch_index = list(stage), [req.ctx] * n, list(range(n))
-            req.phase_key, req.fanout = f"phase:{req.rid}.{req.stage}", n
-            req.phase_start, req.phase_tok = t, 0
+            fanout = len(stage)
+            req.branch_left, req.branch_ctx = list(stage), [req.ctx] * fanout
+            req.branch_index = list(range(fanout))
+            req.phase_key, req.fanout = f"phase:{req.rid}.{req.stage}", fanout
+            req.phase_start, req.phase_tok = t_s, 0
             if client:
-                req.branch_ctx, req.phase_extra = [req.ctx + HEADER] * n, HEADER * n
-                self._gate(req, "fork", HEADER * n, t)
+                req.branch_ctx, req.phase_extra = [req.ctx + HEADER] * fanout, HEADER * fanout
+                self._gate(req, "fork", HEADER * fanout, t_s)
             else:
-                self.slots += n - 1
+                self.slots += fanout - 1
         else:
             req.serial_left = stage
-            req.last_tok = t
+            req.last_tok = t_s
             if client:  # the join: every branch but the first is new to the radix cache, and a separator
-                self._gate(req, "join", sum(HEADER + b for b in stages[req.stage - 1][1:]) + 1, t)
+                join_tokens = sum(HEADER + branch for branch in stages[req.stage - 1][1:]) + 1
+                self._gate(req, "join", join_tokens, t_s)
 
-    def _prefilled(self, req: _Req, t: float) -> bool:
-        """Prefill done at t: first token (or, after a retraction, resume where it was); a client
+    def _prefilled(self, req: _Req, t_s: float) -> bool:
+        """Prefill done at t_s: first token (or, after a retraction, resume where it was); a client
         fork's branches get their first tokens, a client join the first token of its stage. True
         while the request decodes on."""
         self.dirty = True
         if req.saved_ctx >= 0:
             req.ctx, req.saved_ctx = req.saved_ctx, -1
-            gap = t - req.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
+            gap = t_s - req.gone_s  # no delivery while retracted (a lower bound: the next step adds to it)
             req.record.max_gap_s = gap if not req.record.max_gap_s >= gap else req.record.max_gap_s
             return True
         kind, req.prefill_kind, req.prefill_reqs, req.gated = req.prefill_kind, "prompt", 1, False
         if kind == "fork":
             self.kv += len(req.branch_left)
-            self._advance_phase(req, len(req.branch_left), 1, t)
+            self._advance_phase(req, len(req.branch_left), 1, t_s)
             return not (req.done or req.gated)
         req.ctx += 1
         self.kv += 1
-        req.last_tok = t
+        req.last_tok = t_s
         if kind == "join":
             req.stage_tok, req.serial_left = 1, req.serial_left - 1
             if req.serial_left == 0:
-                self._close_serial(req, t)
+                self._close_serial(req, t_s)
             return not (req.done or req.gated)
-        req.record.first_token_s = t
+        req.record.first_token_s = t_s
         req.stage = 0
-        req.stage_start, req.stage_tok = t, 0
+        req.stage_start, req.stage_tok = t_s, 0
         req.serial_left = req.spec.stages[0] - 1
         if req.serial_left == 0:
-            self._next_stage(req, t)
+            self._next_stage(req, t_s)
         return not (req.done or req.gated)
 
-    def _close_serial(self, req: _Req, t: float) -> None:
-        req.record.stages.append(StageRecord(False, req.stage_start, t, req.stage_tok))
-        self._next_stage(req, t)
+    def _close_serial(self, req: _Req, t_s: float) -> None:
+        req.record.stages.append(StageRecord(False, req.stage_start, t_s, req.stage_tok))
+        self._next_stage(req, t_s)
 
-    def _advance_phase(self, req: _Req, w: int, k: int, t: float) -> bool:
-        """k steps of the first w ready branches of req, the last ending at t; False once it reduced."""
-        left, cl = req.branch_left, req.branch_ctx
+    def _advance_phase(self, req: _Req, width: int, n_steps: int, end_s: float) -> bool:
+        """n_steps steps of the first `width` ready branches of req, the last ending at end_s; False
+        once it reduced."""
+        left, ctxs = req.branch_left, req.branch_ctx
         finished = 0
-        for j in range(w):
-            left[j] -= k
-            cl[j] += k
+        for j in range(width):
+            left[j] -= n_steps
+            ctxs[j] += n_steps
             finished += left[j] == 0
-        req.phase_tok += w * k
-        req.last_tok = t
+        req.phase_tok += width * n_steps
+        req.last_tok = end_s
         if not finished:
             return True
         self.dirty = True
         keep = [j for j in range(len(left)) if left[j] > 0]
         if keep:
-            req.branch_left, req.branch_ctx, req.branch_index = ([left[j] for j in keep], [cl[j] for j in keep],
-                                                                  [req.branch_index[j] for j in keep])
+            req.branch_left = [left[j] for j in keep]
+            req.branch_ctx = [ctxs[j] for j in keep]
+            req.branch_index = [req.branch_index[j] for j in keep]
             self.slots -= finished
             return True
         self.slots -= finished - 1  # the parent keeps one slot after the reduce
-        req.record.stages.append(StageRecord(True, req.phase_start, t, req.phase_tok))
+        req.record.stages.append(StageRecord(True, req.phase_start, end_s, req.phase_tok))
         # the reduce: every branch's tokens join the parent's context
         req.ctx += req.phase_tok + req.phase_extra
         req.branch_left, req.branch_ctx, req.branch_index, req.phase_extra = [], [], [], 0
-        self._next_stage(req, t)
+        self._next_stage(req, end_s)
         return False
 
     # ----------------------------------------------------------------------------------- refit
     def _until_refit(self) -> int:
         """Observations until the controller's refit next runs (OnlineRefit's counting rule)."""
-        rf = self.ctl.refit
-        if rf is None or self.static:
+        refit = self.ctl.refit
+        if refit is None or self.static:
             return _BIG
-        return max(rf.every - self._since, rf.min_samples - min(self._obs, rf.window), 1)
+        return max(refit.every - self._since, refit.min_samples - min(self._obs, refit.window), 1)
 
-    def _observe(self, rows: int, ctx: int, base: float, d: float, f: float, k: int, first: float = 0.0,
-                 deferred: int = 0) -> None:
-        """Realized latencies of k pure-decode steps (rows fixed, context growing by rows per step;
-        the first one `first` longer), each with the rows it deferred. Straight to the refit, as
-        StepController.on_latency forwards them."""
-        rf = self.ctl.refit
-        if rf is None or self.static:
+    def _observe(self, rows: int, ctx: int, base: float, growth: float, noise: float, n_steps: int,
+                 first: float = 0.0, deferred: int = 0) -> None:
+        """Realized latencies of n_steps pure-decode steps (rows fixed, context growing by rows per
+        step; the first one `first` longer), each with the rows it deferred. Straight to the refit,
+        as StepController.on_latency forwards them."""
+        refit = self.ctl.refit
+        if refit is None or self.static:
             return
-        for j in range(k):
-            rf.observe(rows, ctx + j * rows, (base + d * j + (first if j == 0 else 0.0)) * f, deferred=deferred)
+        for j in range(n_steps):
+            latency_s = (base + growth * j + (first if j == 0 else 0.0)) * noise
+            refit.observe(rows, ctx + j * rows, latency_s, deferred=deferred)
             self._obs += 1
             self._since += 1
-            if self._since >= rf.every and min(self._obs, rf.window) >= rf.min_samples:
+            if self._since >= refit.every and min(self._obs, refit.window) >= refit.min_samples:
                 self._since = 0
 
     # ------------------------------------------------------------------------------------ loop
@@ -502,19 +501,22 @@ class Simulator:
         nxt = self.specs[self.next_arrival].arrival_s if self.next_arrival < len(self.specs) else math.inf
         return min(nxt, self.gated[0][0]) if self.gated else nxt
 
-    def _gate(self, req: _Req, kind: str, tokens: int, t: float) -> None:
+    def _gate(self, req: _Req, kind: str, tokens: int, t_s: float) -> None:
         """A client-side program's next request (a fork's branches or a join), sent when the stage
-        before it ended at t: it reaches the server client_gap_s later and prefills `tokens`."""
+        before it ended at t_s: it reaches the server client_gap_s later and prefills `tokens`."""
         req.prefill_kind, req.prefill_left, req.gated = kind, tokens, True
         req.prefill_reqs = len(req.branch_left) if kind == "fork" else 1
         self.kv -= req.ctx  # the radix cache keeps it, evictable, until the next request matches it
         self.gate_seq += 1
-        heapq.heappush(self.gated, (t + self.cfg.client_gap_s, self.gate_seq, req))
+        heapq.heappush(self.gated, (t_s + self.cfg.client_gap_s, self.gate_seq, req))
 
     def _admit(self) -> None:
         """FCFS admission while the running limit and the KV pool allow (module docstring)."""
         wait, cap, kv_admit = self.waiting, self.running_cap, self.kv_admit
-        while wait and self.slots < cap and self.kv + wait[0].prefill_left + (wait[0].ctx if wait[0].gated else 0) <= kv_admit:
+        while wait and self.slots < cap:
+            head = wait[0]
+            if self.kv + head.prefill_left + (head.ctx if head.gated else 0) > kv_admit:
+                break
             req = wait.popleft()
             self.prefilling.append(req)
             self.slots += max(len(req.branch_left), 1)
@@ -527,11 +529,11 @@ class Simulator:
         dec = self.decoding = [req for req in self.decoding if not (req.done or req.gated)]
         ser = self.serial = [req for req in dec if not req.branch_left]
         self.phased = [req for req in dec if req.branch_left]
-        ser_ctx, ser_k = 0, _BIG
+        ser_ctx, ser_steps = 0, _BIG
         for req in ser:
             ser_ctx += req.ctx
-            ser_k = min(ser_k, req.serial_left)
-        self.serial_ctx, self.serial_steps = ser_ctx, ser_k
+            ser_steps = min(ser_steps, req.serial_left)
+        self.serial_ctx, self.serial_steps = ser_ctx, ser_steps
         self.wide = any(len(req.branch_ctx) > 1 for req in self.phased)
         if not self.static:
             self.driver.forget(dec)
@@ -544,7 +546,7 @@ class Simulator:
         context, a fork's headers into its branches' (set when the phase opened), a join's tokens
         replace KV the branches already hold."""
         chunk_max = self.cfg.chunk_tokens
-        chunk, kv, reqs, filled = 0, 0, 0, []
+        chunk, new_kv, reqs, filled = 0, 0, 0, []
         for req in self.prefilling:
             take = min(req.prefill_left, chunk_max - chunk)
             req.prefill_left -= take
@@ -552,26 +554,26 @@ class Simulator:
             if resume or req.prefill_kind == "prompt":
                 req.ctx += take
             if resume or req.prefill_kind != "join":
-                kv += take
+                new_kv += take
             chunk += take
             reqs += req.prefill_reqs
             if req.prefill_left == 0:
                 filled.append(req)
             if chunk >= chunk_max:
                 break
-        self.kv += kv
+        self.kv += new_kv
         return chunk, filled, reqs
 
     def _compose(self) -> _Step:
         """This step's batch: every serial row, the controller's widths for the phases, the prefill
         chunk (or, with prefill_steps, a prefill forward alone); its latency T plus the host costs,
-        and growth per further step; k = steps until some row ends its stage."""
-        m, host = self.model, self.host
+        and growth per further step; n_steps = steps until some row ends its stage."""
+        model, host = self.model, self.host
         if self.cfg.prefill_steps and self.prefilling:
             chunk, filled, reqs = self._prefill_chunk()
             step = _Step(chunk, filled, 0, 0, 1, prefill_only=True)
             step.host = host.prefill(reqs)
-            step.base = m.predict(0, 0, chunk) + step.host
+            step.base = model.predict(0, 0, chunk) + step.host
         else:
             chunk, filled, reqs = self._prefill_chunk()
             step = _Step(chunk, filled, len(self.serial), self.serial_ctx, self.serial_steps)
@@ -580,17 +582,18 @@ class Simulator:
             else:
                 for req in self.phased:
                     step.ctx += req.branch_ctx[0]
-                    step.k = min(step.k, req.branch_left[0])
+                    step.n_steps = min(step.n_steps, req.branch_left[0])
                 step.rows += len(self.phased)
-            step.host = self._host_s(step) + (host.prefill(reqs) - host.prefill.fixed_s if chunk else 0.0)
-            step.base = m.predict(step.rows, step.ctx, chunk) + step.host
-            step.growth = m.c_ctx * step.rows  # every run row's context grows by one per step
+            prefill_host = host.prefill(reqs) - host.prefill.fixed_s if chunk else 0.0
+            step.host = self._host_s(step) + prefill_host
+            step.base = model.predict(step.rows, step.ctx, chunk) + step.host
+            step.growth = model.c_ctx * step.rows  # every run row's context grows by one per step
         step.noise = self.noise[self.noise_at]
         self.noise_at = (self.noise_at + 1) & (len(self.noise) - 1)
         return step
 
     def _host_s(self, step: _Step) -> float:
-        """HostCosts of a decode step (each of its k steps; `first_extra` for the first alone)."""
+        """HostCosts of a decode step (each of its n_steps steps; `first_extra` for the first alone)."""
         host = self.host
         if not (host.step or host.plan or host.subset or host.same_subset):
             return 0.0
@@ -619,148 +622,152 @@ class Simulator:
             step.row_list = self.driver.rows(par, ser, self.lag)
             step.active = self.driver.select(step.row_list, self.now, len(self.waiting))
             owner = np.repeat(np.arange(len(par)), [len(req.branch_ctx) for req in par])
-            a = np.asarray(step.active)
-            widths = np.bincount(owner[a[a < len(owner)]], minlength=len(par)).tolist()
+            active = np.asarray(step.active)
+            widths = np.bincount(owner[active[active < len(owner)]], minlength=len(par)).tolist()
             step.all_in = len(step.active) == len(step.row_list)
             if self.static and self.trace is None:
                 self.cached_widths = widths
         step.widths = widths
-        need_k = self.cfg.macro_steps
-        rows, ctx, k, elig = step.rows, step.ctx, step.k, 0
-        for req, w in zip(par, widths, strict=True):
-            cl = req.branch_ctx
-            elig += len(cl)
-            rows += w
-            if w == 1:
-                ctx += cl[0]
-                if need_k and req.branch_left[0] < k:
-                    k = req.branch_left[0]
+        need_steps = self.cfg.macro_steps
+        rows, ctx, n_steps, elig = step.rows, step.ctx, step.n_steps, 0
+        for req, width in zip(par, widths, strict=True):
+            ctxs = req.branch_ctx
+            elig += len(ctxs)
+            rows += width
+            if width == 1:
+                ctx += ctxs[0]
+                if need_steps and req.branch_left[0] < n_steps:
+                    n_steps = req.branch_left[0]
             else:
-                ctx += sum(cl[:w])
-                if need_k:
-                    k = min(k, min(req.branch_left[:w]))
-        step.rows, step.ctx, step.k = rows, ctx, k
+                ctx += sum(ctxs[:width])
+                if need_steps:
+                    n_steps = min(n_steps, min(req.branch_left[:width]))
+        step.rows, step.ctx, step.n_steps = rows, ctx, n_steps
         step.admitted = rows - len(ser) - len(par)
         step.eligible = elig - len(par)
 
     def _window(self, step: _Step) -> None:
-        """How many identical steps run at once (module docstring): step.k, cut to what provably
+        """How many identical steps run at once (module docstring): step.n_steps, cut to what provably
         cannot change the plan, or 1."""
         if step.prefill_only:
-            return  # k = 1; the next decode step is the one a new key's clock starts at
-        k, cap = step.k, self.running_cap
-        if not (k > 1 and self.cfg.macro_steps and not self.prefilling and not (self.waiting and self.slots < cap)):
-            step.k, self.fresh = 1, False
+            return  # n_steps = 1; the next decode step is the one a new key's clock starts at
+        n_steps, cap = step.n_steps, self.running_cap
+        can_admit = self.waiting and self.slots < cap
+        if not (n_steps > 1 and self.cfg.macro_steps and not self.prefilling and not can_admit):
+            step.n_steps, self.fresh = 1, False
             return
-        k = min(k, max(1, (self.cfg.kv_tokens - self.kv) // max(step.rows, 1)))
+        n_steps = min(n_steps, max(1, (self.cfg.kv_tokens - self.kv) // max(step.rows, 1)))
         n_specs = len(self.specs)
         nxt_t = self.specs[self.next_arrival].arrival_s if self.next_arrival < n_specs else math.inf
         static = self.static
-        horizon = self.t_end if (static and self.waiting) or self.next_arrival >= n_specs else min(self.t_end, nxt_t)
+        if (static and self.waiting) or self.next_arrival >= n_specs:
+            horizon = self.t_end
+        else:
+            horizon = min(self.t_end, nxt_t)
         if self.gated:  # a client's next request reaches the server
             horizon = min(horizon, self.gated[0][0])
-        k = min(k, _steps_until(step.base, step.growth, horizon - self.now))
+        n_steps = min(n_steps, _steps_until(step.base, step.growth, horizon - self.now))
         if not static:
             if self.fresh or self.pinning and self.wide:
-                k = 1  # a new key's clock starts at its first step; pins change step by step
+                n_steps = 1  # a new key's clock starts at its first step; pins change step by step
             else:
-                k = min(k, self._until_refit())
-            if k > 1 and self.wide:
-                k = self._all_fit_steps(step, k) if step.all_in and self.provable else 1
-        step.k, self.fresh = k, False
+                n_steps = min(n_steps, self._until_refit())
+            if n_steps > 1 and self.wide:
+                n_steps = self._all_fit_steps(step, n_steps) if step.all_in and self.provable else 1
+        step.n_steps, self.fresh = n_steps, False
 
     def _execute(self, step: _Step) -> None:
-        """Run step.k steps: log them, tell the controller, advance every row, handle an overflow."""
-        k, base, d, f = step.k, step.base, step.growth, step.noise
-        total = (k * base + d * k * (k - 1) / 2 + step.first_extra) * f
-        t = self.now + total
-        self.log.add(self.now, k, total, max(base + step.first_extra, base + d * (k - 1)) * f,
-                     step.eligible * k, step.admitted * k)
+        """Run step.n_steps steps: log them, tell the controller, advance every row, handle an overflow."""
+        n_steps, base, growth, noise = step.n_steps, step.base, step.growth, step.noise
+        total = (n_steps * base + growth * n_steps * (n_steps - 1) / 2 + step.first_extra) * noise
+        end_s = self.now + total
+        longest = max(base + step.first_extra, base + growth * (n_steps - 1)) * noise
+        self.log.add(self.now, n_steps, total, longest, step.eligible * n_steps, step.admitted * n_steps)
         self._count(step, total)
         if self.trace is not None:
-            self.trace.append((self.now, t, step.row_list or self.driver.rows(self.phased, self.serial, self.lag),
-                               step.active, len(self.waiting)))
+            rows = step.row_list or self.driver.rows(self.phased, self.serial, self.lag)
+            self.trace.append((self.now, end_s, rows, step.active, len(self.waiting)))
         if not step.prefill_only:
             if not self.static:
-                self.driver.delivered(self.phased, step.widths, self.serial, k, t, step.rows)
+                self.driver.delivered(self.phased, step.widths, self.serial, n_steps, end_s, step.rows)
                 if step.chunk == 0:
-                    self._observe(step.rows, step.ctx, base, d, f, k, step.first_extra,
+                    self._observe(step.rows, step.ctx, base, growth, noise, n_steps, step.first_extra,
                                   step.eligible - step.admitted)
-            self.kv += step.rows * k
+            self.kv += step.rows * n_steps
             # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
-            self._advance_serial(k, t)
-            self._advance_phases(step.widths, k, t)
+            self._advance_serial(n_steps, end_s)
+            self._advance_phases(step.widths, n_steps, end_s)
         for req in step.filled:
-            if self._prefilled(req, t):
+            if self._prefilled(req, end_s):
                 self.decoding.append(req)
         if step.filled:
             self.prefilling = [req for req in self.prefilling if req.prefill_left > 0]
-        self.now = t
+        self.now = end_s
         if self.kv > self.cfg.kv_tokens:
             self._catch_up()
             self._retract()
 
     def _count(self, step: _Step, total: float) -> None:
         """The run's tallies (SimResult.stats): decode and prefill steps, rows, host time."""
-        c, k = self.tally, step.k
-        c["host_s"] += (k * step.host + step.first_extra) * step.noise
+        tally, n_steps = self.tally, step.n_steps
+        tally["host_s"] += (n_steps * step.host + step.first_extra) * step.noise
         if step.prefill_only:
-            c["prefill_steps"] += 1
-            c["prefill_s"] += total
+            tally["prefill_steps"] += 1
+            tally["prefill_s"] += total
             return
-        c["decode_steps"] += k
-        c["decode_s"] += total
-        c["rows_run"] += step.rows * k
-        c["rows_deferred"] += (step.eligible - step.admitted) * k
-        c["subset_steps"] += step.subset * k
-        c["changed_subsets"] += step.changed
+        tally["decode_steps"] += n_steps
+        tally["decode_s"] += total
+        tally["rows_run"] += step.rows * n_steps
+        tally["rows_deferred"] += (step.eligible - step.admitted) * n_steps
+        tally["subset_steps"] += step.subset * n_steps
+        tally["changed_subsets"] += step.changed
 
-    def _advance_serial(self, k: int, t: float) -> None:
-        """k tokens for every serial row, the last at t. While no serial stage closes they advance
-        lazily (`lag` tokens since the partition was built, the last at `lag_t`)."""
+    def _advance_serial(self, n_steps: int, end_s: float) -> None:
+        """n_steps tokens for every serial row, the last at end_s. While no serial stage closes they
+        advance lazily (`lag` tokens since the partition was built, the last at `lag_t`)."""
         ser = self.serial
-        if k < self.serial_steps:
-            self.lag, self.lag_t = self.lag + k, t
-            self.serial_ctx += k * len(ser)
+        if n_steps < self.serial_steps:
+            self.lag, self.lag_t = self.lag + n_steps, end_s
+            self.serial_ctx += n_steps * len(ser)
             if ser:
-                self.serial_steps -= k
+                self.serial_steps -= n_steps
             return
-        kk, self.lag = k + self.lag, 0
-        ser_ctx, ser_k = 0, _BIG
+        tokens, self.lag = n_steps + self.lag, 0
+        ser_ctx, ser_steps = 0, _BIG
         for req in ser:
-            req.stage_tok += kk
-            req.last_tok = t
-            left = req.serial_left = req.serial_left - kk
-            c = req.ctx = req.ctx + kk
+            req.stage_tok += tokens
+            req.last_tok = end_s
+            left = req.serial_left = req.serial_left - tokens
+            ctx = req.ctx = req.ctx + tokens
             if left == 0:
-                self._close_serial(req, t)
+                self._close_serial(req, end_s)
                 continue
-            ser_ctx += c
-            if left < ser_k:
-                ser_k = left
-        self.serial_ctx, self.serial_steps = ser_ctx, ser_k
+            ser_ctx += ctx
+            if left < ser_steps:
+                ser_steps = left
+        self.serial_ctx, self.serial_steps = ser_ctx, ser_steps
 
-    def _advance_phases(self, widths: list[int] | None, k: int, t: float) -> None:
-        """k steps of each phase's first `width` branches, the last at t."""
+    def _advance_phases(self, widths: list[int] | None, n_steps: int, end_s: float) -> None:
+        """n_steps steps of each phase's first `width` branches, the last at end_s."""
         for j, req in enumerate(self.phased):
-            w = widths[j] if widths else 1
+            width = widths[j] if widths else 1
             left = req.branch_left
-            if w == 1 and left[0] > k:  # the common case, inlined: no branch ends
-                left[0] -= k
-                req.branch_ctx[0] += k
-                req.phase_tok += k
-                req.last_tok = t
+            if width == 1 and left[0] > n_steps:  # the common case, inlined: no branch ends
+                left[0] -= n_steps
+                req.branch_ctx[0] += n_steps
+                req.phase_tok += n_steps
+                req.last_tok = end_s
             else:
-                self._advance_phase(req, w, k, t)
+                self._advance_phase(req, width, n_steps, end_s)
 
     def _catch_up(self) -> None:
         """Write the lazily advanced serial tokens into the serial requests."""
-        lag, t = self.lag, self.lag_t
+        lag, lag_t = self.lag, self.lag_t
         if not lag:
             return
         for req in self.serial:
             req.stage_tok += lag
-            req.last_tok = t
+            req.last_tok = lag_t
             req.serial_left -= lag
             req.ctx += lag
         self.lag = 0
@@ -769,32 +776,37 @@ class Simulator:
         ctl, drv = self.ctl, self.driver
         stats = {"retractions": self.retractions,
                  "unadmitted": len(self.waiting) + (len(self.specs) - self.next_arrival),
-                 "iterations": len(self.log.t_s), "selects": drv.selects, "subset_steps": drv.subset_steps,
-                 "max_running": self.running_cap, "wall_s": time.perf_counter() - t_wall, **self.tally,
+                 "iterations": len(self.log.t_s), "selects": drv.selects,
+                 "subset_steps": drv.subset_steps, "max_running": self.running_cap,
+                 "wall_s": time.perf_counter() - t_wall, **self.tally,
                  "cpu_s": time.process_time() - t_cpu}
         if ctl.refit is not None and not self.static:
             stats["refits"] = ctl.refit.refits
-            pm = self.policy.model
-            stats["model_after"] = list(pm.coefs()) if hasattr(pm, "coefs") else pm.value_s
+            model = self.policy.model
+            stats["model_after"] = list(model.coefs()) if hasattr(model, "coefs") else model.value_s
         recs = [req.record for req in self.everyone]
         set_max_gaps(recs, self.log, self.now)
         return SimResult(self.policy.name, recs, self.log, stats["wall_s"], stats)
 
-    def _all_fit_steps(self, step: _Step, k: int) -> int:
-        """k if the controller provably admits every ready row in each of the next k steps, else 1.
+    def _all_fit_steps(self, step: _Step, n_steps: int) -> int:
+        """n_steps if the controller provably admits every ready row in each of the next n_steps
+        steps, else 1.
 
         It admitted everything now; the probe asks whether it admits everything on the window's worst
-        case (contexts of step k, today's slack). T is monotone in context and slack never shrinks
-        inside the window (serial rows deliver every step; a phase gains >= slo - T per step, so we
-        need every step within the SLO), so each step in between has a cheaper composition and at
-        least this budget, and "everything fits" holds for it too."""
-        slo, base, d, f = self.cfg.slo_s, step.base, step.growth, step.noise
-        if (base + d * (k - 1)) * f > slo:  # keep every step within the SLO
-            k = int((slo / f - base) / d) + 1 if d > 0 and base * f <= slo else 1
-            if k <= 1:
+        case (contexts of the window's last step, today's slack). T is monotone in context and slack
+        never shrinks inside the window (serial rows deliver every step; a phase gains >= slo - T per
+        step, so we need every step within the SLO), so each step in between has a cheaper
+        composition and at least this budget, and "everything fits" holds for it too."""
+        slo, base, growth, noise = self.cfg.slo_s, step.base, step.growth, step.noise
+        if (base + growth * (n_steps - 1)) * noise > slo:  # keep every step within the SLO
+            if growth > 0 and base * noise <= slo:
+                n_steps = int((slo / noise - base) / growth) + 1
+            else:
+                n_steps = 1
+            if n_steps <= 1:
                 return 1
-        rows = self.driver.rows(self.phased, self.serial, self.lag, k - 1)
-        return k if self.driver.would_admit_all(rows, self.now, len(self.waiting)) else 1
+        rows = self.driver.rows(self.phased, self.serial, self.lag, n_steps - 1)
+        return n_steps if self.driver.would_admit_all(rows, self.now, len(self.waiting)) else 1
 
     def _retract(self) -> None:
         """Free the newest requests' KV until the pool fits; they re-prefill what they held."""
@@ -805,10 +817,10 @@ class Simulator:
             dec.remove(req)
             self.retractions += 1
             req.gone_s = req.last_tok
-            kv = req.kv
-            self.kv -= kv
+            held = req.kv
+            self.kv -= held
             self.slots -= max(len(req.branch_left), 1)
-            req.prefill_left, req.saved_ctx, req.ctx = kv, req.ctx, 0
+            req.prefill_left, req.saved_ctx, req.ctx = held, req.ctx, 0
             req.prefill_reqs = max(len(req.branch_left), 1)
             wait.appendleft(req)
         self.dirty = True
@@ -818,47 +830,46 @@ def set_max_gaps(recs: list[RequestRecord], log: StepLog, t_end: float) -> None:
     """Each request's largest delivery gap (metrics.RequestRecord.max_gap_s): every decoding request
     gets a token from every step (its serial row or its phase's protected row), so it is the longest
     step that started between its first token and its last, or a retraction gap set on the way."""
-    t = np.asarray(log.t_s, float)
-    mx = np.append(np.asarray(log.max_latency_s, float), 0.0)
+    step_t = np.asarray(log.t_s, float)
+    step_max_s = np.append(np.asarray(log.max_latency_s, float), 0.0)
     if not len(recs):
         return
     first = np.array([rec.first_token_s for rec in recs], float)
     last = np.array([rec.stages[-1].end_s if rec.stages else rec.first_token_s for rec in recs], float)
     last = np.where([rec.finished for rec in recs], last, t_end)
-    lo = np.searchsorted(t, np.nan_to_num(first, nan=np.inf), side="left")
-    hi = np.searchsorted(t, last, side="left")
+    start_idx = np.searchsorted(step_t, np.nan_to_num(first, nan=np.inf), side="left")
+    end_idx = np.searchsorted(step_t, last, side="left")
     idx = np.empty(2 * len(recs), np.int64)
-    idx[0::2], idx[1::2] = np.minimum(lo, len(t)), np.minimum(hi, len(t))
-    step_max = np.maximum.reduceat(mx, idx)[0::2]
-    for rec, a, b, gap in zip(recs, lo, hi, step_max.tolist(), strict=True):
+    idx[0::2], idx[1::2] = np.minimum(start_idx, len(step_t)), np.minimum(end_idx, len(step_t))
+    step_max = np.maximum.reduceat(step_max_s, idx)[0::2]
+    for rec, start, end, gap in zip(recs, start_idx, end_idx, step_max.tolist(), strict=True):
         if rec.first_token_s != rec.first_token_s:
             continue
-        gap = gap if b > a else 0.0
+        gap = gap if end > start else 0.0
         rec.max_gap_s = gap if not rec.max_gap_s >= gap else rec.max_gap_s
 
 
-def _steps_until(base: float, d: float, span: float) -> int:
-    """Fewest steps (>= 1) whose summed latency base, base+d, ... reaches span."""
+def _steps_until(base: float, growth: float, span: float) -> int:
+    """Fewest steps (>= 1) whose summed latency base, base+growth, ... reaches span."""
     if span <= base:
         return 1
-    if d <= 0:
+    if growth <= 0:
         return max(1, math.ceil(span / base))
-    # k*base + d*k*(k-1)/2 >= span
-    b = base - d / 2
-    return max(1, math.ceil((-b + math.sqrt(b * b + 2 * d * span)) / d))
-
-
+    # k*base + growth*k*(k-1)/2 >= span
+    lin = base - growth / 2
+    return max(1, math.ceil((-lin + math.sqrt(lin * lin + 2 * growth * span)) / growth))
 
 
 def slo_sized_cap(model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> int:
     """The operator's sizing rule for --max-running-requests: the most sequences whose step, each at
     a finished request's context (mean prompt + mean output), still meets the TPOT SLO."""
-    ctx = np.mean([s.prompt_tokens + s.output_tokens for s in specs]) if specs else 0.0
+    ctx = np.mean([spec.prompt_tokens + spec.output_tokens for spec in specs]) if specs else 0.0
     per_row = model.c_seq + model.c_ctx * ctx
     return max(1, int((slo_s - model.c0) / per_row)) if per_row > 0 else 1 << 20
 
 
-def resolve_max_running(spec: str, model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> int:
+def resolve_max_running(spec: str, model: LinearLatencyModel, slo_s: float,
+                        specs: list[RequestSpec]) -> int:
     """--max-running: `sglang` (0: SGLang's default for the pool), `slo` (the SLO-sized sensitivity
     cap) or an integer."""
     if spec == "sglang":
@@ -866,9 +877,9 @@ def resolve_max_running(spec: str, model: LinearLatencyModel, slo_s: float, spec
     if spec == "slo":
         return slo_sized_cap(model, slo_s, specs)
     try:
-        n = int(spec)
+        cap = int(spec)
     except ValueError:
-        n = 0
-    if n < 1:
+        cap = 0
+    if cap < 1:
         raise ValueError(f"--max-running must be sglang, slo or an integer >= 1, got {spec!r}")
-    return n
+    return cap
