@@ -1,33 +1,12 @@
 """Serving metrics from per-request token-delivery records (pure; shared by the simulator and replay).
 
-Definitions (TAPER Appendix D for TPOT; the rest chosen so a policy cannot look good by stranding
-requests):
-* A request's output is a sequence of stages. A serial stage's TPOT is the time from the delivery
-  before its first token to its last token, divided by its tokens (the first token of a response is
-  TTFT, not TPOT). A parallel stage's effective TPOT is the phase's wall time (from the delivery
-  that opened it to its last branch token) divided by the tokens of all its branches.
-* A request meets the SLO when it finished, its maximum stage TPOT is within the TPOT target and,
-  when a TTFT target is set, its TTFT is within that too.
-* Attainment (`slo_attainment`): SLO-meeting share of ALL requests that arrived in the window; a
-  request that did not finish (still queued, running or failed) is a miss. `finished_frac` is the
-  finished share of those arrivals; `slo_attainment_finished` is the paper's share among finished
-  requests only (reported, never the headline).
-* Goodput (`goodput_tok_s`): the output tokens of the requests that arrived in the window and met
-  the SLO, wherever they were delivered, per second of window: equal attainment gives equal goodput.
-  `goodput_delivered_tok_s` counts the SLO-meeting tokens delivered inside the window instead (it
-  moves with when long requests happen to deliver); raw throughput is every token delivered in it.
-* Latency: a request's end to end is arrival to its last token (of any branch), its decode time
-  first to last token. Per class (`decomp_*`: requests with a parallel phase, `serial_*`: the rest)
-  P50 / P90 / P99 end to end and the P50 decode time are over the class's finished arrivals (None
-  where none finished), `*_finished_frac` beside them.
-* TTFT percentiles are over every arrival in the window; a request that never got its first token
-  counts with its wait up to the end of observation (`horizon_s`), a lower bound on its TTFT.
-* Per-gap TPOT, a second figure: a request's largest interval between two consecutive deliveries
-  after its first token (`RequestRecord.max_gap_s`; any branch's token is a delivery). It is the
-  literal per-token reading of a TPOT SLO; `slo_attainment_gap` applies it instead of the stage mean.
-* Branch admission rate: admitted opportunistic rows / eligible opportunistic rows over the steps.
-
-A stage's tokens are taken as spread evenly over its wall time when a window cuts through it.
+A request's output is a sequence of stages, serial or parallel (`StageRecord`); a request meets
+the SLO when it finished and its worst stage TPOT (and, when set, its TTFT) is within target.
+`summarize` gives a window's figures and `per_regime` ones: attainment over ALL arrivals (an
+unfinished request is a miss, so no policy looks good by stranding requests), goodput of the
+SLO-meeting requests, throughput, TPOT and TTFT percentiles, end-to-end latency per request class,
+the per-gap TPOT reading and the branch admission rate. `timeseries` bins the same definitions for
+plots. The definitions in full: docs/design/simulator.md.
 """
 
 from __future__ import annotations
@@ -67,16 +46,16 @@ class RequestRecord:
     @property
     def output_tokens(self) -> int:
         started = self.first_token_s == self.first_token_s
-        return int(started) + sum(s.tokens for s in self.stages)
+        return int(started) + sum(stage.tokens for stage in self.stages)
 
     @property
     def last_token_s(self) -> float:
         """Delivery of the last token of any branch (nan: never got its first token)."""
-        return max((s.end_s for s in self.stages), default=self.first_token_s)
+        return max((stage.end_s for stage in self.stages), default=self.first_token_s)
 
     @property
     def max_tpot_s(self) -> float:
-        return max((s.tpot_s for s in self.stages if s.tokens > 0), default=0.0)
+        return max((stage.tpot_s for stage in self.stages if stage.tokens > 0), default=0.0)
 
     @classmethod
     def from_token_times(
@@ -84,20 +63,21 @@ class RequestRecord:
     ) -> RequestRecord:
         """Build a record from raw delivery times: `stages` is [(parallel, token times)], a parallel
         stage listing the tokens of all its branches (any order). For live-server replay."""
-        rec = cls(rid, arrival_s, finished=finished, decomposable=any(p for p, _ in stages))
-        every = sorted(t for _, times in stages for t in times)
+        decomposable = any(parallel for parallel, _ in stages)
+        rec = cls(rid, arrival_s, finished=finished, decomposable=decomposable)
+        every = sorted(t_s for _, times in stages for t_s in times)
         rec.max_gap_s = float(np.diff(every).max()) if len(every) > 1 else 0.0
         prev = None
         for parallel, times in stages:
-            ts = sorted(times)
-            if not ts:
+            ordered = sorted(times)
+            if not ordered:
                 continue
             if prev is None:  # the response's first token is TTFT; the stage is measured after it
-                rec.first_token_s, prev, ts = ts[0], ts[0], ts[1:]
-                if not ts:
+                rec.first_token_s, prev, ordered = ordered[0], ordered[0], ordered[1:]
+                if not ordered:
                     continue
-            rec.stages.append(StageRecord(parallel, prev, ts[-1], len(ts)))
-            prev = ts[-1]
+            rec.stages.append(StageRecord(parallel, prev, ordered[-1], len(ordered)))
+            prev = ordered[-1]
         return rec
 
 
@@ -112,8 +92,9 @@ class StepLog:
     eligible: list[int] = field(default_factory=list)  # opportunistic rows offered, summed
     admitted: list[int] = field(default_factory=list)  # opportunistic rows run, summed
 
-    def add(self, t: float, count: int, latency: float, max_latency: float, eligible: int, admitted: int) -> None:
-        self.t_s.append(t)
+    def add(self, t_s: float, count: int, latency: float, max_latency: float, eligible: int,
+            admitted: int) -> None:
+        self.t_s.append(t_s)
         self.count.append(count)
         self.latency_s.append(latency)
         self.max_latency_s.append(max_latency)
@@ -121,7 +102,7 @@ class StepLog:
         self.admitted.append(admitted)
 
     def arrays(self) -> dict[str, np.ndarray]:
-        return {k: np.asarray(getattr(self, k), float) for k in self.__slots__}
+        return {name: np.asarray(getattr(self, name), float) for name in self.__slots__}
 
 
 @dataclass(slots=True)
@@ -148,76 +129,80 @@ class _Flat:
     def build(cls, recs: Sequence[RequestRecord], slo_s: float, slo_ttft_s: float | None = None,
               horizon_s: float | None = None) -> _Flat:
         tol = slo_s * (1 + 1e-9)
-        st = [(i, s.parallel, s.start_s, s.end_s, s.tokens) for i, r in enumerate(recs) for s in r.stages]
-        a = np.array(st, float).reshape(-1, 5)
-        arrival = np.array([r.arrival_s for r in recs], float)
-        first = np.array([r.first_token_s for r in recs], float)
-        last = np.array([r.last_token_s for r in recs], float)
-        finished = np.array([r.finished for r in recs], bool)
-        decomp = np.array([r.decomposable for r in recs], bool)
-        out_tok = np.array([r.output_tokens for r in recs], float)
-        gap = np.array([r.max_gap_s for r in recs], float)
+        stage_rows = [(idx, stage.parallel, stage.start_s, stage.end_s, stage.tokens)
+                      for idx, rec in enumerate(recs) for stage in rec.stages]
+        stage_arr = np.array(stage_rows, float).reshape(-1, 5)
+        arrival = np.array([rec.arrival_s for rec in recs], float)
+        first = np.array([rec.first_token_s for rec in recs], float)
+        last = np.array([rec.last_token_s for rec in recs], float)
+        finished = np.array([rec.finished for rec in recs], bool)
+        decomp = np.array([rec.decomposable for rec in recs], bool)
+        out_tok = np.array([rec.output_tokens for rec in recs], float)
+        gap = np.array([rec.max_gap_s for rec in recs], float)
         on_time = finished.copy()
         if slo_ttft_s is not None:
             on_time &= (first - arrival) <= slo_ttft_s * (1 + 1e-9)  # nan (never started) compares False
-        good = on_time & np.array([r.max_tpot_s <= tol for r in recs], bool)
+        good = on_time & np.array([rec.max_tpot_s <= tol for rec in recs], bool)
         good_gap = on_time & (np.nan_to_num(gap, nan=np.inf) <= tol)
         if horizon_s is None:
-            seen = [arrival, first[np.isfinite(first)], a[:, 3]]
-            horizon_s = float(max((x.max() for x in seen if len(x)), default=0.0))
+            seen = [arrival, first[np.isfinite(first)], stage_arr[:, 3]]
+            horizon_s = float(max((times.max() for times in seen if len(times)), default=0.0))
         return cls(
             arrival, first, last, finished, decomp, out_tok, good, good_gap, gap, horizon_s,
-            a[:, 0].astype(int), a[:, 1] > 0, a[:, 2], a[:, 3], a[:, 4],
+            stage_arr[:, 0].astype(int), stage_arr[:, 1] > 0, stage_arr[:, 2], stage_arr[:, 3],
+            stage_arr[:, 4],
         )
 
     def ttft(self, sel: np.ndarray) -> np.ndarray:
         """TTFT of the selected requests; one that never started counts its wait up to the horizon."""
-        t = self.first[sel] - self.arrival[sel]
-        return np.where(np.isfinite(t), t, np.maximum(self.horizon - self.arrival[sel], 0.0))
+        wait = self.first[sel] - self.arrival[sel]
+        return np.where(np.isfinite(wait), wait, np.maximum(self.horizon - self.arrival[sel], 0.0))
 
-    def delivered_by(self, ts: np.ndarray, only_good: bool) -> np.ndarray:
-        """Output tokens delivered before each time in `ts`: first tokens and instantaneous stages
+    def delivered_by(self, times: np.ndarray, only_good: bool) -> np.ndarray:
+        """Output tokens delivered before each of `times`: first tokens and instantaneous stages
         count as steps, every other stage as a ramp over its wall time (ramps summed by cumsums)."""
         keep = self.good[self.stage_req] if only_good else np.ones(len(self.stage_req), bool)
-        s, e, n = self.stage_start[keep], self.stage_end[keep], self.stage_tok[keep]
-        ramp = e > s
+        start, end, tokens = self.stage_start[keep], self.stage_end[keep], self.stage_tok[keep]
+        ramp = end > start
         firsts = self.first[self.good] if only_good else self.first
         firsts = firsts[np.isfinite(firsts)]
-        out = _before(np.concatenate([firsts, e[~ramp]]), np.concatenate([np.ones(len(firsts)), n[~ramp]]), ts)
-        s, e, n = s[ramp], e[ramp], n[ramp]
-        slope = n / (e - s)
-        for edge, sign in ((s, 1.0), (e, -1.0)):  # a ramp starts at s and is cancelled from e on
-            out += sign * (_before(edge, slope, ts) * ts - _before(edge, slope * edge, ts))
+        out = _before(np.concatenate([firsts, end[~ramp]]),
+                      np.concatenate([np.ones(len(firsts)), tokens[~ramp]]), times)
+        start, end, tokens = start[ramp], end[ramp], tokens[ramp]
+        slope = tokens / (end - start)
+        for edge, sign in ((start, 1.0), (end, -1.0)):  # a ramp starts at its start, cancelled from its end
+            out += sign * (_before(edge, slope, times) * times - _before(edge, slope * edge, times))
         return out
 
-    def tokens_in(self, t0: float, t1: float, only_good: bool) -> float:
-        """Output tokens delivered in [t0, t1), stage tokens spread evenly over the stage."""
+    def tokens_in(self, start_s: float, end_s: float, only_good: bool) -> float:
+        """Output tokens delivered in [start_s, end_s), stage tokens spread evenly over the stage."""
         sel = self.good[self.stage_req] if only_good else np.ones(len(self.stage_req), bool)
-        s, e, n = self.stage_start[sel], self.stage_end[sel], self.stage_tok[sel]
-        span = np.maximum(e - s, 1e-12)
-        frac = np.clip((np.minimum(e, t1) - np.maximum(s, t0)) / span, 0, 1)
-        frac = np.where(e - s > 0, frac, ((e >= t0) & (e < t1)).astype(float))
+        start, end, tokens = self.stage_start[sel], self.stage_end[sel], self.stage_tok[sel]
+        span = np.maximum(end - start, 1e-12)
+        frac = np.clip((np.minimum(end, end_s) - np.maximum(start, start_s)) / span, 0, 1)
+        frac = np.where(end - start > 0, frac, ((end >= start_s) & (end < end_s)).astype(float))
         first_ok = self.good if only_good else np.ones(len(self.first), bool)
-        firsts = np.count_nonzero(first_ok & (self.first >= t0) & (self.first < t1))
-        return float((frac * n).sum() + firsts)
+        firsts = np.count_nonzero(first_ok & (self.first >= start_s) & (self.first < end_s))
+        return float((frac * tokens).sum() + firsts)
 
 
-def _before(t: np.ndarray, w: np.ndarray, ts: np.ndarray) -> np.ndarray:
-    """Sum of weights w of events at times t strictly before each of ts."""
-    o = np.argsort(t)
-    return np.concatenate([[0.0], np.cumsum(w[o])])[np.searchsorted(t[o], ts, side="left")]
+def _before(event_t: np.ndarray, weight: np.ndarray, times: np.ndarray) -> np.ndarray:
+    """Sum of the weights of events at times event_t strictly before each of `times`."""
+    order = np.argsort(event_t)
+    cum = np.concatenate([[0.0], np.cumsum(weight[order])])
+    return cum[np.searchsorted(event_t[order], times, side="left")]
 
 
-def _p99_ms(x: np.ndarray) -> float | None:
-    return float(np.percentile(x, 99) * 1e3) if len(x) else None
+def _p99_ms(values: np.ndarray) -> float | None:
+    return float(np.percentile(values, 99) * 1e3) if len(values) else None
 
 
-def _pct(x: np.ndarray, q: float, scale: float = 1.0) -> float | None:
-    return float(np.percentile(x, q) * scale) if len(x) else None
+def _pct(values: np.ndarray, pct: float, scale: float = 1.0) -> float | None:
+    return float(np.percentile(values, pct) * scale) if len(values) else None
 
 
-def _share(x: np.ndarray) -> float | None:
-    return float(x.mean()) if len(x) else None
+def _share(flags: np.ndarray) -> float | None:
+    return float(flags.mean()) if len(flags) else None
 
 
 LATENCY_CLASSES = (("decomp", True), ("serial", False))
@@ -230,27 +215,28 @@ def latency_metrics(flat: _Flat, arrived: np.ndarray) -> dict[str, float | int |
         cls = arrived & (flat.decomp == decomp)
         done = cls & flat.finished
         e2e = flat.last[done] - flat.arrival[done]
-        for q in (50, 90, 99):
-            out[f"{name}_e2e_p{q}_s"] = _pct(e2e, q)
+        for pct in (50, 90, 99):
+            out[f"{name}_e2e_p{pct}_s"] = _pct(e2e, pct)
         out[f"{name}_decode_p50_s"] = _pct(flat.last[done] - flat.first[done], 50)
         out[f"{name}_finished_frac"] = _share(flat.finished[cls])
         out[f"{name}_requests"] = int(cls.sum())
     return out
 
 
-def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, t1: float) -> dict:
-    dur = max(t1 - t0, 1e-9)
-    arrived = (flat.arrival >= t0) & (flat.arrival < t1)
+def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, start_s: float,
+                   end_s: float) -> dict:
+    dur = max(end_s - start_s, 1e-9)
+    arrived = (flat.arrival >= start_s) & (flat.arrival < end_s)
     done = arrived & flat.finished
     tpot = (flat.stage_end - flat.stage_start) / np.maximum(flat.stage_tok, 1)
-    in_win = (flat.stage_end >= t0) & (flat.stage_end < t1) & (flat.stage_tok > 0)
+    in_win = (flat.stage_end >= start_s) & (flat.stage_end < end_s) & (flat.stage_tok > 0)
     ttft = flat.ttft(arrived)
     gap = flat.gap[done]
     gap = gap[np.isfinite(gap)]
     out = {
         "goodput_tok_s": float(flat.out_tok[arrived & flat.good].sum()) / dur,
-        "goodput_delivered_tok_s": flat.tokens_in(t0, t1, True) / dur,
-        "raw_throughput_tok_s": flat.tokens_in(t0, t1, False) / dur,
+        "goodput_delivered_tok_s": flat.tokens_in(start_s, end_s, True) / dur,
+        "raw_throughput_tok_s": flat.tokens_in(start_s, end_s, False) / dur,
         "slo_attainment": _share(flat.good[arrived]),
         "finished_frac": _share(flat.finished[arrived]),
         "slo_attainment_finished": _share(flat.good[done]),
@@ -266,12 +252,13 @@ def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, t0: float, 
         "ttft_p99_s": _pct(ttft, 99),
     } | latency_metrics(flat, arrived)
     if steps is not None:
-        m = (steps["t_s"] >= t0) & (steps["t_s"] < t1)
-        n, elig = steps["count"][m].sum(), steps["eligible"][m].sum()
-        out["step_latency_mean_ms"] = float(steps["latency_s"][m].sum() / n * 1e3) if n else None
-        out["step_latency_max_ms"] = float(steps["max_latency_s"][m].max() * 1e3) if n else None
-        out["steps"] = int(n)
-        out["admission_rate"] = float(steps["admitted"][m].sum() / elig) if elig else None
+        in_steps = (steps["t_s"] >= start_s) & (steps["t_s"] < end_s)
+        n_steps, elig = steps["count"][in_steps].sum(), steps["eligible"][in_steps].sum()
+        latency_s, max_latency_s = steps["latency_s"][in_steps], steps["max_latency_s"][in_steps]
+        out["step_latency_mean_ms"] = float(latency_s.sum() / n_steps * 1e3) if n_steps else None
+        out["step_latency_max_ms"] = float(max_latency_s.max() * 1e3) if n_steps else None
+        out["steps"] = int(n_steps)
+        out["admission_rate"] = float(steps["admitted"][in_steps].sum() / elig) if elig else None
     return out
 
 
@@ -286,7 +273,7 @@ def summarize(
     flat = _Flat.build(recs, slo_s, slo_ttft_s, horizon_s)
     arr = steps.arrays() if steps is not None else None
     out = window_metrics(flat, arr, *window)
-    out["per_regime"] = {name: window_metrics(flat, arr, a, b) for name, a, b in regimes}
+    out["per_regime"] = {name: window_metrics(flat, arr, start, end) for name, start, end in regimes}
     return out
 
 
@@ -297,63 +284,69 @@ def timeseries(
     """Per-bin metrics for plots (Figure 2 panels), the same definitions as window_metrics, computed
     in one vectorised pass; keys as in window_metrics plus `t_s` (bin start), nan where undefined.
     `ttft_mean_s` here averages only requests that got their first token."""
-    f = _Flat.build(recs, slo_s, slo_ttft_s, horizon_s)
+    flat = _Flat.build(recs, slo_s, slo_ttft_s, horizon_s)
     edges = np.arange(window[0], window[1], bin_s)
-    nb = len(edges)
-    bounds = np.append(edges, edges[-1] + bin_s if nb else window[0])
+    n_bins = len(edges)
+    bounds = np.append(edges, edges[-1] + bin_s if n_bins else window[0])
     out: dict[str, np.ndarray] = {"t_s": edges}
     for key, only_good in (("raw_throughput_tok_s", False), ("goodput_delivered_tok_s", True)):
-        out[key] = np.diff(f.delivered_by(bounds, only_good)) / bin_s
+        out[key] = np.diff(flat.delivered_by(bounds, only_good)) / bin_s
 
-    def per_bin(t: np.ndarray, w: np.ndarray | None = None) -> np.ndarray:
-        i = np.floor((t - window[0]) / bin_s).astype(np.int64)
-        ok = (i >= 0) & (i < nb) & np.isfinite(t)
-        return np.bincount(i[ok], None if w is None else w[ok], minlength=nb)[:nb]
+    def per_bin(times: np.ndarray, weights: np.ndarray | None = None) -> np.ndarray:
+        bin_idx = np.floor((times - window[0]) / bin_s).astype(np.int64)
+        valid = (bin_idx >= 0) & (bin_idx < n_bins) & np.isfinite(times)
+        counted = None if weights is None else weights[valid]
+        return np.bincount(bin_idx[valid], counted, minlength=n_bins)[:n_bins]
 
-    arrived = per_bin(f.arrival)
-    done = per_bin(f.arrival[f.finished])
-    out["goodput_tok_s"] = per_bin(f.arrival[f.good], f.out_tok[f.good]) / bin_s  # by arrival, as window_metrics
+    arrived = per_bin(flat.arrival)
+    done = per_bin(flat.arrival[flat.finished])
+    good_arrival = flat.arrival[flat.good]
+    # by arrival, as window_metrics
+    out["goodput_tok_s"] = per_bin(good_arrival, flat.out_tok[flat.good]) / bin_s
     with np.errstate(invalid="ignore", divide="ignore"):
-        out["slo_attainment"] = per_bin(f.arrival[f.good]) / arrived
-        out["slo_attainment_finished"] = per_bin(f.arrival[f.good]) / done
+        out["slo_attainment"] = per_bin(good_arrival) / arrived
+        out["slo_attainment_finished"] = per_bin(good_arrival) / done
         out["finished_frac"] = done / arrived
-        ttft = f.first - f.arrival
-        ok = np.isfinite(ttft)
-        out["ttft_mean_s"] = per_bin(f.arrival[ok], ttft[ok]) / per_bin(f.arrival[ok])
+        ttft = flat.first - flat.arrival
+        started = np.isfinite(ttft)
+        out["ttft_mean_s"] = per_bin(flat.arrival[started], ttft[started]) / per_bin(flat.arrival[started])
     out["requests"] = arrived.astype(float)
-    tpot = (f.stage_end - f.stage_start) / np.maximum(f.stage_tok, 1)
-    for key, cls in (("p99_tpot_serial_ms", ~f.stage_par), ("p99_tpot_parallel_ms", f.stage_par)):
-        sel = cls & (f.stage_tok > 0)
-        i = np.floor((f.stage_end[sel] - window[0]) / bin_s).astype(np.int64)
-        v = tpot[sel]
-        keep = (i >= 0) & (i < nb)
-        i, v = i[keep], v[keep]
-        order = np.lexsort((v, i))
-        i, v = i[order], v[order]
-        cut = np.searchsorted(i, np.arange(nb + 1))
-        out[key] = np.array([np.percentile(v[a:b], 99) * 1e3 if b > a else np.nan
-                             for a, b in zip(cut[:-1], cut[1:], strict=True)])
+    tpot = (flat.stage_end - flat.stage_start) / np.maximum(flat.stage_tok, 1)
+    for key, cls in (("p99_tpot_serial_ms", ~flat.stage_par), ("p99_tpot_parallel_ms", flat.stage_par)):
+        sel = cls & (flat.stage_tok > 0)
+        bin_idx = np.floor((flat.stage_end[sel] - window[0]) / bin_s).astype(np.int64)
+        tpots = tpot[sel]
+        keep = (bin_idx >= 0) & (bin_idx < n_bins)
+        bin_idx, tpots = bin_idx[keep], tpots[keep]
+        order = np.lexsort((tpots, bin_idx))
+        bin_idx, tpots = bin_idx[order], tpots[order]
+        cut = np.searchsorted(bin_idx, np.arange(n_bins + 1))
+        out[key] = np.array([np.percentile(tpots[begin:stop], 99) * 1e3 if stop > begin else np.nan
+                             for begin, stop in zip(cut[:-1], cut[1:], strict=True)])
     if steps is not None:
-        st = steps.arrays()
-        n = per_bin(st["t_s"], st["count"])
+        step_arr = steps.arrays()
+        step_t = step_arr["t_s"]
+        n_steps = per_bin(step_t, step_arr["count"])
         with np.errstate(invalid="ignore", divide="ignore"):
-            out["step_latency_mean_ms"] = per_bin(st["t_s"], st["latency_s"]) / n * 1e3
-            out["admission_rate"] = per_bin(st["t_s"], st["admitted"]) / per_bin(st["t_s"], st["eligible"])
-        out["steps"] = n.astype(float)
+            out["step_latency_mean_ms"] = per_bin(step_t, step_arr["latency_s"]) / n_steps * 1e3
+            admitted = per_bin(step_t, step_arr["admitted"])
+            out["admission_rate"] = admitted / per_bin(step_t, step_arr["eligible"])
+        out["steps"] = n_steps.astype(float)
     return out
 
 
 # A load point's figures (capacity.json, sweep.json): (name in the point, name in window_metrics)
 POINT_FIGURES = (
-    ("goodput_tok_s", "goodput_tok_s"), ("attainment", "slo_attainment"), ("finished_frac", "finished_frac"),
-    ("p99_ttft_s", "ttft_p99_s"), ("decomp_e2e_p50_s", "decomp_e2e_p50_s"), ("decomp_e2e_p90_s", "decomp_e2e_p90_s"),
+    ("goodput_tok_s", "goodput_tok_s"), ("attainment", "slo_attainment"),
+    ("finished_frac", "finished_frac"), ("p99_ttft_s", "ttft_p99_s"),
+    ("decomp_e2e_p50_s", "decomp_e2e_p50_s"), ("decomp_e2e_p90_s", "decomp_e2e_p90_s"),
     ("decomp_e2e_p99_s", "decomp_e2e_p99_s"), ("decomp_finished_frac", "decomp_finished_frac"),
     ("serial_e2e_p50_s", "serial_e2e_p50_s"), ("serial_e2e_p99_s", "serial_e2e_p99_s"),
     ("serial_finished_frac", "serial_finished_frac"), ("goodput_delivered_tok_s", "goodput_delivered_tok_s"),
 )
-POINT_KEYS = ("rate", *(k for k, _ in POINT_FIGURES))
+POINT_KEYS = ("rate", *(name for name, _ in POINT_FIGURES))
 
 
-def load_point(rate: float, m: dict) -> dict:
+def load_point(rate: float, metrics: dict) -> dict:
     """One load point's figures from a window's metrics (missing ones None)."""
-    return {"rate": rate} | {k: m.get(src) for k, src in POINT_FIGURES}
+    return {"rate": rate} | {name: metrics.get(src) for name, src in POINT_FIGURES}
