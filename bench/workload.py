@@ -1,21 +1,16 @@
 """Trace workload: arrival schedules from an LLM-trace CSV and a request composer with branch structure.
 
 A trace CSV has the Azure LLM inference schema `TIMESTAMP,ContextTokens,GeneratedTokens` (TIMESTAMP
-is an ISO date-time or seconds as a number). Schedules keep the trace's arrival pattern:
+is an ISO date-time or seconds as a number). Schedules keep the trace's arrival pattern: `unscaled`
+(the trace's own arrival times), `rate:X` (time-scaled to a mean of X req/s) and `paper-3regime`
+(TAPER Appendix D's 600-minute low/high/moderate envelope times the trace's burstiness);
+`compress=F` makes a run F times shorter at the same load. The composer turns each arrival into a
+`RequestSpec`: prompt length from the trace, output length and phase structure from a `Preset`.
+All random draws come from one seeded generator, so a (trace, schedule, preset, seed) tuple is
+reproducible. Details: docs/design/simulator.md.
 
-* `unscaled`: the trace's own arrival times.
-* `rate:X`: the same arrivals time-scaled to a mean of X req/s.
-* `paper-3regime`: TAPER Appendix D's 600-minute experiment. A rate envelope (low 0-240 min at 0.23
-  req/s, a 240-250 min ramp, high 250-400 min mean 1.27 peak 1.54, moderate 400-600 min mean 0.60 with
-  peaks near 0.9) times the trace's short-term burstiness: the trace's gaps are normalised by their
-  local mean (slow drift removed, bursts kept) and mapped through the envelope's cumulative rate.
-
-`compress=F` makes a run F times shorter at the same load: the paper envelope is squeezed in time
-(every regime keeps its rate), the unscaled/rate schedules keep their first 1/F.
-
-The composer turns each arrival into a request: prompt length from the trace, output length and
-phase structure (serial stages and parallel phases of n branches) from a preset. All random draws
-come from one seeded generator, so a (trace, schedule, preset, seed) tuple is reproducible.
+    python -m bench.workload synth OUT.csv [--rate R] [--duration S] [--seed N]
+    python -m bench.workload stats CSV [--schedule S] [--preset P]
 """
 
 from __future__ import annotations
@@ -28,7 +23,8 @@ from pathlib import Path
 import numpy as np
 
 COLUMNS = ("TIMESTAMP", "ContextTokens", "GeneratedTokens")
-DEFAULT_TRACE = str(Path(__file__).parent / "data" / "AzureLLMInferenceTrace_conv.csv")  # the Azure conversation trace
+# the Azure conversation trace
+DEFAULT_TRACE = str(Path(__file__).parent / "data" / "AzureLLMInferenceTrace_conv.csv")
 
 
 class TraceError(ValueError):
@@ -57,15 +53,16 @@ class Trace:
 
 def _parse_times(values: list[str], path: str) -> np.ndarray:
     try:
-        return np.array([float(v) for v in values])
+        return np.array([float(value) for value in values])
     except ValueError:
         pass
     out = np.empty(len(values))
-    for i, v in enumerate(values):
+    for idx, value in enumerate(values):
         try:
-            out[i] = np.datetime64(v.strip(), "ns").astype(np.int64) / 1e9
+            out[idx] = np.datetime64(value.strip(), "ns").astype(np.int64) / 1e9
         except ValueError:
-            raise TraceError(f"{path}: row {i + 2}: TIMESTAMP {v!r} is neither a number nor a date-time") from None
+            raise TraceError(f"{path}: row {idx + 2}: TIMESTAMP {value!r} is neither a number nor a "
+                             "date-time") from None
     return out
 
 
@@ -73,46 +70,47 @@ def load_trace(path: str | Path) -> Trace:
     """Read a trace CSV; raise TraceError naming the file and row on anything malformed."""
     path = str(path)
     try:
-        with open(path, newline="", encoding="utf-8-sig") as f:
-            reader = csv.DictReader(f)
+        with open(path, newline="", encoding="utf-8-sig") as handle:
+            reader = csv.DictReader(handle)
             header = reader.fieldnames or []
-            missing = [c for c in COLUMNS if c not in header]
+            missing = [col for col in COLUMNS if col not in header]
             if missing:
-                raise TraceError(f"{path}: missing column(s) {missing}; expected header {','.join(COLUMNS)}, got {header}")
+                raise TraceError(f"{path}: missing column(s) {missing}; expected header "
+                                 f"{','.join(COLUMNS)}, got {header}")
             rows = list(reader)
     except (OSError, UnicodeDecodeError, csv.Error) as e:
         raise TraceError(f"{path}: cannot read trace: {e}") from e
     if not rows:
         raise TraceError(f"{path}: no data rows")
     times, prompts, outputs = [], [], []
-    for i, r in enumerate(rows):
+    for idx, row in enumerate(rows):
         try:
-            p, o = int(r["ContextTokens"]), int(r["GeneratedTokens"])
+            prompt, output = int(row["ContextTokens"]), int(row["GeneratedTokens"])
         except (TypeError, ValueError):
-            raise TraceError(f"{path}: row {i + 2}: token counts must be integers, got {r}") from None
-        if p < 0 or o < 0 or r["TIMESTAMP"] is None:
-            raise TraceError(f"{path}: row {i + 2}: negative or missing values in {r}")
-        times.append(r["TIMESTAMP"])
-        prompts.append(p)
-        outputs.append(o)
-    t = _parse_times(times, path)
-    bad = np.flatnonzero(~np.isfinite(t))
+            raise TraceError(f"{path}: row {idx + 2}: token counts must be integers, got {row}") from None
+        if prompt < 0 or output < 0 or row["TIMESTAMP"] is None:
+            raise TraceError(f"{path}: row {idx + 2}: negative or missing values in {row}")
+        times.append(row["TIMESTAMP"])
+        prompts.append(prompt)
+        outputs.append(output)
+    times_s = _parse_times(times, path)
+    bad = np.flatnonzero(~np.isfinite(times_s))
     if len(bad):
         raise TraceError(f"{path}: row {bad[0] + 2}: TIMESTAMP {times[bad[0]]!r} is not a finite time "
                          f"({len(bad)} such row(s))")
-    order = np.argsort(t, kind="stable")
-    t = t[order] - t[order[0]]
-    return Trace(t, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order], path)
+    order = np.argsort(times_s, kind="stable")
+    times_s = times_s[order] - times_s[order[0]]
+    return Trace(times_s, np.asarray(prompts, np.int64)[order], np.asarray(outputs, np.int64)[order], path)
 
 
 def write_trace(path: str | Path, trace: Trace, start: str = "2024-01-01T00:00:00") -> None:
-    t0 = np.datetime64(start, "ns")
-    stamps = t0 + (trace.arrival_s * 1e9).astype("timedelta64[ns]")
-    with open(path, "w", newline="") as f:
-        w = csv.writer(f)
-        w.writerow(COLUMNS)
-        for s, p, o in zip(stamps, trace.prompt_tokens, trace.output_tokens, strict=True):
-            w.writerow([str(s).replace("T", " "), int(p), int(o)])
+    start_t = np.datetime64(start, "ns")
+    stamps = start_t + (trace.arrival_s * 1e9).astype("timedelta64[ns]")
+    with open(path, "w", newline="") as handle:
+        writer = csv.writer(handle)
+        writer.writerow(COLUMNS)
+        for stamp, prompt, output in zip(stamps, trace.prompt_tokens, trace.output_tokens, strict=True):
+            writer.writerow([str(stamp).replace("T", " "), int(prompt), int(output)])
 
 
 def synthetic_trace(duration_s: float = 3600.0, rate: float = 4.0, seed: int = 1) -> Trace:
@@ -120,21 +118,21 @@ def synthetic_trace(duration_s: float = 3600.0, rate: float = 4.0, seed: int = 1
     (calm at 0.6x, bursts at 2.5x the mean, ~90 s sojourns) with lognormal prompt/output lengths
     unlike Azure's (longer outputs, shorter prompts)."""
     rng = np.random.default_rng(seed)
-    lo, hi = 0.6 * rate, 2.5 * rate
-    p_hi = (rate - lo) / (hi - lo)  # fraction of time bursting so the mean is `rate`
-    t, times, bursting = 0.0, [], False
-    while t < duration_s:
-        stay = rng.exponential(90.0 * (p_hi / (1 - p_hi) if bursting else 1.0))
-        end = min(t + stay, duration_s)
-        lam = hi if bursting else lo
-        n = rng.poisson(lam * (end - t))
-        times.extend(np.sort(rng.uniform(t, end, n)))
-        t, bursting = end, not bursting
-    arr = np.asarray(times)
-    n = len(arr)
-    prompts = np.clip(rng.lognormal(6.0, 0.9, n), 4, 16000).astype(np.int64)
-    outputs = np.clip(rng.lognormal(5.6, 0.8, n), 4, 4000).astype(np.int64)
-    return Trace(arr - arr[0], prompts, outputs, f"synthetic(rate={rate},seed={seed})")
+    calm, burst = 0.6 * rate, 2.5 * rate
+    p_burst = (rate - calm) / (burst - calm)  # fraction of time bursting so the mean is `rate`
+    clock_s, times, bursting = 0.0, [], False
+    while clock_s < duration_s:
+        stay = rng.exponential(90.0 * (p_burst / (1 - p_burst) if bursting else 1.0))
+        end = min(clock_s + stay, duration_s)
+        lam = burst if bursting else calm
+        n_arrivals = rng.poisson(lam * (end - clock_s))
+        times.extend(np.sort(rng.uniform(clock_s, end, n_arrivals)))
+        clock_s, bursting = end, not bursting
+    arrivals = np.asarray(times)
+    n_arrivals = len(arrivals)
+    prompts = np.clip(rng.lognormal(6.0, 0.9, n_arrivals), 4, 16000).astype(np.int64)
+    outputs = np.clip(rng.lognormal(5.6, 0.8, n_arrivals), 4, 4000).astype(np.int64)
+    return Trace(arrivals - arrivals[0], prompts, outputs, f"synthetic(rate={rate},seed={seed})")
 
 
 # ---------------------------------------------------------------------------------------- schedules
@@ -159,8 +157,8 @@ class Schedule:
         return len(self.arrival_s)
 
     def rate_in(self, start_s: float, end_s: float) -> float:
-        n = np.count_nonzero((self.arrival_s >= start_s) & (self.arrival_s < end_s))
-        return n / (end_s - start_s)
+        count = np.count_nonzero((self.arrival_s >= start_s) & (self.arrival_s < end_s))
+        return count / (end_s - start_s)
 
 
 # (name, start min, end min, rate(x in [0,1]) -> req/s); regime means/peaks from TAPER Appendix D / §4.2.
@@ -175,39 +173,43 @@ PAPER_REGIMES: tuple[tuple[str, float, float], ...] = (
 def paper_rate(t_min: np.ndarray) -> np.ndarray:
     """The paper's envelope in req/s at minute t: flat low, a ramp, a sin^2 surge from 1.0 (mean 1.27,
     peak 1.54), then two 0.6 +- 0.3 waves."""
-    t = np.asarray(t_min, float)
-    x_hi = np.clip((t - 250.0) / 150.0, 0, 1)
-    x_mod = np.clip((t - 400.0) / 200.0, 0, 1)
+    minutes = np.asarray(t_min, float)
+    x_hi = np.clip((minutes - 250.0) / 150.0, 0, 1)
+    x_mod = np.clip((minutes - 400.0) / 200.0, 0, 1)
+    low = np.full_like(minutes, 0.23)
+    ramp = 0.23 + (1.0 - 0.23) * (minutes - 240.0) / 10.0
+    surge = 1.0 + 0.54 * np.sin(np.pi * x_hi) ** 2
     return np.select(
-        [t < 240, t < 250, t < 400],
-        [np.full_like(t, 0.23), 0.23 + (1.0 - 0.23) * (t - 240.0) / 10.0, 1.0 + 0.54 * np.sin(np.pi * x_hi) ** 2],
+        [minutes < 240, minutes < 250, minutes < 400],
+        [low, ramp, surge],
         0.6 + 0.3 * np.sin(4 * np.pi * x_mod),
     )
 
 
 def _unit_gaps(trace: Trace, window: int = 200) -> np.ndarray:
     """Inter-arrival gaps divided by their local (rolling) mean: bursts kept, slow drift removed."""
-    g = np.diff(trace.arrival_s)
-    if len(g) == 0 or not np.all(np.isfinite(g)) or g.sum() <= 0:
+    gaps = np.diff(trace.arrival_s)
+    if len(gaps) == 0 or not np.all(np.isfinite(gaps)) or gaps.sum() <= 0:
         raise TraceError(f"{trace.source}: need at least two distinct arrival times")
-    k = np.ones(min(window, len(g)))
-    local = np.convolve(g, k, mode="same") / np.convolve(np.ones_like(g), k, mode="same")  # edge-exact mean
-    local[local <= 0] = g.mean()
-    return g / local
+    kernel = np.ones(min(window, len(gaps)))
+    # edge-exact rolling mean
+    local = np.convolve(gaps, kernel, mode="same") / np.convolve(np.ones_like(gaps), kernel, mode="same")
+    local[local <= 0] = gaps.mean()
+    return gaps / local
 
 
 def _warp(trace: Trace, rate_fn, duration_s: float, steps: int = 20000) -> tuple[np.ndarray, np.ndarray]:
     """Arrivals whose operational time (unit gaps, cycled) is mapped through Lambda^-1 of rate_fn."""
     grid = np.linspace(0.0, duration_s, steps + 1)
-    r = rate_fn(grid)
-    cum = np.concatenate([[0.0], np.cumsum((r[1:] + r[:-1]) / 2 * np.diff(grid))])
+    rates = rate_fn(grid)
+    cum = np.concatenate([[0.0], np.cumsum((rates[1:] + rates[:-1]) / 2 * np.diff(grid))])
     total = cum[-1]
     gaps = _unit_gaps(trace)
     reps = int(math.ceil(total * 1.2 / gaps.sum())) + 1
-    op = np.cumsum(np.tile(gaps, reps))
-    op = np.concatenate([[0.0], op])
-    op = op[op < total]
-    arrivals = np.interp(op, cum, grid)
+    op_time = np.cumsum(np.tile(gaps, reps))
+    op_time = np.concatenate([[0.0], op_time])
+    op_time = op_time[op_time < total]
+    arrivals = np.interp(op_time, cum, grid)
     return arrivals, np.arange(len(arrivals)) % len(trace)
 
 
@@ -220,15 +222,16 @@ def stationary_schedule(trace: Trace, rate: float, duration_s: float, seed: int 
         raise ValueError(f"rate and duration must be finite and > 0, got {rate}, {duration_s}")
     gaps = _unit_gaps(trace)
     start = int(np.random.default_rng(seed).integers(len(gaps)))
-    n = int(rate * duration_s * 3) + 16
-    arrival = np.concatenate([[0.0], np.cumsum(np.resize(np.roll(gaps, -start), n))]) / rate
+    n_gaps = int(rate * duration_s * 3) + 16
+    arrival = np.concatenate([[0.0], np.cumsum(np.resize(np.roll(gaps, -start), n_gaps))]) / rate
     keep = arrival < duration_s
     row = (start + np.arange(len(arrival))) % len(trace)
     return Schedule(arrival[keep], row[keep], duration_s, (Regime("all", 0.0, duration_s),),
                     f"stationary {rate:.3g} req/s")
 
 
-def build_schedule(trace: Trace, spec: str, compress: float = 1.0, duration_s: float | None = None) -> Schedule:
+def build_schedule(trace: Trace, spec: str, compress: float = 1.0,
+                   duration_s: float | None = None) -> Schedule:
     """`unscaled` | `rate:X` | `paper-3regime`; see the module docstring for `compress`.
     `duration_s` (unscaled and rate:X): keep only the first duration_s seconds; TraceError when the
     (scaled) trace is shorter than that. TraceError too when the trace has fewer than two distinct
@@ -248,22 +251,23 @@ def build_schedule(trace: Trace, spec: str, compress: float = 1.0, duration_s: f
             if not (rate > 0 and math.isfinite(rate)):
                 raise ValueError(f"bad schedule {spec!r}: rate must be a finite number > 0")
             scale = trace.mean_rate / rate
-        t = trace.arrival_s * scale
+        times = trace.arrival_s * scale
         duration = (trace.duration_s * scale) / compress
         if duration_s is not None:
             if duration_s > trace.duration_s * scale:
                 raise TraceError(f"{trace.source}: too short for {spec!r} over {duration_s:g} s: it spans "
                                  f"{trace.duration_s * scale:g} s at that rate ({len(trace)} arrivals)")
             duration = duration_s
-        keep = t <= duration
+        keep = times <= duration
         if not keep.any():
             raise TraceError(f"{trace.source}: schedule {spec!r} holds no arrival")
-        return Schedule(t[keep], np.flatnonzero(keep), duration, (Regime("all", 0.0, duration),), spec)
+        return Schedule(times[keep], np.flatnonzero(keep), duration, (Regime("all", 0.0, duration),), spec)
     if spec == "paper-3regime":
         duration = 600.0 * 60.0 / compress
-        arr, row = _warp(trace, lambda s: paper_rate(s * compress / 60.0), duration)
-        regimes = tuple(Regime(n, a * 60.0 / compress, b * 60.0 / compress) for n, a, b in PAPER_REGIMES)
-        return Schedule(arr, row, duration, regimes, spec)
+        arrivals, row = _warp(trace, lambda t_s: paper_rate(t_s * compress / 60.0), duration)
+        regimes = tuple(Regime(name, start * 60.0 / compress, end * 60.0 / compress)
+                        for name, start, end in PAPER_REGIMES)
+        return Schedule(arrivals, row, duration, regimes, spec)
     raise ValueError(f"unknown schedule {spec!r}: use unscaled, rate:X or paper-3regime")
 
 
@@ -291,7 +295,7 @@ class Preset:
 
     @property
     def abf(self) -> float:
-        return sum(k * p for k, p in self.fanout.items()) / sum(self.fanout.values())
+        return sum(fanout * weight for fanout, weight in self.fanout.items()) / sum(self.fanout.values())
 
 
 # Output lengths (see docs/benchmarks.md, "Calibration"): non-decomposable requests are
@@ -334,15 +338,15 @@ class RequestSpec:
 
     @property
     def decomposable(self) -> bool:
-        return any(isinstance(s, tuple) for s in self.stages)
+        return any(isinstance(stage, tuple) for stage in self.stages)
 
     @property
     def output_tokens(self) -> int:
-        return sum(sum(s) if isinstance(s, tuple) else s for s in self.stages)
+        return sum(sum(stage) if isinstance(stage, tuple) else stage for stage in self.stages)
 
     @property
     def parallel_tokens(self) -> int:
-        return sum(sum(s) for s in self.stages if isinstance(s, tuple))
+        return sum(sum(stage) for stage in self.stages if isinstance(stage, tuple))
 
 
 def _lognormal(rng: np.random.Generator, median_sigma: tuple[float, float]) -> float:
@@ -352,38 +356,38 @@ def _lognormal(rng: np.random.Generator, median_sigma: tuple[float, float]) -> f
 def _split(rng: np.random.Generator, total: int, parts: int, minimum: int = 1) -> list[int]:
     """`total` tokens into `parts` positive pieces (Dirichlet shares)."""
     total = max(total, parts * minimum)
-    w = rng.dirichlet(np.full(parts, 2.0))
-    out = np.maximum(np.floor(w * (total - parts * minimum)).astype(int), 0) + minimum
+    shares = rng.dirichlet(np.full(parts, 2.0))
+    out = np.maximum(np.floor(shares * (total - parts * minimum)).astype(int), 0) + minimum
     out[-1] += total - out.sum()
-    return [int(x) for x in out]
+    return [int(piece) for piece in out]
 
 
-def _decompose(rng: np.random.Generator, p: Preset, total: int) -> tuple[int | tuple[int, ...], ...]:
-    phases = 1 + int(rng.poisson(p.phases_extra))
-    fan_k = np.fromiter(p.fanout, int)
-    fan_p = np.fromiter(p.fanout.values(), float)
+def _decompose(rng: np.random.Generator, preset: Preset, total: int) -> tuple[int | tuple[int, ...], ...]:
+    phases = 1 + int(rng.poisson(preset.phases_extra))
+    fan_k = np.fromiter(preset.fanout, int)
+    fan_p = np.fromiter(preset.fanout.values(), float)
     fans = rng.choice(fan_k, size=phases, p=fan_p / fan_p.sum())
-    share = float(rng.beta(8 * p.pts, 8 * (1 - p.pts)))  # per-request PTS, mean p.pts
+    share = float(rng.beta(8 * preset.pts, 8 * (1 - preset.pts)))  # per-request PTS, mean preset.pts
     par_total = max(int(round(share * total)), int(fans.sum()))
     ser_total = max(total - par_total, phases + 1)
     serial = _split(rng, ser_total, phases + 1)
     phase_tok = _split(rng, par_total, phases)
     stages: list[int | tuple[int, ...]] = []
-    for i, (n, tok) in enumerate(zip(fans, phase_tok, strict=True)):
-        stages.append(serial[i])
-        w = rng.lognormal(0.0, p.branch_sigma, int(n))
-        br = np.maximum(np.round(w / w.sum() * tok), 1).astype(int)
-        stages.append(tuple(int(x) for x in br))
+    for idx, (fanout, tok) in enumerate(zip(fans, phase_tok, strict=True)):
+        stages.append(serial[idx])
+        weights = rng.lognormal(0.0, preset.branch_sigma, int(fanout))
+        branches = np.maximum(np.round(weights / weights.sum() * tok), 1).astype(int)
+        stages.append(tuple(int(length) for length in branches))
     stages.append(serial[-1])
     return tuple(stages)
 
 
-def _samples(rng: np.random.Generator, p: Preset, length: int) -> tuple[int, tuple[int, ...]]:
+def _samples(rng: np.random.Generator, preset: Preset, length: int) -> tuple[int, tuple[int, ...]]:
     """n samples of `length` tokens: the first token (the prefill's) then n branches of the rest."""
-    fan_k = np.fromiter(p.fanout, int)
-    fan_p = np.fromiter(p.fanout.values(), float)
-    n = int(rng.choice(fan_k, p=fan_p / fan_p.sum()))
-    return (1, (max(length - 1, 1),) * n)
+    fan_k = np.fromiter(preset.fanout, int)
+    fan_p = np.fromiter(preset.fanout.values(), float)
+    fanout = int(rng.choice(fan_k, p=fan_p / fan_p.sum()))
+    return (1, (max(length - 1, 1),) * fanout)
 
 
 def compose(
@@ -393,36 +397,38 @@ def compose(
     """One RequestSpec per scheduled arrival. Output lengths come from the preset, or from the trace's
     GeneratedTokens when `trace_outputs` or the preset says so (decomposable ones are still split by
     the preset's PTS/ABF; a samples preset makes each of n samples that long)."""
-    p = PRESETS[preset] if isinstance(preset, str) else preset
+    shape = PRESETS[preset] if isinstance(preset, str) else preset
     rng = np.random.default_rng(seed)
     out = []
-    for i, (t, row) in enumerate(zip(schedule.arrival_s, schedule.row, strict=True)):
+    for idx, (arrival, row) in enumerate(zip(schedule.arrival_s, schedule.row, strict=True)):
         prompt = int(min(max(trace.prompt_tokens[row], 1), max_prompt))
-        decomp = rng.random() < p.pdr
-        if trace_outputs or p.trace_outputs:
+        decomp = rng.random() < shape.pdr
+        if trace_outputs or shape.trace_outputs:
             total = int(max(trace.output_tokens[row], 2))
         else:
-            total = int(min(max(_lognormal(rng, p.decomp_out if decomp else p.serial_out), 2), p.max_out))
-        if decomp and p.samples:
-            out.append(RequestSpec(f"r{i}", float(t), prompt, _samples(rng, p, total), samples=True))
+            drawn = _lognormal(rng, shape.decomp_out if decomp else shape.serial_out)
+            total = int(min(max(drawn, 2), shape.max_out))
+        if decomp and shape.samples:
+            samples = _samples(rng, shape, total)
+            out.append(RequestSpec(f"r{idx}", float(arrival), prompt, samples, samples=True))
             continue
-        stages = _decompose(rng, p, total) if decomp else (total,)
-        out.append(RequestSpec(f"r{i}", float(t), prompt, stages))
+        stages = _decompose(rng, shape, total) if decomp else (total,)
+        out.append(RequestSpec(f"r{idx}", float(arrival), prompt, stages))
     return out
 
 
 def workload_stats(reqs: list[RequestSpec]) -> dict[str, float]:
     """PDR, ABF (mean fanout per phase), PTS (mean per decomposable request), mean output length."""
-    dec = [r for r in reqs if r.decomposable]
-    fans = [len(s) for r in dec for s in r.stages if isinstance(s, tuple)]
+    dec = [req for req in reqs if req.decomposable]
+    fans = [len(stage) for req in dec for stage in req.stages if isinstance(stage, tuple)]
     return {
         "requests": float(len(reqs)),
         "pdr": len(dec) / max(len(reqs), 1),
         "abf": float(np.mean(fans)) if fans else 0.0,
-        "pts": float(np.mean([r.parallel_tokens / r.output_tokens for r in dec])) if dec else 0.0,
+        "pts": float(np.mean([req.parallel_tokens / req.output_tokens for req in dec])) if dec else 0.0,
         "phases_per_decomposable": len(fans) / max(len(dec), 1),
-        "mean_output_tokens": float(np.mean([r.output_tokens for r in reqs])) if reqs else 0.0,
-        "mean_prompt_tokens": float(np.mean([r.prompt_tokens for r in reqs])) if reqs else 0.0,
+        "mean_output_tokens": float(np.mean([req.output_tokens for req in reqs])) if reqs else 0.0,
+        "mean_prompt_tokens": float(np.mean([req.prompt_tokens for req in reqs])) if reqs else 0.0,
     }
 
 
@@ -431,35 +437,38 @@ def main(argv: list[str] | None = None) -> int:
     trace; `python -m bench.workload stats CSV [--schedule S] [--preset P]`: describe a workload."""
     import argparse
 
-    ap = argparse.ArgumentParser(prog="python -m bench.workload")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sy = sub.add_parser("synth", help="write a bursty synthetic trace CSV (same schema as Azure's)")
-    sy.add_argument("out")
-    sy.add_argument("--rate", type=float, default=4.0)
-    sy.add_argument("--duration", type=float, default=3600.0)
-    sy.add_argument("--seed", type=int, default=1)
-    st = sub.add_parser("stats", help="schedule and composer statistics of a trace")
-    st.add_argument("trace")
-    st.add_argument("--schedule", default="paper-3regime")
-    st.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
-    st.add_argument("--seed", type=int, default=0)
-    a = ap.parse_args(argv)
-    if a.cmd == "synth":
-        tr = synthetic_trace(a.duration, a.rate, a.seed)
-        write_trace(a.out, tr)
-        print(f"{a.out}: {len(tr)} requests over {tr.duration_s:.0f} s ({tr.mean_rate:.2f} req/s)")
+    parser = argparse.ArgumentParser(prog="python -m bench.workload")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    synth = sub.add_parser("synth", help="write a bursty synthetic trace CSV (same schema as Azure's)")
+    synth.add_argument("out")
+    synth.add_argument("--rate", type=float, default=4.0)
+    synth.add_argument("--duration", type=float, default=3600.0)
+    synth.add_argument("--seed", type=int, default=1)
+    stats = sub.add_parser("stats", help="schedule and composer statistics of a trace")
+    stats.add_argument("trace")
+    stats.add_argument("--schedule", default="paper-3regime")
+    stats.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    stats.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.cmd == "synth":
+        trace = synthetic_trace(args.duration, args.rate, args.seed)
+        write_trace(args.out, trace)
+        print(f"{args.out}: {len(trace)} requests over {trace.duration_s:.0f} s "
+              f"({trace.mean_rate:.2f} req/s)")
         return 0
     try:
-        tr = load_trace(a.trace)
-        sched = build_schedule(tr, a.schedule)
+        trace = load_trace(args.trace)
+        sched = build_schedule(trace, args.schedule)
     except ValueError as e:
         print(f"error: {e}")
         return 2
-    print(f"trace {a.trace}: {len(tr)} rows, {tr.duration_s:.0f} s, {tr.mean_rate:.2f} req/s")
-    for g in sched.regimes:
-        print(f"  {g.name:<10} {g.start_s / 60:6.0f}-{g.end_s / 60:<6.0f} min  {sched.rate_in(g.start_s, g.end_s):.3f} req/s")
-    for k, v in workload_stats(compose(tr, sched, a.preset, a.seed)).items():
-        print(f"  {k:<24} {v:.3f}")
+    print(f"trace {args.trace}: {len(trace)} rows, {trace.duration_s:.0f} s, {trace.mean_rate:.2f} req/s")
+    for regime in sched.regimes:
+        rate = sched.rate_in(regime.start_s, regime.end_s)
+        span = f"{regime.start_s / 60:6.0f}-{regime.end_s / 60:<6.0f}"
+        print(f"  {regime.name:<10} {span} min  {rate:.3f} req/s")
+    for name, value in workload_stats(compose(trace, sched, args.preset, args.seed)).items():
+        print(f"  {name:<24} {value:.3f}")
     return 0
 
 
