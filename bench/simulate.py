@@ -64,8 +64,7 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
     if ablations:
         names = {job.key for job in jobs}
         abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-defer-cost", "taper-no-slack",
-               "taper-no-replan",
-               "taper-const-predictor")
+               "taper-no-replan", "taper-const-predictor")
         jobs += [Job(policy, policy, rho, calibrated) for policy in abl
                  if policy in POLICY_NAMES and policy not in names]
         jobs += [Job(f"taper(rho={alt:g})", "taper", alt, calibrated)
@@ -78,18 +77,18 @@ def comparison_table(results: dict[str, dict], baseline: str = "off") -> str:
     """One row per policy: attainment over all arrivals, finished fraction and P99 TTFT first."""
     base = results.get(baseline, {}).get("goodput_tok_s")
 
-    def ratio(_k: str, row: dict) -> str:
+    def ratio(_name: str, row: dict) -> str:
         return fmt(row["goodput_tok_s"] / base if base else None, nd=2)
 
-    def high(_k: str, row: dict) -> str:
+    def high(_name: str, row: dict) -> str:
         return fmt(row.get("per_regime", {}).get("high", {}).get("slo_attainment"), True)
 
     cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x off", 7, ratio), *HEADLINE,
             Col("att-high", 9, high), Col("att-gap", 8, key("slo_attainment_gap", True)),
             Col("raw tok/s", 10, key("raw_throughput_tok_s")),
-            Col("P99 ser", 9, lambda _k, row: num(row["p99_tpot_serial_ms"])),
-            Col("P99 par", 9, lambda _k, row: num(row["p99_tpot_parallel_ms"])),
-            Col("P99 gap", 9, lambda _k, row: num(row.get("max_gap_p99_ms"))),
+            Col("P99 ser", 9, lambda _name, row: num(row["p99_tpot_serial_ms"])),
+            Col("P99 par", 9, lambda _name, row: num(row["p99_tpot_parallel_ms"])),
+            Col("P99 gap", 9, lambda _name, row: num(row.get("max_gap_p99_ms"))),
             Col("step ms", 8, key("step_latency_mean_ms")), Col("admit", 7, key("admission_rate", True, 0)),
             *LATENCY_COLS]
     return render(results, cols, name_width=24)
@@ -118,14 +117,14 @@ def regime_table(results: dict[str, dict]) -> str:
         return ""
 
     def cell(regime: str, name: str, pick: Any) -> Col:
-        return Col(f"{regime[:4]} {name}", 12, lambda _k, row: pick(row["per_regime"].get(regime, {})))
+        return Col(f"{regime[:4]} {name}", 12, lambda _name, row: pick(row["per_regime"].get(regime, {})))
 
     cols = [col for regime in regimes for col in (
-        cell(regime, "step", lambda x: fmt(x.get("step_latency_mean_ms"))),
-        cell(regime, "att", lambda x: fmt(x.get("slo_attainment"), True)),
-        cell(regime, "done", lambda x: fmt(x.get("finished_frac"), True)),
-        cell(regime, "TTFT99", lambda x: num(x.get("ttft_p99_s"))),
-        cell(regime, "adm", lambda x: fmt(x.get("admission_rate"), True, 0)))]
+        cell(regime, "step", lambda metrics: fmt(metrics.get("step_latency_mean_ms"))),
+        cell(regime, "att", lambda metrics: fmt(metrics.get("slo_attainment"), True)),
+        cell(regime, "done", lambda metrics: fmt(metrics.get("finished_frac"), True)),
+        cell(regime, "TTFT99", lambda metrics: num(metrics.get("ttft_p99_s"))),
+        cell(regime, "adm", lambda metrics: fmt(metrics.get("admission_rate"), True, 0)))]
     return render(results, cols, name_width=24)
 
 
@@ -156,32 +155,34 @@ class SimOptions:
 
 
 def parse_args(argv: list[str] | None) -> SimOptions:
-    ap = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
-    ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper")
-    ap.add_argument("--slo-tpot-ms", type=float, default=50.0)
-    ap.add_argument("--slo-ttft-s", type=float, default=None,
-                    help="TTFT target that attainment and goodput also require (default: none)")
-    ap.add_argument("--rho", type=float, default=0.8)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--latency-model", help="JSON latency model (predictor.py format); default: calibrated")
-    ap.add_argument("--ablations", action="store_true",
-                    help="add taper's terms off one at a time (no-mean, no-overload, no-backlog), the paper's "
-                         "ablations (no-slack, no-replan, const-predictor) and taper at rho 0.5 / 1.0")
-    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
-    ap.add_argument("--compress", type=float, default=1.0, help="run F times shorter at the same load")
-    ap.add_argument("--trace-outputs", action="store_true", help="output lengths from the trace")
-    ap.add_argument("--max-running", default="sglang",
-                    help="running-request limit (branches count): sglang (SGLang's default for the pool), "
-                         "slo (sensitivity: the largest batch whose T stays within the SLO) or N")
-    ap.add_argument("--kv-tokens", type=int, default=_DEF.kv_tokens)
-    ap.add_argument("--chunk-tokens", type=int, default=_DEF.chunk_tokens)
-    ap.add_argument("--noise", type=float, default=_DEF.noise)
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
-    ap.add_argument("--no-plots", action="store_true")
-    args = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
+    parser.add_argument("--policies", default="off,cap:2,cap:5,eager,taper")
+    parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
+    parser.add_argument("--slo-ttft-s", type=float, default=None,
+                        help="TTFT target that attainment and goodput also require (default: none)")
+    parser.add_argument("--rho", type=float, default=0.8)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--latency-model",
+                        help="JSON latency model (predictor.py format); default: calibrated")
+    parser.add_argument("--ablations", action="store_true",
+                        help="add taper's terms off one at a time (no-mean, no-overload, no-backlog), the "
+                             "paper's ablations (no-slack, no-replan, const-predictor) and taper at rho "
+                             "0.5 / 1.0")
+    parser.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    parser.add_argument("--compress", type=float, default=1.0, help="run F times shorter at the same load")
+    parser.add_argument("--trace-outputs", action="store_true", help="output lengths from the trace")
+    parser.add_argument("--max-running", default="sglang",
+                        help="running-request limit (branches count): sglang (SGLang's default for the "
+                             "pool), slo (sensitivity: the largest batch whose T stays within the SLO) or N")
+    parser.add_argument("--kv-tokens", type=int, default=_DEF.kv_tokens)
+    parser.add_argument("--chunk-tokens", type=int, default=_DEF.chunk_tokens)
+    parser.add_argument("--noise", type=float, default=_DEF.noise)
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
+    parser.add_argument("--no-plots", action="store_true")
+    args = parser.parse_args(argv)
     policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     return SimOptions(
         args.trace, args.out, args.schedule, policies, args.slo_tpot_ms, args.slo_ttft_s, args.rho, args.seed,
@@ -232,19 +233,19 @@ def _document(opts: SimOptions, setup: _Setup, results: dict[str, dict],
     }
 
 
-def simulate(opts: SimOptions, setup: _Setup, t0: float, phase_s: dict[str, float]) -> dict[str, Any]:
+def simulate(opts: SimOptions, setup: _Setup, start_t: float, phase_s: dict[str, float]) -> dict[str, Any]:
     """Every policy's run, its metrics and plots; results.json's document (written by the caller)."""
     jobs = job_list(list(opts.policies), opts.rho, opts.ablations, calibrated=bool(opts.latency_model))
     sims = run_jobs(jobs, setup.specs, setup.model, setup.cfg, setup.schedule.duration_s, opts.seed,
                     opts.jobs)
-    phase_s["simulate"] = time.perf_counter() - t0 - sum(phase_s.values())
+    phase_s["simulate"] = time.perf_counter() - start_t - sum(phase_s.values())
     window = (0.0, setup.schedule.duration_s)
     regimes = [(regime.name, regime.start_s, regime.end_s) for regime in setup.schedule.regimes]
     horizon = setup.schedule.duration_s + setup.cfg.drain_s
     results = {key: summarize(sim.records, setup.cfg.slo_s, window, regimes, sim.steps, opts.slo_ttft_s,
                               horizon) | {"sim": sim.stats}
                for key, sim in sims.items()}
-    phase_s["metrics"] = time.perf_counter() - t0 - sum(phase_s.values())
+    phase_s["metrics"] = time.perf_counter() - start_t - sum(phase_s.values())
     out = Path(opts.out)
     out.mkdir(parents=True, exist_ok=True)
     doc = _document(opts, setup, results, phase_s)
@@ -252,27 +253,27 @@ def simulate(opts: SimOptions, setup: _Setup, t0: float, phase_s: dict[str, floa
         from bench.plots import plot_run
 
         plot_run(sims, setup.schedule, setup.cfg.slo_s, out)
-        phase_s["plots"] = time.perf_counter() - t0 - sum(phase_s.values())
+        phase_s["plots"] = time.perf_counter() - start_t - sum(phase_s.values())
     return doc
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
-    t0 = time.perf_counter()
+    start_t = time.perf_counter()
     try:
         setup = _setup(opts)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    doc = simulate(opts, setup, t0, {"workload": time.perf_counter() - t0})
-    doc["wall_s"] = time.perf_counter() - t0
+    doc = simulate(opts, setup, start_t, {"workload": time.perf_counter() - start_t})
+    doc["wall_s"] = time.perf_counter() - start_t
     path = write_json(Path(opts.out) / "results.json", doc, indent=1)
     print(comparison_table(doc["policies"]))
     print()
     print(regime_table(doc["policies"]))
     print("\n".join(["", *latency_lines(doc["policies"])]))
     print(f"\n{len(setup.specs)} requests, {setup.schedule.duration_s / 60:.0f} min simulated, "
-          f"wall {time.perf_counter() - t0:.1f}s -> {path}")
+          f"wall {time.perf_counter() - start_t:.1f}s -> {path}")
     return 0
 
 
