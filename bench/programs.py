@@ -33,23 +33,24 @@ class Scaling:
             raise ValueError(f"scales must be > 0 and caps >= 1, got {self}")
 
 
-def _scaled(n: int, scale: float, cap: int) -> int:
-    return int(min(max(round(n * scale), 1), cap))
+def _scaled(tokens: int, scale: float, cap: int) -> int:
+    return int(min(max(round(tokens * scale), 1), cap))
 
 
-def _scaled_stages(spec: RequestSpec, f: float, cap: int) -> tuple[int | tuple[int, ...], ...]:
-    return tuple(tuple(_scaled(b, f, cap) for b in st) if isinstance(st, tuple) else _scaled(st, f, cap)
-                 for st in spec.stages)
+def _scaled_stages(spec: RequestSpec, scale: float, cap: int) -> tuple[int | tuple[int, ...], ...]:
+    return tuple(tuple(_scaled(branch, scale, cap) for branch in stage) if isinstance(stage, tuple)
+                 else _scaled(stage, scale, cap)
+                 for stage in spec.stages)
 
 
-def scale_spec(spec: RequestSpec, s: Scaling) -> RequestSpec:
+def scale_spec(spec: RequestSpec, scaling: Scaling) -> RequestSpec:
     """The same program with every serial stage and branch length (and the prompt) scaled and capped."""
-    f = s.output_scale
-    stages = _scaled_stages(spec, f, s.max_stage_tokens)
-    while (total := RequestSpec("", 0.0, 0, stages).output_tokens) > s.max_program_tokens:
-        f *= 0.95 * s.max_program_tokens / total  # shrink the whole program, keeping its shape
-        stages = _scaled_stages(spec, f, s.max_stage_tokens)
-    prompt = _scaled(spec.prompt_tokens, s.prompt_scale, s.max_prompt_tokens)
+    scale = scaling.output_scale
+    stages = _scaled_stages(spec, scale, scaling.max_stage_tokens)
+    while (total := RequestSpec("", 0.0, 0, stages).output_tokens) > scaling.max_program_tokens:
+        scale *= 0.95 * scaling.max_program_tokens / total  # shrink the whole program, keeping its shape
+        stages = _scaled_stages(spec, scale, scaling.max_stage_tokens)
+    prompt = _scaled(spec.prompt_tokens, scaling.prompt_scale, scaling.max_prompt_tokens)
     return replace(spec, prompt_tokens=prompt, stages=stages)
 
 
@@ -64,21 +65,24 @@ def fit_schedule(trace: Any, spec: str, duration_s: float, rate_scale: float = 1
     compress = natural / (duration_s * rate_scale)
     if compress < 1.0:
         raise ValueError(f"schedule {spec!r} lasts {natural:.0f} s at its own rate: it cannot fill "
-                         f"{duration_s:g} s x rate scale {rate_scale:g}; shorten --duration-s or lower --rate-scale")
-    s = build_schedule(trace, spec, compress)
-    k = 1.0 / rate_scale
-    regimes = tuple(Regime(g.name, g.start_s * k, g.end_s * k) for g in s.regimes)
+                         f"{duration_s:g} s x rate scale {rate_scale:g}; shorten --duration-s or lower "
+                         "--rate-scale")
+    sched = build_schedule(trace, spec, compress)
+    squeeze = 1.0 / rate_scale
+    regimes = tuple(Regime(regime.name, regime.start_s * squeeze, regime.end_s * squeeze)
+                    for regime in sched.regimes)
     name = spec if rate_scale == 1.0 else f"{spec} x{rate_scale:g}"
-    return Schedule(s.arrival_s * k, s.row, s.duration_s * k, regimes, name)
+    return Schedule(sched.arrival_s * squeeze, sched.row, sched.duration_s * squeeze, regimes, name)
 
 
-def build_programs(trace: Any, schedule: Schedule, preset: str, seed: int, scaling: Scaling) -> list[RequestSpec]:
-    return [scale_spec(s, scaling) for s in compose(trace, schedule, preset, seed)]
+def build_programs(trace: Any, schedule: Schedule, preset: str, seed: int,
+                   scaling: Scaling) -> list[RequestSpec]:
+    return [scale_spec(spec, scaling) for spec in compose(trace, schedule, preset, seed)]
 
 
 def mean_demand_tok_s(specs: list[RequestSpec], duration_s: float) -> float:
     """Output tokens the programs ask for, per second of the schedule."""
-    return sum(s.output_tokens for s in specs) / duration_s
+    return sum(spec.output_tokens for spec in specs) / duration_s
 
 
 def prompt_ids(rid: str, tokens: int, seed: int | str, vocab: int = 400) -> list[int]:
@@ -90,6 +94,7 @@ def prompt_ids(rid: str, tokens: int, seed: int | str, vocab: int = 400) -> list
 SEP_ID = 11  # a plain token (ids below 10 may be special): opens a branch header and closes the join
 
 
-def branch_head(i: int, vocab: int = 400) -> list[int]:
-    """The tokens that open branch i after the shared prefix (its header, as in `forks[i] += ...`)."""
-    return [SEP_ID, 12 + i % (vocab - 12)]
+def branch_head(index: int, vocab: int = 400) -> list[int]:
+    """The tokens that open branch `index` after the shared prefix (its header, as in
+    `forks[i] += ...`)."""
+    return [SEP_ID, 12 + index % (vocab - 12)]
