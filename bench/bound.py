@@ -1,18 +1,11 @@
 """The fluid bound: the highest arrival rate any width policy can serve with every step inside the SLO.
 
-Under a linear step latency T = c0 + c_seq rows + c_ctx context tokens + c_tok prefill tokens, a
-second of engine time at steps of exactly the SLO holds 1 / SLO steps (c0 each) and the work of the
-tokens it decodes. A request's work is the sum over its decoded tokens of c_seq + c_ctx x that
-token's own KV context, plus c_tok x its prefilled tokens; the widths only move work between steps.
-So `fluid_bound_rps` = (1 - c0 / SLO) / mean work per request. Steps shorter than the SLO only add
-c0 per second, so no policy whose steps stay within the SLO serves more in steady state.
-
-A token's context is what the server holds when it decodes it (`Contexts` says how a server runs a
-request's stages): a serial stage continues the sequence so far; a branch decodes on the shared
-prefix plus its own tokens (and a header); after the join the parent resumes with every branch's
-tokens. A token that comes out of a prefill is no decode row: the simulator's first token of a
-request, and for the live client the first token of every stage and branch (each is a /generate).
-Prefill costs c_tok per prompt token (the live probe's T(S) has no prefill term: c_tok = 0).
+Under a linear step latency T = c0 + c_seq rows + c_ctx context tokens + c_tok prefill tokens,
+`fluid_bound_rps` = (1 - c0 / SLO) / mean work per request, where a request's work
+(`request_work_s`) is c_seq + c_ctx x that token's own KV context summed over its decoded tokens,
+plus c_tok x its prefilled tokens; the widths only move work between steps. `Contexts` says how a
+server runs a request's stages, and so what each decoded token's context is (`SIMULATOR`: the
+engine's; `LIVE_CLIENT`: bench.client's programs). The derivation: docs/design/simulator.md.
 """
 
 from __future__ import annotations
@@ -49,9 +42,9 @@ def request_work_s(spec: RequestSpec, model: LinearLatencyModel, how: Contexts =
     for stage in spec.stages:
         if isinstance(stage, tuple):
             base = ctx + how.header_tokens
-            for n in stage:
+            for branch in stage:
                 free = 1 if how.prefill_per_stage else 0  # the branch's first token comes out of its prefill
-                work += _rows(model, n - free, base + free)
+                work += _rows(model, branch - free, base + free)
             ctx += sum(stage) + len(stage) * how.header_tokens + how.join_tokens
         else:
             free = 1 if how.prefill_per_stage or not started else 0
@@ -66,5 +59,5 @@ def fluid_bound_rps(model: LinearLatencyModel, slo_s: float, specs: list[Request
     """The arrival rate whose mean work fills steps of exactly the SLO (module docstring)."""
     if not specs or slo_s <= model.c0:
         return 0.0
-    mean = float(np.mean([request_work_s(s, model, how) for s in specs]))
+    mean = float(np.mean([request_work_s(spec, model, how) for spec in specs]))
     return (1.0 - model.c0 / slo_s) / mean if mean > 0 else float("inf")

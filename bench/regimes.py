@@ -4,19 +4,10 @@
 SLO, trace-scale programs, 180 s warm-up, 600 s measured, 300 s more of arrivals). The `live*`
 regimes are `make bench`'s live sweep (bench.sweep) on a quiet 2-core CPU box serving the tiny
 model, where one more row costs ~2-3% of the SLO and a step's floor ~25% of it (width is dear):
-
-* T(S): the box's probe. `live`: T = 1.38 ms + 0.089 ms/row + 0.099 us per context token, SLO
-  5.05 ms (the box the step accounting below ran on). `live-fast`: 1.15 ms + 0.089 ms/row + 0.109
-  us/token, SLO 4.89 ms (the issue's fresh clone; its context term is the one for which the
-  sweep's rule gives that SLO, T(32 rows of 256 tokens)). taper plans with it, refitting the
-  intercept as a server given --latency-model does.
-* Programs: bench.point's, every length scaled as bench.programs scales it for the tiny model
-  (output x1.0 capped at 256 tokens per stage and branch, prompts x0.05 capped at 64, 1536 tokens
-  per program), run as bench.client runs them: client-side fork/join, each branch and each join a
-  new request (EngineConfig.client_programs).
-* Engine: SGLang's separate prefill forwards (prefill_steps), the sweep's 65536-token KV pool, the
-  tiny model's 2048-token context, and what a loaded step costs beyond T(S) (LIVE_HOST, LIVE_C_TOK).
-* A point: bench.point's, 40 s of arrivals from an idle server, then 20 s of drain without arrivals.
+the box's probed T(S) and SLO, bench.point's programs scaled for the tiny model and run as
+client-side fork/join, SGLang's separate prefill forwards, the sweep's KV pool, and what a loaded
+step costs beyond T(S) (LIVE_HOST, LIVE_C_TOK). Each regime's figures and where they come from:
+docs/design/simulator.md.
 """
 
 from __future__ import annotations
@@ -86,7 +77,7 @@ def regime_specs(trace: Any, rate: float, duration_s: float, seed: int, preset: 
                  scaling: Scaling | None) -> list[RequestSpec]:
     """A stationary point's requests, scaled as the regime's programs are (None: trace lengths)."""
     specs = compose(trace, stationary_schedule(trace, rate, duration_s, seed), preset, seed)
-    return [scale_spec(s, scaling) for s in specs] if scaling is not None else specs
+    return [scale_spec(spec, scaling) for spec in specs] if scaling is not None else specs
 
 
 def get_regime(name: str) -> SimRegime:
@@ -94,6 +85,3 @@ def get_regime(name: str) -> SimRegime:
         return REGIMES[name]
     except KeyError:
         raise ValueError(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}") from None
-
-
-
