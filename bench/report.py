@@ -3,8 +3,8 @@
 A table is a list of `Col`s over a {name: metrics dict} mapping: a left-aligned name column, then
 right-aligned cells, a dashed rule under the header. Every table puts attainment over all arrivals,
 finished fraction and P99 TTFT side by side (`HEADLINE`), and end-to-end latency per request class
-(`LATENCY_COLS`). Result files are written atomically, so
-an interrupted run never leaves a truncated file.
+(`LATENCY_COLS`). Result files are written atomically, so an interrupted run never leaves a
+truncated file.
 """
 
 from __future__ import annotations
@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 
-def fmt(x: float | None, pct: bool = False, nd: int = 1) -> str:
-    """A number cell: '-' for a missing or non-finite value, a percentage with `pct`."""
-    if x is None or (isinstance(x, float) and not math.isfinite(x)):
+def fmt(value: float | None, pct: bool = False, nd: int = 1) -> str:
+    """A number cell: '-' for a missing or non-finite value, a percentage with `pct`, `nd` decimals."""
+    if value is None or (isinstance(value, float) and not math.isfinite(value)):
         return "-"
-    return f"{100 * x:.{nd}f}%" if pct else f"{x:.{nd}f}"
+    return f"{100 * value:.{nd}f}%" if pct else f"{value:.{nd}f}"
 
 
-def num(x: float | None) -> str:
+def num(value: float | None) -> str:
     """A number cell with one decimal below 100 and none above (latencies in ms, TTFT in s)."""
-    return fmt(x, nd=1 if x is None or abs(x) < 100 else 0)
+    return fmt(value, nd=1 if value is None or abs(value) < 100 else 0)
 
 
 @dataclass(frozen=True, slots=True)
@@ -41,36 +41,42 @@ class Col:
 
 def key(name: str, pct: bool = False, nd: int = 1) -> Callable[[str, dict], str]:
     """The cell of one metric of the row's dict."""
-    return lambda _k, r: fmt(r.get(name), pct, nd)
+    return lambda _name, row: fmt(row.get(name), pct, nd)
 
 
 def blank(width: int) -> Col:
-    return Col("", width, lambda _k, _r: "")
+    return Col("", width, lambda _name, _row: "")
+
+
+def _ttft_cell(_name: str, row: dict) -> str:
+    ttft = row.get("ttft_p99_s")
+    return fmt(ttft, nd=2 if (ttft or 0) < 100 else 0)
 
 
 HEADLINE = (
     Col("attain", 8, key("slo_attainment", True)),
     Col("finished", 9, key("finished_frac", True)),
-    Col("P99 TTFT", 9, lambda _k, r: fmt(r.get("ttft_p99_s"), nd=2 if (r.get("ttft_p99_s") or 0) < 100 else 0)),
+    Col("P99 TTFT", 9, _ttft_cell),
 )
 
 
 LATENCY_COLS = (  # seconds, over finished requests of the class; decomposable: with a parallel phase
     Col("dP50 e2e", 9, key("decomp_e2e_p50_s")),
-    Col("dP99 e2e", 9, lambda _k, r: num(r.get("decomp_e2e_p99_s"))),
+    Col("dP99 e2e", 9, lambda _name, row: num(row.get("decomp_e2e_p99_s"))),
     Col("d fin", 7, key("decomp_finished_frac", True, 0)),
     Col("sP50 e2e", 9, key("serial_e2e_p50_s")),
 )
 
 
 def render(rows: Mapping[str, dict], cols: Sequence[Col], name: str = "policy", name_width: int = 10) -> str:
-    head = f"{name:<{name_width}}" + "".join(f"{c.title:>{c.width}}" for c in cols)
+    head = f"{name:<{name_width}}" + "".join(f"{col.title:>{col.width}}" for col in cols)
     lines = [head]
-    if any(c.sub for c in cols):
-        lines.append(f"{'':<{name_width}}" + "".join(f"{c.sub:>{c.width}}" for c in cols))
+    if any(col.sub for col in cols):
+        lines.append(f"{'':<{name_width}}" + "".join(f"{col.sub:>{col.width}}" for col in cols))
     lines.append("-" * len(head))
-    for k, r in rows.items():
-        lines.append(f"{k:<{name_width}}" + "".join(f"{c.cell(k, r):>{c.width}}" for c in cols))
+    for row_name, row in rows.items():
+        cells = "".join(f"{col.cell(row_name, row):>{col.width}}" for col in cols)
+        lines.append(f"{row_name:<{name_width}}" + cells)
     return "\n".join(lines)
 
 
