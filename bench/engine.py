@@ -511,7 +511,7 @@ class Simulator:
         heapq.heappush(self.gated, (t_s + self.cfg.client_gap_s, self.gate_seq, req))
 
     def _admit(self) -> None:
-        """FCFS admission while the running limit and the KV pool allow (module docstring)."""
+        """FCFS admission while the running limit and the KV pool allow (docs/design/simulator.md)."""
         wait, cap, kv_admit = self.waiting, self.running_cap, self.kv_admit
         while wait and self.slots < cap:
             head = wait[0]
@@ -647,8 +647,8 @@ class Simulator:
         step.eligible = elig - len(par)
 
     def _window(self, step: _Step) -> None:
-        """How many identical steps run at once (module docstring): step.n_steps, cut to what provably
-        cannot change the plan, or 1."""
+        """How many identical steps run at once: step.n_steps, cut to what provably cannot change the
+        plan, or 1 (the window rule: docs/design/simulator.md)."""
         if step.prefill_only:
             return  # n_steps = 1; the next decode step is the one a new key's clock starts at
         n_steps, cap = step.n_steps, self.running_cap

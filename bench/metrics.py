@@ -209,7 +209,8 @@ LATENCY_CLASSES = (("decomp", True), ("serial", False))
 
 
 def latency_metrics(flat: _Flat, arrived: np.ndarray) -> dict[str, float | int | None]:
-    """End-to-end and decode-time percentiles per class over its finished arrivals (module docstring)."""
+    """End-to-end and decode-time percentiles per class over its finished arrivals
+    (docs/design/simulator.md)."""
     out: dict[str, float | int | None] = {}
     for name, decomp in LATENCY_CLASSES:
         cls = arrived & (flat.decomp == decomp)

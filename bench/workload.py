@@ -232,7 +232,7 @@ def stationary_schedule(trace: Trace, rate: float, duration_s: float, seed: int 
 
 def build_schedule(trace: Trace, spec: str, compress: float = 1.0,
                    duration_s: float | None = None) -> Schedule:
-    """`unscaled` | `rate:X` | `paper-3regime`; see the module docstring for `compress`.
+    """`unscaled` | `rate:X` | `paper-3regime`; `compress` as in the module docstring.
     `duration_s` (unscaled and rate:X): keep only the first duration_s seconds; TraceError when the
     (scaled) trace is shorter than that. TraceError too when the trace has fewer than two distinct
     arrival times or the schedule would hold no arrival."""
