@@ -2,7 +2,7 @@
 
 Under a linear step latency T = c0 + c_seq rows + c_ctx context tokens + c_tok prefill tokens,
 `fluid_bound_rps` = (1 - c0 / SLO) / mean work per request, where a request's work
-(`request_work_s`) is c_seq + c_ctx x that token's own KV context summed over its decoded tokens,
+(`request_work_s`) is c_seq + c_ctx x a token's own KV context summed over its decoded tokens,
 plus c_tok x its prefilled tokens; the widths only move work between steps. `Contexts` says how a
 server runs a request's stages, and so what each decoded token's context is (`SIMULATOR`: the
 engine's; `LIVE_CLIENT`: bench.client's programs). The derivation: docs/design/simulator.md.
