@@ -52,7 +52,8 @@ def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec],
     """A load point's figures (bench.metrics.load_point), then the rest of the run's metrics and its
     bookkeeping."""
     run = res.get("run", {})
-    counts = {"requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)}
+    counts = {"requests": res.get("requests", len(specs)),
+              "demand_tok_s": mean_demand_tok_s(specs, duration_s)}
     bookkeeping = {"error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
                    "client_stalls": run.get("client_stalls")}
     return load_point(rate, res) | counts | {name: res.get(name) for name in EXTRA_KEYS} | bookkeeping

@@ -38,16 +38,17 @@ WARMUP = 3
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # SGLang's CPU call
 
 
-def _all_gather(shard: torch.Tensor, tp: int) -> torch.Tensor:
+def _all_gather(shard: torch.Tensor, tp_size: int) -> torch.Tensor:
     """GroupCoordinator.all_gather(x, dim=-1) as SGLang runs it on CPU (no shm kernel)."""
     batch_size, shard_vocab = shard.shape
-    out = torch.empty((tp * batch_size, shard_vocab), dtype=shard.dtype)
+    out = torch.empty((tp_size * batch_size, shard_vocab), dtype=shard.dtype)
     _GATHER(out, shard.contiguous())
-    return out.reshape(tp, batch_size, shard_vocab).movedim(0, 1).reshape(batch_size, tp * shard_vocab)
+    return (out.reshape(tp_size, batch_size, shard_vocab).movedim(0, 1)
+            .reshape(batch_size, tp_size * shard_vocab))
 
 
-def _a2a(shard: torch.Tensor, tp: int) -> torch.Tensor:
-    return sampler.exchange_rows(shard, tp, lambda out, inp: dist.all_to_all_single(out, inp))
+def _a2a(shard: torch.Tensor, tp_size: int) -> torch.Tensor:
+    return sampler.exchange_rows(shard, tp_size, lambda out, inp: dist.all_to_all_single(out, inp))
 
 
 def _params(batch_size: int) -> sampler.RowParams:
@@ -84,34 +85,37 @@ def _timed(fn: Callable[[], Any], iters: int, warmup: int = WARMUP) -> float:
     return statistics.median(times)
 
 
-def _measure(rank: int, tp: int, vocab: int, batch_size: int, cfg: dict) -> dict:
-    shard_vocab = -(-vocab // (64 * tp)) * 64  # ParallelLMHead pads the vocab; one shard per rank
+def _measure(rank: int, tp_size: int, vocab: int, batch_size: int, cfg: dict) -> dict:
+    shard_vocab = -(-vocab // (64 * tp_size)) * 64  # ParallelLMHead pads the vocab; one shard per rank
     gen = torch.Generator().manual_seed(batch_size * 7 + vocab)
-    full = torch.randn(batch_size, shard_vocab * tp, generator=gen).to(getattr(torch, cfg["dtype"]))
+    full = torch.randn(batch_size, shard_vocab * tp_size, generator=gen).to(getattr(torch, cfg["dtype"]))
     shard = full[:, rank * shard_vocab : (rank + 1) * shard_vocab].contiguous()
-    own = sampler.rows_per_rank(batch_size, tp)
+    own = sampler.rows_per_rank(batch_size, tp_size)
     # the exchange itself, every configuration: my rows, bit-identical to the gathered ones
     want = full[rank * own : (rank + 1) * own]
-    assert torch.equal(_a2a(shard, tp)[: want.shape[0]], want) and torch.equal(_all_gather(shard, tp), full)
+    assert torch.equal(_a2a(shard, tp_size)[: want.shape[0]], want)
+    assert torch.equal(_all_gather(shard, tp_size), full)
     elem, iters, params = full.element_size(), cfg["iters"], _params(batch_size)
-    row = {"vocab": vocab, "vocab_padded": shard_vocab * tp, "bs": batch_size, "t": tp, "rows_per_rank": own,
-           "elem_bytes": elem, "bytes_in_all_gather": (tp - 1) * batch_size * shard_vocab * elem,
-           "bytes_in_all_to_all": (tp - 1) * own * shard_vocab * elem,
-           "ms_all_gather": _timed(lambda: _all_gather(shard, tp), iters),
-           "ms_all_to_all": _timed(lambda: _a2a(shard, tp), iters)}
+    row = {"vocab": vocab, "vocab_padded": shard_vocab * tp_size, "bs": batch_size, "t": tp_size,
+           "rows_per_rank": own, "elem_bytes": elem,
+           "bytes_in_all_gather": (tp_size - 1) * batch_size * shard_vocab * elem,
+           "bytes_in_all_to_all": (tp_size - 1) * own * shard_vocab * elem,
+           "ms_all_gather": _timed(lambda: _all_gather(shard, tp_size), iters),
+           "ms_all_to_all": _timed(lambda: _a2a(shard, tp_size), iters)}
     if cfg["steps"]:
         step_iters = cfg["step_iters"]
         row["ms_stock"] = _timed(
-            lambda: sampler.sample_rows(_all_gather(shard, tp)[:, :vocab], params), step_iters, 1)
+            lambda: sampler.sample_rows(_all_gather(shard, tp_size)[:, :vocab], params), step_iters, 1)
         row["ms_sp_gather"] = _timed(
-            lambda: sampler.sp_sample_full(_all_gather(shard, tp)[:, :vocab], params), step_iters, 1)
+            lambda: sampler.sp_sample_full(_all_gather(shard, tp_size)[:, :vocab], params), step_iters, 1)
         row["ms_sp_a2a"] = _timed(
-            lambda: sampler.sample_own_rows(_a2a(shard, tp)[:, :vocab], params, batch_size), step_iters, 1)
+            lambda: sampler.sample_own_rows(_a2a(shard, tp_size)[:, :vocab], params, batch_size),
+            step_iters, 1)
     if cfg["steps"] and cfg["penalties"]:
         info = _penalties(batch_size, vocab)
 
         def full_rows() -> torch.Tensor:  # ModelRunner._preprocess_logits on the gathered rows
-            logits = _all_gather(shard, tp)[:, :vocab]
+            logits = _all_gather(shard, tp_size)[:, :vocab]
             apply_row_transforms(info, logits, slice(0, batch_size))
             return logits
 
@@ -122,8 +126,8 @@ def _measure(rank: int, tp: int, vocab: int, batch_size: int, cfg: dict) -> dict
             return sampler.sp_sample_full(full_rows(), params)
 
         def sp_a2a() -> torch.Tensor:
-            mine = _a2a(shard, tp)[:, :vocab]
-            sampler.transform_own_rows(mine, batch_size, tp, rank,
+            mine = _a2a(shard, tp_size)[:, :vocab]
+            sampler.transform_own_rows(mine, batch_size, tp_size, rank,
                                        lambda logits, rows: apply_row_transforms(info, logits, rows))
             return sampler.sample_own_rows(mine, params, batch_size)
 
@@ -135,11 +139,11 @@ def _measure(rank: int, tp: int, vocab: int, batch_size: int, cfg: dict) -> dict
     return row
 
 
-def _worker(rank: int, tp: int, port: int, cfg: dict, out_path: str) -> None:
+def _worker(rank: int, tp_size: int, port: int, cfg: dict, out_path: str) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp,
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=tp_size,
                             timeout=timedelta(seconds=120))
-    rows = [_measure(rank, tp, vocab, batch_size, cfg)
+    rows = [_measure(rank, tp_size, vocab, batch_size, cfg)
             for vocab in cfg["vocabs"] for batch_size in cfg["batch_sizes"]]
     if rank == 0:
         Path(out_path).write_text(json.dumps(rows))
@@ -147,9 +151,9 @@ def _worker(rank: int, tp: int, port: int, cfg: dict, out_path: str) -> None:
     dist.destroy_process_group()
 
 
-def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: str, step_iters: int,
+def run(tp_size: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: str, step_iters: int,
         penalties: bool = False) -> list[dict]:
-    if tp < 2:
+    if tp_size < 2:
         raise ValueError("--tp must be at least 2 (there is nothing to exchange at tp=1)")
     cfg = {"vocabs": vocabs, "batch_sizes": batch_sizes, "iters": iters, "dtype": dtype,
            "steps": step_iters > 0, "step_iters": step_iters, "penalties": penalties}
@@ -158,7 +162,7 @@ def run(tp: int, vocabs: list[int], batch_sizes: list[int], iters: int, dtype: s
         from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties  # noqa: F401
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"
-        mp.start_processes(_worker, args=(tp, free_port(), cfg, str(out)), nprocs=tp, join=True,
+        mp.start_processes(_worker, args=(tp_size, free_port(), cfg, str(out)), nprocs=tp_size, join=True,
                            start_method="fork")
         return json.loads(out.read_text())
 
