@@ -1,4 +1,5 @@
-"""The live client: runs programs (bench.programs) on a server at their arrival times and stamps every token.
+"""The live client: runs programs (bench.programs) on a server at their arrival times and stamps
+every token.
 
 A serial stage is one streamed /generate on the sequence so far; a parallel phase forks one streamed
 /generate per branch on the shared prefix plus a branch header (stamped with phase id, branch,
@@ -61,7 +62,8 @@ class Target:
     url: str
     slo_tpot_ms: float
     seed: int = 0
-    stream_interval: int = 8  # chunk every n tokens; stage TPOT is exact either way (stage ends are sent at once)
+    # chunk every n tokens; stage TPOT is exact either way (stage ends are sent at once)
+    stream_interval: int = 8
     read_timeout_s: float = 300.0
     vocab: int = 400  # prompt and header token ids are drawn below this
     run_id: str = field(default_factory=lambda: "rp" + uuid.uuid4().hex[:6])
@@ -78,7 +80,8 @@ class Run:
     steps: StepLog = field(default_factory=StepLog)
     t0: float = 0.0
     t_stop: float | None = None  # seconds after t0 when the run ended early (error, Ctrl-C)
-    t_end: float | None = None  # seconds after t0 when observation ended (all done, deadline or early stop)
+    # seconds after t0 when observation ended (all done, deadline or early stop)
+    t_end: float | None = None
     error: str | None = None  # the run ended early: dead server, Ctrl-C
     warning: str | None = None  # it ran to the end but some programs did not finish in time
     interrupted: bool = False
@@ -101,10 +104,12 @@ def _sp(tokens: int, target: Target) -> dict[str, Any]:
     return sampling
 
 
-def token_times(gen: Generation, t0: float) -> list[float]:
-    """Delivery time of each generated token (a chunk's tokens arrive together), relative to t0."""
-    out = [t - t0 for t, n in zip(gen.chunk_times, gen.chunk_tokens, strict=True) for _ in range(n)]
-    return out + [gen.end - t0] * max(gen.completion_tokens - len(out), 0)
+def token_times(gen: Generation, run_start: float) -> list[float]:
+    """Delivery time of each generated token (a chunk's tokens arrive together), relative to
+    run_start (the run's perf_counter origin)."""
+    out = [chunk_t - run_start for chunk_t, count in zip(gen.chunk_times, gen.chunk_tokens, strict=True)
+           for _ in range(count)]
+    return out + [gen.end - run_start] * max(gen.completion_tokens - len(out), 0)
 
 
 async def _gen(target: Target, session: Any, ids: list[int], sampling: dict, rid: str,
@@ -121,10 +126,10 @@ async def _gen(target: Target, session: Any, ids: list[int], sampling: dict, rid
 async def _fork_join(target: Target, session: Any, ids: list[int], group: str, lengths: tuple[int, ...],
                      route: str) -> tuple[list[Generation], list[list[int]]]:
     """One parallel phase: a stamped request per branch on the shared prefix, gathered in branch order."""
-    n = len(lengths)
-    heads = [branch_head(i, target.vocab) for i in range(n)]
+    fanout = len(lengths)
+    heads = [branch_head(i, target.vocab) for i in range(fanout)]
     tasks = [asyncio.ensure_future(_gen(
-        target, session, ids + heads[i], bw.stamp_branch(_sp(length, target), group, i, n,
+        target, session, ids + heads[i], bw.stamp_branch(_sp(length, target), group, i, fanout,
                                                          target.slo_tpot_ms),
         bw.branch_rid(group, i), length, route)) for i, length in enumerate(lengths)]
     try:
@@ -136,7 +141,7 @@ async def _fork_join(target: Target, session: Any, ids: list[int], group: str, l
         raise
 
 
-async def _samples(outcome: Outcome, target: Target, session: Any, ids: list[int], t0: float) -> None:
+async def _samples(outcome: Outcome, target: Target, session: Any, ids: list[int], run_start: float) -> None:
     """A best-of-n program (spec.samples: stages (1, (m,) * n)): one streamed request with n samples of
     1 + m tokens each, which the server makes one phase; its tokens are the program's one parallel stage."""
     (first, phase) = outcome.spec.stages
@@ -148,46 +153,46 @@ async def _samples(outcome: Outcome, target: Target, session: Any, ids: list[int
         if gen.aborted or gen.completion_tokens != tokens:
             raise RequestFailed(f"{gen.rid}: {gen.completion_tokens}/{tokens} tokens, "
                                 f"finish {gen.finish_reason}")
-    outcome.stages.append((True, [t for gen in gens for t in token_times(gen, t0)]))
+    outcome.stages.append((True, [t_s for gen in gens for t_s in token_times(gen, run_start)]))
     outcome.finished = True
 
 
-async def run_program(outcome: Outcome, target: Target, session: Any, t0: float) -> None:
+async def run_program(outcome: Outcome, target: Target, session: Any, run_start: float) -> None:
     """serial stage -> fork(n branches on the shared prefix) -> join (branch order) -> serial stage ...
     (or, for a best-of-n spec, one request with n samples)."""
     spec = outcome.spec
     ids = prompt_ids(spec.rid, spec.prompt_tokens, target.seed, target.vocab)
     if spec.samples:
-        return await _samples(outcome, target, session, ids, t0)
+        return await _samples(outcome, target, session, ids, run_start)
     route = f"{target.run_id}-{spec.rid}"
-    for k, stage in enumerate(spec.stages):
+    for stage_no, stage in enumerate(spec.stages):
         if isinstance(stage, int):
             sampling = bw.stamp_serial(_sp(stage, target), target.slo_tpot_ms)
-            gen = await _gen(target, session, ids, sampling, f"{route}-s{k}", stage, route)
-            outcome.stages.append((False, token_times(gen, t0)))
+            gen = await _gen(target, session, ids, sampling, f"{route}-s{stage_no}", stage, route)
+            outcome.stages.append((False, token_times(gen, run_start)))
             ids = ids + gen.output_ids
             continue
-        group = bw.new_group(f"{route}-p{k}")
+        group = bw.new_group(f"{route}-p{stage_no}")
         gens, heads = await _fork_join(target, session, ids, group, stage, route)
-        outcome.stages.append((True, [t for gen in gens for t in token_times(gen, t0)]))
+        outcome.stages.append((True, [t_s for gen in gens for t_s in token_times(gen, run_start)]))
         joined = [tok for head, gen in zip(heads, gens, strict=True) for tok in head + gen.output_ids]
         ids = ids + joined + [SEP_ID]
     outcome.finished = True
 
 
-async def _program_at(outcome: Outcome, target: Target, session: Any, t0: float, bar: tqdm) -> None:
-    delay = outcome.spec.arrival_s - (time.perf_counter() - t0)
+async def _program_at(outcome: Outcome, target: Target, session: Any, run_start: float, bar: tqdm) -> None:
+    delay = outcome.spec.arrival_s - (time.perf_counter() - run_start)
     if delay > 0:
         await asyncio.sleep(delay)
     outcome.started = True
     try:
-        await run_program(outcome, target, session, t0)
-    except (GenerateError, RequestFailed) as e:  # this request's problem: the run goes on
-        outcome.error = str(e)
-    except ConnectionError as e:  # a dead server ends the run; a dropped connection only this program
+        await run_program(outcome, target, session, run_start)
+    except (GenerateError, RequestFailed) as err:  # this request's problem: the run goes on
+        outcome.error = str(err)
+    except ConnectionError as err:  # a dead server ends the run; a dropped connection only this program
         if not await _alive(target.url, session):
             raise
-        outcome.error = str(e)
+        outcome.error = str(err)
     bar.update()
 
 
@@ -201,8 +206,10 @@ async def _alive(url: str, session: Any) -> bool:
 
 # ----------------------------------------------------------------------------- /metrics and loop
 _METRIC = re.compile(r"^(branchwise:[a-z_]+)(?:\{[^}]*\})?\s+(\S+)$", re.M)
-STEP_SERIES = {"count": "branchwise:realized_step_seconds_count", "sum": "branchwise:realized_step_seconds_sum",
-               "eligible": "branchwise:candidate_branches_total", "admitted": "branchwise:admitted_branches_total"}
+STEP_SERIES = {"count": "branchwise:realized_step_seconds_count",
+               "sum": "branchwise:realized_step_seconds_sum",
+               "eligible": "branchwise:candidate_branches_total",
+               "admitted": "branchwise:admitted_branches_total"}
 
 
 def parse_step_series(text: str) -> dict[str, float] | None:
@@ -212,7 +219,7 @@ def parse_step_series(text: str) -> dict[str, float] | None:
         vals[name] = vals.get(name, 0.0) + float(value)
     if STEP_SERIES["count"] not in vals:
         return None
-    return {k: vals.get(name, 0.0) for k, name in STEP_SERIES.items()}
+    return {key: vals.get(name, 0.0) for key, name in STEP_SERIES.items()}
 
 
 async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
@@ -227,7 +234,7 @@ async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
             cur = None  # no series (no --enable-metrics) or no server: the step log just stays empty
         now = time.perf_counter() - run.t0
         if cur is not None and prev is not None and cur["count"] > prev["count"]:
-            delta = {k: cur[k] - prev[k] for k in cur}
+            delta = {key: cur[key] - prev[key] for key in cur}
             mean = delta["sum"] / delta["count"]
             run.steps.add(t_prev, int(delta["count"]), delta["sum"], mean, int(delta["eligible"]),
                           int(delta["admitted"]))
@@ -239,9 +246,9 @@ async def poll_steps(run: Run, url: str, session: Any, every_s: float) -> None:
 async def watch_loop(run: Run, every_s: float = 0.05) -> None:
     """The client's own event-loop lag: token times are only as good as the loop that stamps them."""
     while True:
-        t = time.perf_counter()
+        tick = time.perf_counter()
         await asyncio.sleep(every_s)
-        run.loop_lag_s.append((t - run.t0, time.perf_counter() - t - every_s))
+        run.loop_lag_s.append((tick - run.t0, time.perf_counter() - tick - every_s))
 
 
 # ----------------------------------------------------------------------------------- one replay
@@ -260,14 +267,14 @@ async def _await_programs(run: Run, tasks: list[asyncio.Task], deadline_s: float
 async def replay(run: Run, target: Target, deadline_s: float, poll_s: float = 1.0,
                  progress: bool = True) -> None:
     """Start every program at its arrival time; stop at the first dead-server error or at the deadline."""
-    run.t0 = t0 = time.perf_counter()
+    run.t0 = run_start = time.perf_counter()
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10, sock_read=target.read_timeout_s)
     bar = tqdm(total=len(run.outcomes), desc=run.label, unit="req", disable=not progress, leave=False)
     # force_close: no keep-alive reuse, whose race with the server closing an idle connection shows up
     # as "connection reset" on a healthy server (seen with uvicorn under load)
     conn = aiohttp.TCPConnector(limit=0, force_close=True)
     async with aiohttp.ClientSession(timeout=timeout, connector=conn) as session:
-        tasks = [asyncio.create_task(_program_at(outcome, target, session, t0, bar))
+        tasks = [asyncio.create_task(_program_at(outcome, target, session, run_start, bar))
                  for outcome in run.outcomes]
         helpers = [asyncio.create_task(watch_loop(run))]
         if poll_s > 0:
@@ -275,10 +282,10 @@ async def replay(run: Run, target: Target, deadline_s: float, poll_s: float = 1.
         try:
             await _await_programs(run, tasks, deadline_s)
         except asyncio.CancelledError:  # Ctrl-C: asyncio.run cancels us, then raises KeyboardInterrupt
-            run.interrupted, run.t_stop = True, time.perf_counter() - t0
+            run.interrupted, run.t_stop = True, time.perf_counter() - run_start
             raise
         finally:
-            run.t_end = time.perf_counter() - t0
+            run.t_end = time.perf_counter() - run_start
             for task in [*tasks, *helpers]:
                 task.cancel()
             await asyncio.gather(*tasks, *helpers, return_exceptions=True)
@@ -315,11 +322,11 @@ def flush_cache(url: str, wait_s: float = 120.0) -> bool:
     end = time.monotonic() + wait_s
     while True:
         try:
-            with urllib.request.urlopen(urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST"),
-                                        timeout=30):
+            req = urllib.request.Request(url.rstrip("/") + "/flush_cache", method="POST")
+            with urllib.request.urlopen(req, timeout=30):
                 return True
-        except urllib.error.HTTPError as e:
-            if e.code != 400 or time.monotonic() > end:  # 400: requests still running
+        except urllib.error.HTTPError as err:
+            if err.code != 400 or time.monotonic() > end:  # 400: requests still running
                 return False
         except (urllib.error.URLError, TimeoutError, ConnectionError):
             return False

@@ -35,24 +35,25 @@ def row(rep: dict[str, Any]) -> dict[str, Any]:
 
 def cluster_rows(states: list[dict[str, Any]]) -> tuple[dict[str, dict[str, Any]], dict[str, int]]:
     """{"worker dp=N": row, ..., "cluster": row} and the phase counts (phases, split) of `states`."""
-    reps = [(st["worker"], st["branchwise"]) for st in states if "branchwise" in st]
-    rows = {f"{w} dp={rep.get('dp_rank', 0)}": row(rep) for w, rep in reps}
+    reps = [(state["worker"], state["branchwise"]) for state in states if "branchwise" in state]
+    rows = {f"{worker} dp={rep.get('dp_rank', 0)}": row(rep) for worker, rep in reps}
     seen = Counter(phase for _, rep in reps for phase in rep.get("phase_rows") or {})
     rows["cluster"] = row(merge_reports([rep for _, rep in reps])) | {"phases": len(seen)}
-    return rows, {"phases": len(seen), "split": sum(n > 1 for n in seen.values())}
+    return rows, {"phases": len(seen), "split": sum(count > 1 for count in seen.values())}
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", required=True, help="a Branchwise server or an smg router in front of several")
-    ap.add_argument("--json", type=Path, help="also write the rows and phase counts to this file")
-    a = ap.parse_args(argv)
-    rows, phases = cluster_rows(scheduler_states(a.url))
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True,
+                        help="a Branchwise server or an smg router in front of several")
+    parser.add_argument("--json", type=Path, help="also write the rows and phase counts to this file")
+    args = parser.parse_args(argv)
+    rows, phases = cluster_rows(scheduler_states(args.url))
     cols = [Col(name, 11, key(name, nd=0)) for name, _ in COUNTS] + [Col("phases", 8, key("phases", nd=0))]
     print(render(rows, cols, name="scheduler", name_width=max(map(len, rows)) + 2))
     print(f"client phases: {phases['phases']}, on more than one scheduler: {phases['split']}")
-    if a.json:
-        write_json(a.json, {"url": a.url, "rows": rows, "phases": phases}, indent=1)
+    if args.json:
+        write_json(args.json, {"url": args.url, "rows": rows, "phases": phases}, indent=1)
 
 
 if __name__ == "__main__":

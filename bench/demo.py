@@ -24,9 +24,9 @@ from branchwise.launch import LocalServer, branchwise_report, post_json
 from branchwise.request_meta import stamp
 
 
-def gen(url: str, ids: list[int], n: int, rid: str | None = None, **meta) -> dict:
-    sp = {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}
-    payload = {"input_ids": ids, "sampling_params": stamp(sp, **meta) if meta else sp}
+def gen(url: str, ids: list[int], tokens: int, rid: str | None = None, **meta) -> dict:
+    sampling = {"max_new_tokens": tokens, "temperature": 0, "ignore_eos": True}
+    payload = {"input_ids": ids, "sampling_params": stamp(sampling, **meta) if meta else sampling}
     if rid:
         payload["rid"] = rid
     return post_json(url + "/generate", payload)
@@ -42,25 +42,27 @@ class Program:
     cached_tokens: int  # ... of which the radix cache served
 
 
-def program(url: str, i: int, fanout: int, tokens: int, tag: str) -> Program:
+def program(url: str, index: int, fanout: int, tokens: int, tag: str) -> Program:
     """serial gen -> fork(fanout) gen -> join -> serial gen, like an SGLang frontend program. It sends
     token ids, so every branch's shared prefix is exactly the KV the radix cache holds."""
-    t0 = time.perf_counter()
-    shared = prompt_ids(f"demo{i}", 24, "demo")
+    start = time.perf_counter()
+    shared = prompt_ids(f"demo{index}", 24, "demo")
     shared += gen(url, shared, tokens)["output_ids"]
     t_fork = time.perf_counter()
 
-    def branch(b: int) -> tuple[dict, float]:
-        r = gen(url, shared + branch_head(b), tokens, rid=f"demo-{tag}{i}/b{b}", phase=f"demo-{tag}{i}", branch=b,
-                fanout=fanout)
-        return r, time.perf_counter() - t_fork
+    def branch(order: int) -> tuple[dict, float]:
+        res = gen(url, shared + branch_head(order), tokens, rid=f"demo-{tag}{index}/b{order}",
+                  phase=f"demo-{tag}{index}", branch=order, fanout=fanout)
+        return res, time.perf_counter() - t_fork
 
     with ThreadPoolExecutor(fanout) as pool:
         branches = list(pool.map(branch, range(fanout)))
-    joined = shared + [t for b, (r, _) in enumerate(branches) for t in branch_head(b) + r["output_ids"]] + [SEP_ID]
+    joined = shared + [tok for order, (res, _) in enumerate(branches)
+                       for tok in branch_head(order) + res["output_ids"]] + [SEP_ID]
     tail = gen(url, joined, tokens)
-    cached = sum(min(r["meta_info"].get("cached_tokens", 0), len(shared)) for r, _ in branches)
-    return Program(i, tail["text"], time.perf_counter() - t0, [d for _, d in branches], fanout * len(shared), cached)
+    cached = sum(min(res["meta_info"].get("cached_tokens", 0), len(shared)) for res, _ in branches)
+    return Program(index, tail["text"], time.perf_counter() - start, [done_s for _, done_s in branches],
+                   fanout * len(shared), cached)
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,51 +72,53 @@ class Result:
     programs: list[Program]
 
 
-def run(url: str, policy: str, n: int, fanout: int, tokens: int) -> Result:
-    program(url, n, fanout, tokens, f"warmup-{policy}")  # a fresh server's first forwards are slow
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(n) as pool:
-        progs = list(pool.map(lambda i: program(url, i, fanout, tokens, policy), range(n)))
-    return Result(policy, time.perf_counter() - t0, progs)
+def run(url: str, policy: str, count: int, fanout: int, tokens: int) -> Result:
+    program(url, count, fanout, tokens, f"warmup-{policy}")  # a fresh server's first forwards are slow
+    start = time.perf_counter()
+    with ThreadPoolExecutor(count) as pool:
+        progs = list(pool.map(lambda index: program(url, index, fanout, tokens, policy), range(count)))
+    return Result(policy, time.perf_counter() - start, progs)
 
 
 def summary(results: list[Result]) -> str:
     """The answer in small: one line per policy, then the ratio of each to the first."""
-    lines = [f"{'policy':<8}{'wall s':>8}{'program P50 s':>15}{'max s':>7}{'branches done after the fork, s':>36}"
-             f"{'shared prefix from cache':>26}"]
-    for r in results:
-        lat = [p.latency_s for p in r.programs]
-        prefix, cached = sum(p.prefix_tokens for p in r.programs), sum(p.cached_tokens for p in r.programs)
-        done = " ".join(f"{d:.2f}" for d in sorted(r.programs[0].branch_done_s))
-        lines.append(f"{r.policy:<8}{r.wall_s:>8.2f}{statistics.median(lat):>15.2f}{max(lat):>7.2f}"
+    lines = [f"{'policy':<8}{'wall s':>8}{'program P50 s':>15}{'max s':>7}"
+             f"{'branches done after the fork, s':>36}{'shared prefix from cache':>26}"]
+    for result in results:
+        lat = [prog.latency_s for prog in result.programs]
+        prefix = sum(prog.prefix_tokens for prog in result.programs)
+        cached = sum(prog.cached_tokens for prog in result.programs)
+        done = " ".join(f"{done_s:.2f}" for done_s in sorted(result.programs[0].branch_done_s))
+        lines.append(f"{result.policy:<8}{result.wall_s:>8.2f}{statistics.median(lat):>15.2f}{max(lat):>7.2f}"
                      f"{done + ' (program 0)':>36}{f'{cached} of {prefix} tokens':>26}")
     first = results[0]
-    p50 = statistics.median(p.latency_s for p in first.programs)
-    for r in results[1:]:
-        lines.append(f"{r.policy} / {first.policy}: wall {r.wall_s / first.wall_s:.2f}x, program P50 "
-                     f"{statistics.median(p.latency_s for p in r.programs) / p50:.2f}x")
+    p50 = statistics.median(prog.latency_s for prog in first.programs)
+    for result in results[1:]:
+        p50_ratio = statistics.median(prog.latency_s for prog in result.programs) / p50
+        lines.append(f"{result.policy} / {first.policy}: wall {result.wall_s / first.wall_s:.2f}x, "
+                     f"program P50 {p50_ratio:.2f}x")
     return "\n".join(lines)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="models/tiny")
-    ap.add_argument("--policies", default="taper,off", help="one server each, in this order")
-    ap.add_argument("--programs", type=int, default=4)
-    ap.add_argument("--fanout", type=int, default=4)
-    ap.add_argument("--tokens", type=int, default=32)
-    ap.add_argument("--url", help="use a running server (its own policy) instead of starting them")
-    args = ap.parse_args()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--policies", default="taper,off", help="one server each, in this order")
+    parser.add_argument("--programs", type=int, default=4)
+    parser.add_argument("--fanout", type=int, default=4)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--url", help="use a running server (its own policy) instead of starting them")
+    args = parser.parse_args()
     results = []
     for policy in ([None] if args.url else args.policies.split(",")):
         server = None if args.url else LocalServer(args.model, ["--branch-policy", policy]).start()
         url = args.url or server.url
         try:
             label = policy or (branchwise_report(url) or {}).get("policy") or "server"
-            r = run(url, label, args.programs, args.fanout, args.tokens)
-            for p in r.programs:
-                print(f"--- {label}, program {p.index}: ...{p.text[:60]!r}")
-            results.append(r)
+            result = run(url, label, args.programs, args.fanout, args.tokens)
+            for prog in result.programs:
+                print(f"--- {label}, program {prog.index}: ...{prog.text[:60]!r}")
+            results.append(result)
         finally:
             if server:
                 server.stop()

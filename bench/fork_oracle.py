@@ -29,43 +29,43 @@ class Probe:
 
 
 def tag_ids(tok: Any) -> dict[str, int]:
-    return {t: tok.convert_tokens_to_ids(t) for t in StructureDriver.TAGS}
+    return {tag: tok.convert_tokens_to_ids(tag) for tag in StructureDriver.TAGS}
 
 
 def probes(tok: Any, prompt: list[int], out: list[int], spec_json: str, grammar: str) -> list[Probe]:
     """Split `out` (one top-level response, no nesting) into branch and parent-segment probes."""
-    t = tag_ids(tok)
-    nl = tok.encode("\n", add_special_tokens=False)
+    tags = tag_ids(tok)
+    newline = tok.encode("\n", add_special_tokens=False)
     eos = tok.eos_token_id
     fork_tag, open_tag, close_tag = (("</Goal>", "<Path>", "</Path>") if grammar == "multiverse"
                                      else ("</Plan>", "<Execution", "</Execution>"))
     ended = bool(out) and out[-1] == eos
     body = out[:-1] if ended else out
     res: list[Probe] = []
-    seg_start, i = 0, 0
+    seg_start, search_from = 0, 0
     while True:
-        f = _find(body, t[fork_tag], i)
-        if f < 0:
+        fork_at = _find(body, tags[fork_tag], search_from)
+        if fork_at < 0:
             break
-        fork = f + 1 + len(nl)  # the fork point: after the fork tag's line
+        fork = fork_at + 1 + len(newline)  # the fork point: after the fork tag's line
         res.append(Probe("segment", prompt + body[:seg_start], body[seg_start:fork],
                          _spec_at(spec_json, len(prompt)), False))
-        j, k = fork, 0
-        while j < len(body) and body[j] == t[open_tag]:
-            end = _find(body, t[close_tag], j)
-            hdr_end = j + 1 + _header_len(tok, body[j + 1 : end], grammar)
-            res.append(Probe("branch", prompt + body[:fork] + body[j:hdr_end], body[hdr_end : end + 1],
+        pos = fork
+        while pos < len(body) and body[pos] == tags[open_tag]:
+            end = _find(body, tags[close_tag], pos)
+            hdr_end = pos + 1 + _header_len(tok, body[pos + 1 : end], grammar)
+            res.append(Probe("branch", prompt + body[:fork] + body[pos:hdr_end], body[hdr_end : end + 1],
                              spec_json, True))
-            j, k = end + 1 + len(nl), k + 1
-        seg_start = i = j
+            pos = end + 1 + len(newline)
+        seg_start = search_from = pos
     res.append(Probe("segment", prompt + body[:seg_start], body[seg_start:], _spec_at(spec_json, len(prompt)),
                      ended))
     return res
 
 
-def _find(ids: list[int], x: int, start: int) -> int:
+def _find(ids: list[int], token: int, start: int) -> int:
     try:
-        return ids.index(x, start)
+        return ids.index(token, start)
     except ValueError:
         return -1
 
@@ -73,31 +73,33 @@ def _find(ids: list[int], x: int, start: int) -> int:
 def _header_len(tok: Any, rest: list[int], grammar: str) -> int:
     """Tokens of the header after its tag: "\\nK: " (Multiverse) or " id=K>\\n" (SPRINT)."""
     stop = ": " if grammar == "multiverse" else ">\n"
-    for n in range(1, min(len(rest), 16) + 1):
-        if tok.decode(rest[:n]).endswith(stop):
-            return n
+    for count in range(1, min(len(rest), 16) + 1):
+        if tok.decode(rest[:count]).endswith(stop):
+            return count
     raise ValueError("no branch header found")
 
 
 def _spec_at(spec_json: str, prompt_len: int) -> str:
     import json
 
-    d = json.loads(spec_json)
-    d["prompt_len"] = prompt_len
-    return json.dumps(d, sort_keys=True)
+    params = json.loads(spec_json)
+    params["prompt_len"] = prompt_len
+    return json.dumps(params, sort_keys=True)
 
 
 def check(post: Callable[[dict], dict], tok: Any, prompt: list[int], out: list[int], spec_json: str,
           grammar: str, **sampling: Any) -> list[str]:
     """Run every probe serially (grammar off); return the mismatches (empty: invariant holds)."""
     bad = []
-    for p in probes(tok, prompt, out, spec_json, grammar):
-        n = len(p.expect) + (1 if p.eos_after else 0)
-        if n == 0:
+    for probe in probes(tok, prompt, out, spec_json, grammar):
+        tokens = len(probe.expect) + (1 if probe.eos_after else 0)
+        if tokens == 0:
             continue
-        got = post(request(p.input_ids, p.spec, grammar="none", **(sampling | {"max_new_tokens": n})))
+        got = post(request(probe.input_ids, probe.spec, grammar="none",
+                           **(sampling | {"max_new_tokens": tokens})))
         ids = list(got["output_ids"])
-        want = p.expect + ([tok.eos_token_id] if p.eos_after else [])
+        want = probe.expect + ([tok.eos_token_id] if probe.eos_after else [])
         if ids[: len(want)] != want:
-            bad.append(f"{p.kind} at input {len(p.input_ids)}: want {tok.decode(want)!r} got {tok.decode(ids)!r}")
+            bad.append(f"{probe.kind} at input {len(probe.input_ids)}: want {tok.decode(want)!r} "
+                       f"got {tok.decode(ids)!r}")
     return bad

@@ -23,54 +23,54 @@ import time
 import torch
 
 
-def _ops(x: torch.Tensor, n: int) -> torch.Tensor:
-    y = x
-    for _ in range(n):
-        y = torch.tanh(y @ x * 0.01)
-    return y
+def _ops(mat: torch.Tensor, count: int) -> torch.Tensor:
+    out = mat
+    for _ in range(count):
+        out = torch.tanh(out @ mat * 0.01)
+    return out
 
 
 def run(ops: int, busy_ms: float, period_ms: float) -> tuple[float, float, float]:
     """(worker alone s, worker beside the main thread s, main-thread CPU s)."""
-    x = torch.randn(64, 64)
-    t = time.perf_counter()
-    _ops(x, ops)
-    alone = time.perf_counter() - t
+    mat = torch.randn(64, 64)
+    start = time.perf_counter()
+    _ops(mat, ops)
+    alone = time.perf_counter() - start
     done, took = threading.Event(), [0.0]
 
     def worker() -> None:
-        t0 = time.perf_counter()
-        _ops(x, ops)
-        took[0] = time.perf_counter() - t0
+        worker_start = time.perf_counter()
+        _ops(mat, ops)
+        took[0] = time.perf_counter() - worker_start
         done.set()
 
-    th = threading.Thread(target=worker)
-    th.start()
+    thread = threading.Thread(target=worker)
+    thread.start()
     cpu = 0.0
     while not done.is_set():
-        c0, end = time.thread_time(), time.perf_counter() + busy_ms / 1e3
+        cpu_start, end = time.thread_time(), time.perf_counter() + busy_ms / 1e3
         while time.perf_counter() < end:  # Python work: holds the GIL
             pass
-        cpu += time.thread_time() - c0
+        cpu += time.thread_time() - cpu_start
         done.wait(period_ms / 1e3)  # blocked: the GIL is free
-    th.join()
+    thread.join()
     return alone, took[0], cpu
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ops", type=int, default=20000)
-    ap.add_argument("--busy-ms", type=float, default=1.0)
-    ap.add_argument("--period-ms", type=float, default=3.0)
-    ap.add_argument("--switch-ms", default="5,0.5", help="sys.setswitchinterval values to try (ms)")
-    a = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--ops", type=int, default=20000)
+    parser.add_argument("--busy-ms", type=float, default=1.0)
+    parser.add_argument("--period-ms", type=float, default=3.0)
+    parser.add_argument("--switch-ms", default="5,0.5", help="sys.setswitchinterval values to try (ms)")
+    args = parser.parse_args(argv)
     torch.set_num_threads(1)  # as the servers run (OMP_NUM_THREADS=1)
-    for ms in (float(v) for v in a.switch_ms.split(",")):
-        sys.setswitchinterval(ms / 1e3)
-        alone, beside, cpu = run(a.ops, a.busy_ms, a.period_ms)
-        print(f"switch interval {ms:g} ms: worker alone {alone * 1e3:.0f} ms, beside the main thread "
-              f"{beside * 1e3:.0f} ms (+{(beside - alone) * 1e3:.0f} ms for {cpu * 1e3:.0f} ms of main-thread CPU: "
-              f"{(beside - alone) / max(cpu, 1e-9):.2f} ms per ms)", flush=True)
+    for switch_ms in (float(value) for value in args.switch_ms.split(",")):
+        sys.setswitchinterval(switch_ms / 1e3)
+        alone, beside, cpu = run(args.ops, args.busy_ms, args.period_ms)
+        print(f"switch interval {switch_ms:g} ms: worker alone {alone * 1e3:.0f} ms, beside the main thread "
+              f"{beside * 1e3:.0f} ms (+{(beside - alone) * 1e3:.0f} ms for {cpu * 1e3:.0f} ms "
+              f"of main-thread CPU: {(beside - alone) / max(cpu, 1e-9):.2f} ms per ms)", flush=True)
 
 
 if __name__ == "__main__":

@@ -29,73 +29,74 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
-from branchwise import fork, request_meta, runtime  # noqa: E402
-from branchwise import scheduler_hook as sh  # noqa: E402
+from branchwise import fork, request_meta, runtime, scheduler_hook  # noqa: E402
 from branchwise.config import BranchwiseConfig  # noqa: E402
 
 
-def _reqs(n: int) -> list[Any]:
+def _reqs(count: int) -> list[Any]:
     os.environ.setdefault("SGLANG_USE_CPU_ENGINE", "1")
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.sampling.sampling_params import SamplingParams
 
     out = []
-    for i in range(n):
-        sp = SamplingParams(max_new_tokens=1 << 30, ignore_eos=True)
-        sp.normalize(None)
-        r = Req(f"r{i}", "x", array("q", [1, 2, 3]), sp, vocab_size=100)
-        r.bw_meta = request_meta.SERIAL  # as after_create_generation_req leaves a plain request
-        out.append(r)
+    for i in range(count):
+        sampling = SamplingParams(max_new_tokens=1 << 30, ignore_eos=True)
+        sampling.normalize(None)
+        req = Req(f"r{i}", "x", array("q", [1, 2, 3]), sampling, vocab_size=100)
+        req.bw_meta = request_meta.SERIAL  # as after_create_generation_req leaves a plain request
+        out.append(req)
     return out
 
 
 def _sglang_rows(reqs: list[Any]) -> None:
-    for r in reqs:
-        r.output_ids.append(5)
-        r.update_finish_state(1)
+    for req in reqs:
+        req.output_ids.append(5)
+        req.update_finish_state(1)
 
 
-def measure(bs: int, steps: int) -> tuple[float, float]:
+def measure(batch_size: int, steps: int) -> tuple[float, float]:
     """(median us per step of SGLang's per-row work alone, of the same with the hooks)."""
     cfg = BranchwiseConfig()
-    st = sh.BranchwiseState(config=cfg, controller=sh._build_controller(cfg))
-    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st))
+    state = scheduler_hook.BranchwiseState(config=cfg, controller=scheduler_hook._build_controller(cfg))
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=state.config, taper=state))
     # the output streamer shares the scheduler's tree cache, where fork.build leaves its manager
     streamer = SimpleNamespace(tree_cache=SimpleNamespace(_branchwise_fork=SimpleNamespace(tracking=False)))
-    reqs = _reqs(bs)
+    reqs = _reqs(batch_size)
     batch = SimpleNamespace(reqs=reqs, is_empty=lambda: False, forward_iter=0, launch_ts=0.0,
                             forward_mode=SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False))
 
-    def hooked(it: int) -> None:
-        batch.forward_iter, batch.launch_ts = it, it * 1e-3
-        sh.around_update_running_batch(lambda self, b: b, sched, batch)
+    def hooked(step: int) -> None:
+        batch.forward_iter, batch.launch_ts = step, step * 1e-3
+        scheduler_hook.around_update_running_batch(lambda self, running: running, sched, batch)
         _sglang_rows(reqs)
-        fork.around_stream_output(lambda self, rs, *a: rs, streamer, reqs)
-        sh.after_process_batch_result(None, sched, batch)
+        fork.around_stream_output(lambda self, streamed, *rest: streamed, streamer, reqs)
+        scheduler_hook.after_process_batch_result(None, sched, batch)
 
     base, hook = [], []
-    for it in range(steps):  # alternate, so both see the same machine load
-        t0 = time.perf_counter()
+    for step in range(steps):  # alternate, so both see the same machine load
+        start = time.perf_counter()
         _sglang_rows(reqs)
-        t1 = time.perf_counter()
-        hooked(it)
-        t2 = time.perf_counter()
-        base.append(t1 - t0)
-        hook.append(t2 - t1)
+        mid = time.perf_counter()
+        hooked(step)
+        end = time.perf_counter()
+        base.append(mid - start)
+        hook.append(end - mid)
     skip = steps // 8  # warm-up
     return 1e6 * statistics.median(base[skip:]), 1e6 * statistics.median(hook[skip:])
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--batch-sizes", default="1,32,128")
-    ap.add_argument("--steps", type=int, default=400)
-    ap.add_argument("--repeat", type=int, default=5, help="runs per batch size; the lowest added cost counts")
-    a = ap.parse_args(argv)
-    for bs in [int(x) for x in a.batch_sizes.split(",")]:
-        runs = [measure(bs, a.steps) for _ in range(a.repeat)]
-        base, hook = min(runs, key=lambda r: r[1] - r[0])
-        print(f"bs {bs:4d}: SGLang per-row work {base:8.1f} us/step, with Branchwise hooks {hook:8.1f} us/step: "
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch-sizes", default="1,32,128")
+    parser.add_argument("--steps", type=int, default=400)
+    parser.add_argument("--repeat", type=int, default=5,
+                        help="runs per batch size; the lowest added cost counts")
+    args = parser.parse_args(argv)
+    for batch_size in [int(size) for size in args.batch_sizes.split(",")]:
+        runs = [measure(batch_size, args.steps) for _ in range(args.repeat)]
+        base, hook = min(runs, key=lambda run: run[1] - run[0])
+        print(f"bs {batch_size:4d}: SGLang per-row work {base:8.1f} us/step, "
+              f"with Branchwise hooks {hook:8.1f} us/step: "
               f"hooks add {hook - base:7.1f} us ({(hook - base) / base:+.1%})", flush=True)
 
 

@@ -41,42 +41,46 @@ class Program:
         return random.Random(self.seed)
 
     def prompt(self) -> str:
-        r = self.rng
-        return " ".join(r.choices(PROMPT_WORDS, k=r.randint(3, 8)))
+        rng = self.rng
+        return " ".join(rng.choices(PROMPT_WORDS, k=rng.randint(3, 8)))
 
     def spec(self) -> tuple[str, str]:
-        r = self.rng
-        n = r.randint(2, 4) if self.kind == "multiverse" else r.randint(2, 3)
-        lens = [r.randint(2, 9) for _ in range(n)]
+        rng = self.rng
+        fanout = rng.randint(2, 4) if self.kind == "multiverse" else rng.randint(2, 3)
+        lens = [rng.randint(2, 9) for _ in range(fanout)]
         if self.kind == "multiverse":
-            return spec("multiverse", n, lens), "multiverse"
-        return spec("sprint", n, lens, rounds=r.randint(1, 2)), "sprint"
+            return spec("multiverse", fanout, lens), "multiverse"
+        return spec("sprint", fanout, lens, rounds=rng.randint(1, 2)), "sprint"
 
     def run(self, url: str, tok: Any) -> dict[str, Any]:
         """Run once; `out` is what must be identical across policies."""
         if self.kind == "serial":
-            sp = {"max_new_tokens": self.rng.randint(16, 48), "temperature": 0, "ignore_eos": True}
-            res = post_json(url + "/generate", {"text": self.prompt(), "sampling_params": sp}, timeout=600)
+            sampling = {"max_new_tokens": self.rng.randint(16, 48), "temperature": 0, "ignore_eos": True}
+            payload = {"text": self.prompt(), "sampling_params": sampling}
+            res = post_json(url + "/generate", payload, timeout=600)
             return {"out": res["output_ids"]}
         if self.kind == "client-fork":
             from frontends import fork_join
 
-            r = self.rng
-            res = fork_join.run(url, fanout=r.randint(2, 3), head_tokens=r.randint(4, 12),
-                                branch_tokens=r.randint(4, 12), tail_tokens=r.randint(0, 8), seed=self.seed)
+            rng = self.rng
+            res = fork_join.run(url, fanout=rng.randint(2, 3), head_tokens=rng.randint(4, 12),
+                                branch_tokens=rng.randint(4, 12), tail_tokens=rng.randint(0, 8),
+                                seed=self.seed)
             return {"out": res.text}
-        sj, g = self.spec()
+        spec_json, grammar = self.spec()
         ids = tok.encode(self.prompt(), add_special_tokens=False)  # ids: the oracle needs the same prompt
-        res = post_json(url + "/generate", request(ids, sj, grammar=g, max_new_tokens=600), timeout=600)
+        res = post_json(url + "/generate", request(ids, spec_json, grammar=grammar, max_new_tokens=600),
+                        timeout=600)
         return {"out": res["output_ids"], "finish": res["meta_info"]["finish_reason"]}
 
     def oracle(self, url: str, tok: Any, out: list[int]) -> list[str]:
         """Server-side programs: mismatches against the client-side serial equivalent."""
         if self.kind not in ("multiverse", "sprint"):
             return []
-        sj, g = self.spec()
+        spec_json, grammar = self.spec()
         prompt = tok.encode(self.prompt(), add_special_tokens=False)
-        return fork_oracle.check(lambda p: post_json(url + "/generate", p, timeout=600), tok, prompt, out, sj, g)
+        return fork_oracle.check(lambda payload: post_json(url + "/generate", payload, timeout=600), tok,
+                                 prompt, out, spec_json, grammar)
 
 
 def deferred(url: str) -> Any:
@@ -87,69 +91,75 @@ def deferred(url: str) -> Any:
             "server_forks": (forks.get("counters") or {}).get("forks")}
 
 
-def programs(n: int, seed: int) -> list[Program]:
-    return [Program(KINDS[k % len(KINDS)], seed * 1000 + k) for k in range(n)]
+def programs(count: int, seed: int) -> list[Program]:
+    return [Program(KINDS[index % len(KINDS)], seed * 1000 + index) for index in range(count)]
 
 
 def run_all(url: str, tok: Any, progs: list[Program], concurrent: bool) -> list[dict[str, Any]]:
     if not concurrent:
-        return [p.run(url, tok) for p in progs]
-    with ThreadPoolExecutor(max_workers=len(progs)) as ex:
-        return list(ex.map(lambda p: p.run(url, tok), progs))
+        return [prog.run(url, tok) for prog in progs]
+    with ThreadPoolExecutor(max_workers=len(progs)) as pool:
+        return list(pool.map(lambda prog: prog.run(url, tok), progs))
 
 
-def check(runs: dict[str, list[dict[str, Any]]], progs: list[Program], oracle_bad: list[list[str]]) -> list[bool]:
+def check(runs: dict[str, list[dict[str, Any]]], progs: list[Program],
+          oracle_bad: list[list[str]]) -> list[bool]:
+    """Per program: identical under every run and the oracle; one line printed for each."""
     names = list(runs)
-    ok = []
-    for k, p in enumerate(progs):
-        ref = runs[names[0]][k]["out"]
-        diff = [n for n in names[1:] if runs[n][k]["out"] != ref]
-        good = not diff and not oracle_bad[k]
-        ok.append(good)
-        what = "identical" if good else f"DIFFERS under {diff}" if diff else f"oracle: {oracle_bad[k][:2]}"
-        print(f"  program {k:>3} {p.kind:<12} {what}")
-    return ok
+    verdicts = []
+    for index, prog in enumerate(progs):
+        ref = runs[names[0]][index]["out"]
+        diff = [name for name in names[1:] if runs[name][index]["out"] != ref]
+        good = not diff and not oracle_bad[index]
+        verdicts.append(good)
+        what = ("identical" if good else f"DIFFERS under {diff}" if diff
+                else f"oracle: {oracle_bad[index][:2]}")
+        print(f"  program {index:>3} {prog.kind:<12} {what}")
+    return verdicts
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    add_server_source(ap, "a running server (with --enable-custom-logit-processor)", "start a server per policy")
-    ap.add_argument("--programs", type=int, default=8)
-    ap.add_argument("--policies", default="off,cap:2,eager,taper")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--no-oracle", action="store_true")
-    a = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_server_source(parser, "a running server (with --enable-custom-logit-processor)",
+                      "start a server per policy")
+    parser.add_argument("--programs", type=int, default=8)
+    parser.add_argument("--policies", default="off,cap:2,eager,taper")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-oracle", action="store_true")
+    args = parser.parse_args(argv)
     from transformers import AutoTokenizer
 
-    progs = programs(a.programs, a.seed)
+    progs = programs(args.programs, args.seed)
     runs: dict[str, list[dict[str, Any]]] = {}
     oracle_bad: list[list[str]] = [[] for _ in progs]
-    if a.url:
-        info = get_json(a.url + "/server_info")
+    if args.url:
+        info = get_json(args.url + "/server_info")
         tok = AutoTokenizer.from_pretrained(info["tokenizer_path"])
-        policy = merged_state(a.url).get("branchwise", {}).get("config", {}).get("branch_policy")
-        print(f"server {a.url} (policy {policy}): runs concurrent and serial")
-        runs["concurrent"] = run_all(a.url, tok, progs, True)
-        runs["one-at-a-time"] = run_all(a.url, tok, progs, False)
-        print(f"  {deferred(a.url)}")
-        if not a.no_oracle:
-            oracle_bad = [p.oracle(a.url, tok, r["out"]) for p, r in zip(progs, runs["concurrent"], strict=True)]
+        policy = merged_state(args.url).get("branchwise", {}).get("config", {}).get("branch_policy")
+        print(f"server {args.url} (policy {policy}): runs concurrent and serial")
+        runs["concurrent"] = run_all(args.url, tok, progs, True)
+        runs["one-at-a-time"] = run_all(args.url, tok, progs, False)
+        print(f"  {deferred(args.url)}")
+        if not args.no_oracle:
+            oracle_bad = [prog.oracle(args.url, tok, res["out"])
+                          for prog, res in zip(progs, runs["concurrent"], strict=True)]
     else:
-        tok = AutoTokenizer.from_pretrained(a.model)
-        for i, pol in enumerate(a.policies.split(",")):
-            srv = LocalServer(a.model, ["--branch-policy", pol, "--enable-custom-logit-processor"]).start()
+        tok = AutoTokenizer.from_pretrained(args.model)
+        for i, pol in enumerate(args.policies.split(",")):
+            srv = LocalServer(args.model, ["--branch-policy", pol, "--enable-custom-logit-processor"]).start()
             try:
                 print(f"policy {pol}: {srv.url}", flush=True)
                 runs[pol] = run_all(srv.url, tok, progs, True)
                 print(f"  {deferred(srv.url)}", flush=True)
-                if i == 0 and not a.no_oracle:
-                    oracle_bad = [p.oracle(srv.url, tok, r["out"]) for p, r in zip(progs, runs[pol], strict=True)]
+                if i == 0 and not args.no_oracle:
+                    oracle_bad = [prog.oracle(srv.url, tok, res["out"])
+                                  for prog, res in zip(progs, runs[pol], strict=True)]
             finally:
                 srv.stop()
-    ok = check(runs, progs, oracle_bad)
-    print(f"identical: {sum(ok)}/{len(ok)}")
-    print(json.dumps({"runs": list(runs), "programs": [p.kind for p in progs]}))
-    return 0 if all(ok) else 1
+    verdicts = check(runs, progs, oracle_bad)
+    print(f"identical: {sum(verdicts)}/{len(verdicts)}")
+    print(json.dumps({"runs": list(runs), "programs": [prog.kind for prog in progs]}))
+    return 0 if all(verdicts) else 1
 
 
 if __name__ == "__main__":

@@ -39,7 +39,8 @@ class ServerSettings:
         """Requests carry their SLO stamp; the flag covers unstamped ones."""
         args = ["--branch-policy", policy, "--taper-rho", f"{self.taper_rho:g}", "--enable-metrics"]
         args += ["--branch-slo-tpot-ms", f"{slo_ms:.6g}"] if slo_ms else []
-        return args + (["--latency-model", latency_model] if latency_model else []) + shlex.split(self.extra_args)
+        args += ["--latency-model", latency_model] if latency_model else []
+        return args + shlex.split(self.extra_args)
 
     def server(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
         """The server, not started yet."""
@@ -86,21 +87,21 @@ class Servers:
 
 
 def probe_server(url: str) -> Probe:
-    p = asyncio.run(probe(url, repeats=3))
-    print(f"probe {url}: {p.line()}", flush=True)
-    return p
+    probed = asyncio.run(probe(url, repeats=3))
+    print(f"probe {url}: {probed.line()}", flush=True)
+    return probed
 
 
 def calibration_policy(policies: list[str]) -> str:
     """The server the probe reads: the first policy that needs no T(S) (serial probe streams read the
     same under every policy), else a temporary off server."""
-    return next((k for k in policies if not k.startswith("taper")), "off")
+    return next((policy for policy in policies if not policy.startswith("taper")), "off")
 
 
-def live_bound_rps(p: Probe, setup: PointSetup, seed: int = 0, duration_s: float = 2000.0) -> float:
+def live_bound_rps(probed: Probe, setup: PointSetup, seed: int = 0, duration_s: float = 2000.0) -> float:
     """The fluid bound at setup's SLO under the probed T(S), over the programs' real contexts."""
     specs = replace(setup, duration_s=duration_s).programs(1.0, seed)[1]
-    return fluid_bound_rps(p.model, setup.slo_tpot_ms / 1e3, specs, LIVE_CLIENT)
+    return fluid_bound_rps(probed.model, setup.slo_tpot_ms / 1e3, specs, LIVE_CLIENT)
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,16 +120,16 @@ def calibrate(servers: Servers, policies: list[str], base: PointSetup, out: Path
     calib = calibration_policy(policies)
     if servers.settings is None and calib not in servers.urls:
         calib = next(iter(servers.urls))
-    p = probe_server(servers.url(calib))
+    probed = probe_server(servers.url(calib))
     if calib not in policies:
         servers.stop(calib)
-    auto_ms = 1e3 * p.auto_slo_s()
+    auto_ms = 1e3 * probed.auto_slo_s()
     setup = replace(base, slo_tpot_ms=(slo_ms or auto_ms) * slo_scale)
     out.mkdir(parents=True, exist_ok=True)
     model = str(out / "latency_model.json")
-    p.model.save(model)
+    probed.model.save(model)
     servers.slo_ms, servers.latency_model = setup.slo_tpot_ms, model
-    return OperatingPoint(p, setup, auto_ms, live_bound_rps(p, setup), model)
+    return OperatingPoint(probed, setup, auto_ms, live_bound_rps(probed, setup), model)
 
 
 @dataclass(slots=True)
@@ -145,17 +146,19 @@ class LivePoints:
     done: list[dict[str, Any]] = field(default_factory=list)
 
     def __call__(self, policy: str, rate: float, seed: int) -> dict[str, Any]:
-        m, run = run_point(self.servers.url(policy), policy, rate, seed, self.setup, progress=self.progress)
+        metrics, run = run_point(self.servers.url(policy), policy, rate, seed, self.setup,
+                                 progress=self.progress)
         load = rate / self.fluid_bound_rps if self.fluid_bound_rps > 0 else None
-        m |= {"load": load, "policy": policy, "seed": seed}
-        self.done.append(m)
+        metrics |= {"load": load, "policy": policy, "seed": seed}
+        self.done.append(metrics)
         if self.out is not None:
             write_records(self.out / "records" / f"seed{seed}_rate{rate:.4g}_{policy}", {policy: run})
         print(f"seed {seed} rate {rate:.3f} ({fmt(load, nd=2)} x bound) {policy:>11}: attainment "
-              f"{fmt(m['attainment'], True)}, finished {fmt(m['finished_frac'], True)}, decomposable P50 e2e "
-              f"{fmt(m['decomp_e2e_p50_s'], nd=2)} s, goodput {fmt(m['goodput_tok_s'], nd=0)} tok/s"
-              + (f"  [{m['error']}]" if m.get("error") else ""), flush=True)
+              f"{fmt(metrics['attainment'], True)}, finished {fmt(metrics['finished_frac'], True)}, "
+              f"decomposable P50 e2e {fmt(metrics['decomp_e2e_p50_s'], nd=2)} s, "
+              f"goodput {fmt(metrics['goodput_tok_s'], nd=0)} tok/s"
+              + (f"  [{metrics['error']}]" if metrics.get("error") else ""), flush=True)
         if run.interrupted:
             raise KeyboardInterrupt
-        return m
+        return metrics
 

@@ -40,14 +40,14 @@ PAPER_MEDIAN_MS, PAPER_P99_MS = 0.31, 0.81  # TAPER Table 7 (their hardware, the
 
 def random_batch(rng: random.Random, n_requests: int, fanout: int, rho: float) -> ArrayBatch:
     """The planner's input as the step controller builds it (no SLOs: the paper's budget rule)."""
-    m = default_model()
+    model = default_model()
     lens_of, slack_of, phase_of = [], [], []
     rows, ctx, first_rows, first_ctx = 0, 0, 0, 0
     for _ in range(n_requests):
         prefix = rng.randint(256, 6000)
         if fanout >= 2 and rng.random() < 0.5:
-            k = rng.randint(2, fanout)
-            lens = [prefix + rng.randint(0, 1000) for _ in range(k)]
+            branches = rng.randint(2, fanout)
+            lens = [prefix + rng.randint(0, 1000) for _ in range(branches)]
             phase_of.append(True)
             slack_of.append(rng.uniform(0.01, 0.6))
         else:
@@ -55,56 +55,64 @@ def random_batch(rng: random.Random, n_requests: int, fanout: int, rho: float) -
             phase_of.append(False)
             slack_of.append(rng.uniform(0.5, 1.0))
         lens_of.append(lens)
-        rows, ctx, first_rows, first_ctx = rows + len(lens), ctx + sum(lens), first_rows + 1, first_ctx + lens[0]
-    t0, t_all = m.predict(first_rows, first_ctx), m.predict(rows, ctx)
-    budget = t0 + rng.uniform(-0.25, 1.25) * (t_all - t0)
+        rows, ctx = rows + len(lens), ctx + sum(lens)
+        first_rows, first_ctx = first_rows + 1, first_ctx + lens[0]
+    t_first, t_all = model.predict(first_rows, first_ctx), model.predict(rows, ctx)
+    budget = t_first + rng.uniform(-0.25, 1.25) * (t_all - t_first)
     tight = rng.randrange(n_requests)
-    slack = [(budget / rho) * (1.0 if j == tight else 1.0 + fr) for j, fr in enumerate(slack_of)]
-    return ArrayBatch([f"r{i}" for i in range(n_requests)], np.array([len(x) for x in lens_of], dtype=np.int64),
-                      np.array([c for x in lens_of for c in x], dtype=np.int64), np.array(slack, dtype=np.float64),
-                      np.ones(n_requests), np.array(phase_of, dtype=bool))
+    slack = [(budget / rho) * (1.0 if index == tight else 1.0 + extra)
+             for index, extra in enumerate(slack_of)]
+    return ArrayBatch([f"r{i}" for i in range(n_requests)],
+                      np.array([len(request_lens) for request_lens in lens_of], dtype=np.int64),
+                      np.array([length for request_lens in lens_of for length in request_lens],
+                               dtype=np.int64),
+                      np.array(slack, dtype=np.float64), np.ones(n_requests), np.array(phase_of, dtype=bool))
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--fanout", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=3000)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--policy", default="taper")
-    ap.add_argument("--utility", default="linear")
-    ap.add_argument("--rho", type=float, default=0.8)
-    ap.add_argument("--repeat", type=int, default=1,
-                    help="plan each batch R times and keep the fastest (filters out other processes' load)")
-    args = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--fanout", type=int, default=8)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--policy", default="taper")
+    parser.add_argument("--utility", default="linear")
+    parser.add_argument("--rho", type=float, default=0.8)
+    parser.add_argument("--repeat", type=int, default=1,
+                        help="plan each batch R times and keep the fastest "
+                             "(filters out other processes' load)")
+    args = parser.parse_args(argv)
 
     rng = random.Random(args.seed)
     policy = parse_policy(args.policy, rho=args.rho, utility=args.utility)
     batches = [random_batch(rng, args.requests, args.fanout, args.rho) for _ in range(args.steps)]
-    for b in batches[:50]:  # warm up caches and numpy dispatch
-        policy.plan(b)
+    for batch in batches[:50]:  # warm up caches and numpy dispatch
+        policy.plan(batch)
     gc.collect()
     gc.freeze()
     times, cpu, paths = [], [], {"protected": 0, "greedy": 0, "eager": 0}
-    for b in batches:
+    for batch in batches:
         best_wall = best_cpu = 1 << 62
         for _ in range(max(1, args.repeat)):
-            c, t = thread_time_ns(), perf_counter_ns()
-            plan = policy.plan(b)
-            best_wall = min(best_wall, perf_counter_ns() - t)
-            best_cpu = min(best_cpu, thread_time_ns() - c)
+            cpu_start, wall_start = thread_time_ns(), perf_counter_ns()
+            plan = policy.plan(batch)
+            best_wall = min(best_wall, perf_counter_ns() - wall_start)
+            best_cpu = min(best_cpu, thread_time_ns() - cpu_start)
         times.append(best_wall)
         cpu.append(best_cpu)
-        w = plan.rows
-        paths["protected" if w == len(b.rids) else "eager" if w == len(b.ctx) else "greedy"] += 1
+        width = plan.rows
+        outcome = ("protected" if width == len(batch.rids) else "eager" if width == len(batch.ctx)
+                   else "greedy")
+        paths[outcome] += 1
     med, p99 = _pct(times, 0.5), _pct(times, 0.99)
-    rows = sum(len(b.ctx) for b in batches) / len(batches)
+    rows = sum(len(batch.ctx) for batch in batches) / len(batches)
     print(f"policy={policy.name} utility={args.utility} requests={args.requests} fanout={args.fanout} "
           f"steps={args.steps} seed={args.seed} repeat={args.repeat} mean rows/step={rows:.0f}")
-    print("steps by outcome: " + ", ".join(f"{k} {v / len(batches):.0%}" for k, v in paths.items()))
+    print("steps by outcome: " + ", ".join(f"{outcome} {count / len(batches):.0%}"
+                                           for outcome, count in paths.items()))
     print(f"planner per step: median {med:.3f} ms, P99 {p99:.3f} ms, max {max(times) / 1e6:.3f} ms (wall)")
-    print(f"                  median {_pct(cpu, 0.5):.3f} ms, P99 {_pct(cpu, 0.99):.3f} ms (thread CPU time); "
-          f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
+    print(f"                  median {_pct(cpu, 0.5):.3f} ms, P99 {_pct(cpu, 0.99):.3f} ms "
+          f"(thread CPU time); load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs")
     ref_us = min(timeit.repeat("sum(range(1000))", number=1000, repeat=5)) * 1e3
     print(f"CPU speed now: sum(range(1000)) takes {ref_us:.0f} us (a modern idle core: ~10 us); "
           "times scale with it")
@@ -113,9 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     print(f"TAPER paper (Table 7): median {PAPER_MEDIAN_MS} ms, P99 {PAPER_P99_MS} ms")
 
 
-def _pct(ns: list[int], q: float) -> float:
-    s = sorted(ns)
-    return s[min(len(s) - 1, int(q * len(s)))] / 1e6
+def _pct(values_ns: list[int], quantile: float) -> float:
+    """The `quantile` of nanosecond values, in ms."""
+    ordered = sorted(values_ns)
+    return ordered[min(len(ordered) - 1, int(quantile * len(ordered)))] / 1e6
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""Plots (matplotlib, Agg backend, PNG out): Figure 2-style panels over time of a simulator or replay run,
-and the two axes of a capacity run against offered load."""
+"""Plots (matplotlib, Agg backend, PNG out): Figure 2-style panels over time of a simulator or replay
+run, and the two axes of a capacity run against offered load."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
     out = Path(out)
     window = (0.0, schedule.duration_s)
     bin_s = schedule.duration_s / bins
-    series = {k: timeseries(s.records, slo_s, window, bin_s, s.steps) for k, s in sims.items()}
+    series = {name: timeseries(sim.records, slo_s, window, bin_s, sim.steps) for name, sim in sims.items()}
     fig, axes = plt.subplots(3, 3, figsize=(16, 12), sharex=True)
     axes = axes.ravel()
     t_min = np.arange(0.0, schedule.duration_s, bin_s) / 60.0
@@ -42,18 +42,18 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
     axes[0].plot(t_min, rate, color="k")
     axes[0].set_title("(a) arrival rate")
     axes[0].set_ylabel("req/s")
-    for ax, (key, title, unit, scale) in zip(axes[1:], PANELS, strict=True):
-        for name, ts in series.items():
-            ax.plot(ts["t_s"] / 60.0, ts[key] * scale, label=name, lw=1.2)
+    for panel, (key, title, unit, scale) in zip(axes[1:], PANELS, strict=True):
+        for name, run_series in series.items():
+            panel.plot(run_series["t_s"] / 60.0, run_series[key] * scale, label=name, lw=1.2)
         if key.startswith(("p99", "step")):
-            ax.axhline(slo_s * 1e3, color="grey", ls="--", lw=0.8)
-        ax.set_title(title)
-        ax.set_ylabel(unit)
-    for ax in axes:
-        for g in schedule.regimes[1:]:
-            ax.axvline(g.start_s / 60.0, color="grey", ls=":", lw=0.8)
-    for ax in axes[-3:]:
-        ax.set_xlabel("minute")
+            panel.axhline(slo_s * 1e3, color="grey", ls="--", lw=0.8)
+        panel.set_title(title)
+        panel.set_ylabel(unit)
+    for panel in axes:
+        for regime in schedule.regimes[1:]:
+            panel.axvline(regime.start_s / 60.0, color="grey", ls=":", lw=0.8)
+    for panel in axes[-3:]:
+        panel.set_xlabel("minute")
     axes[1].legend(fontsize=8)
     fig.subplots_adjust(left=0.05, right=0.98, bottom=0.05, top=0.96, wspace=0.22, hspace=0.25)
     path = out / "figure2.png"
@@ -65,32 +65,34 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def plot_capacity(doc: dict, path: Path, title: str, target: float, latency_key: str = "decomp_e2e_p50_s") -> Path:
+def plot_capacity(doc: dict, path: Path, title: str, target: float,
+                  latency_key: str = "decomp_e2e_p50_s") -> Path:
     """The two axes against offered load, one line per policy: decomposable P50 end to end on top
     (points below `target` attainment hollow), attainment underneath; each policy's capacity dotted
     in its colour, the fluid bound dashed."""
     fig, (ax_l, ax_a) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=(3, 2))
     bound = doc.get("fluid_bound_rps")
     keys: list[Line2D] = []
-    for j, (name, v) in enumerate(doc["policies"].items()):
-        pts = v["points"]
-        rate = np.array([p["rate"] for p in pts])
-        lat = np.array([np.nan if p.get(latency_key) is None else p[latency_key] for p in pts])
-        att = np.array([np.nan if p.get("attainment") is None else 100 * p["attainment"] for p in pts])
-        mk = MARKERS[j % len(MARKERS)]
+    for j, (name, policy) in enumerate(doc["policies"].items()):
+        pts = policy["points"]
+        rate = np.array([point["rate"] for point in pts])
+        lat = np.array([np.nan if point.get(latency_key) is None else point[latency_key] for point in pts])
+        att = np.array([np.nan if point.get("attainment") is None else 100 * point["attainment"]
+                        for point in pts])
+        marker = MARKERS[j % len(MARKERS)]
         line, = ax_l.plot(rate, lat, lw=1.2)
-        c = line.get_color()
-        keys.append(Line2D([], [], color=c, marker=mk, lw=1.2, label=name))
-        ok = att >= 100 * target
-        ax_l.scatter(rate[ok], lat[ok], color=c, marker=mk, zorder=3)
-        ax_l.scatter(rate[~ok], lat[~ok], facecolors="none", edgecolors=c, marker=mk, zorder=3)
-        ax_a.plot(rate, att, marker=mk, color=c, lw=1.2)
-        for ax in (ax_l, ax_a):
-            ax.axvline(v["capacity_rps"], color=c, ls=":", lw=1)
-    for ax in (ax_l, ax_a):
+        color = line.get_color()
+        keys.append(Line2D([], [], color=color, marker=marker, lw=1.2, label=name))
+        held = att >= 100 * target
+        ax_l.scatter(rate[held], lat[held], color=color, marker=marker, zorder=3)
+        ax_l.scatter(rate[~held], lat[~held], facecolors="none", edgecolors=color, marker=marker, zorder=3)
+        ax_a.plot(rate, att, marker=marker, color=color, lw=1.2)
+        for panel in (ax_l, ax_a):
+            panel.axvline(policy["capacity_rps"], color=color, ls=":", lw=1)
+    for panel in (ax_l, ax_a):
         if bound:
-            ax.axvline(bound, color="grey", ls="--", lw=1)
-        ax.grid(alpha=0.3)
+            panel.axvline(bound, color="grey", ls="--", lw=1)
+        panel.grid(alpha=0.3)
     ax_a.axhline(100 * target, color="grey", lw=0.8)
     ax_l.set_ylabel("decomposable P50 end to end (s)")
     ax_l.set_title(f"{title}\nhollow: below {target:.0%} attainment; dotted: capacity; dashed: fluid bound"

@@ -47,15 +47,16 @@ EXTRA_KEYS = ("raw_throughput_tok_s", "slo_attainment_gap", "p99_tpot_serial_ms"
               "max_gap_p99_ms", "ttft_p50_s", "step_latency_mean_ms", "admission_rate")
 
 
-def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec], duration_s: float) -> dict[str, Any]:
+def point_metrics(rate: float, res: dict[str, Any], specs: list[RequestSpec],
+                  duration_s: float) -> dict[str, Any]:
     """A load point's figures (bench.metrics.load_point), then the rest of the run's metrics and its
     bookkeeping."""
     run = res.get("run", {})
-    return load_point(rate, res) | {
-        "requests": res.get("requests", len(specs)), "demand_tok_s": mean_demand_tok_s(specs, duration_s)} | {
-        k: res.get(k) for k in EXTRA_KEYS} | {
-        "error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
-        "client_stalls": run.get("client_stalls")}
+    counts = {"requests": res.get("requests", len(specs)),
+              "demand_tok_s": mean_demand_tok_s(specs, duration_s)}
+    bookkeeping = {"error": run.get("error"), "warning": run.get("warning"), "server": run.get("server"),
+                   "client_stalls": run.get("client_stalls")}
+    return load_point(rate, res) | counts | {name: res.get(name) for name in EXTRA_KEYS} | bookkeeping
 
 
 def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,

@@ -1,19 +1,11 @@
 """Probing a live server and calibrating a run's operating point from the probe.
 
-Probe: decode step latency fitted as T(S) = c0 + c_seq rows + c_ctx context tokens. One
-implementation for bench.profile (a T(S) file for `--latency-model`) and bench.replay / bench.sweep
-(the operating point of a run). At each grid point (b streams, ctx prompt tokens) it sends b concurrent
-streamed greedy requests and takes each one's decode step as (last chunk - first chunk) / (tokens - 1):
-serial streams only, so the probe means the same under every branch policy. Grid points take turns
-over `repeats` rounds and each keeps its fastest round: load from other processes on a shared box
-only adds time, so the minimum is the estimate of the machine that a burst of load bends least. T(S) is fitted with non-negative least squares (monotone by construction) over rows and
-context tokens (b x (ctx + tokens / 2)): a fit on short prompts alone under-predicts replay steps.
-
-Calibration (`calibrate`): the SLO is T(slo_rows rows of slo_context KV tokens), at least slo_floor x
-T(1 row) (a stage's TPOT also carries per-forward costs that do not grow with rows: prefills of
-arriving requests, scheduling); the arrival-rate scale makes the programs' mean demanded token rate
-`load` x the tokens/s the server delivers at slo_rows rows; taper servers get the probe's T(S) as
-their --latency-model.
+`probe` times the decode step at a grid of (concurrent streams, prompt tokens) and fits
+T(S) = c0 + c_seq rows + c_ctx context tokens: one implementation for bench.profile (a T(S) file
+for `--latency-model`) and bench.replay / bench.sweep (the operating point of a run).
+`calibrate` fills every `auto` of a replay's operating point (the SLO, the arrival-rate scale, the
+--latency-model of taper servers) from such a probe. How a step is timed, why each grid point
+keeps its fastest round, and the calibration rule: docs/design/bench-micro.md.
 """
 
 from __future__ import annotations
@@ -36,9 +28,9 @@ SIZES = (1, 8, 16, 32)
 CONTEXTS = (32, 512)
 
 
-def probe_prompt(i: int, ctx: int, salt: int, vocab: int = 400) -> list[int]:
-    """A deterministic prompt of random token ids, its own per (salt, i)."""
-    return prompt_ids(str(i), ctx, f"probe:{salt}", vocab)
+def probe_prompt(index: int, ctx: int, salt: int, vocab: int = 400) -> list[int]:
+    """A deterministic prompt of random token ids, its own per (salt, index)."""
+    return prompt_ids(str(index), ctx, f"probe:{salt}", vocab)
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,54 +57,60 @@ class Probe:
         return max(t_s - self.model.c0, 0.0) / per_row if per_row > 0 else float("inf")
 
     def samples(self) -> list[tuple[int, int, float]]:
-        return [(b, b * (c + self.tokens // 2), t) for (b, c), t in self.step_s.items()]
+        """(rows, context tokens, step s) per grid point: what T(S) is fitted to."""
+        return [(streams, streams * (ctx + self.tokens // 2), step)
+                for (streams, ctx), step in self.step_s.items()]
 
     def as_dict(self) -> dict[str, Any]:
-        return {"step_ms": {f"{b}x{c}": 1e3 * t for (b, c), t in self.step_s.items()},
+        return {"step_ms": {f"{streams}x{ctx}": 1e3 * step for (streams, ctx), step in self.step_s.items()},
                 "model": json.loads(self.model.to_json())}
 
     def line(self) -> str:
-        m = self.model
-        steps = ", ".join(f"{b}x{c} {1e3 * t:.1f}" for (b, c), t in self.step_s.items())
-        return (f"ms at streams x prompt tokens: {steps} -> T = {1e3 * m.c0:.2f} ms + "
-                f"{1e3 * m.c_seq:.3f} ms/row + {1e6 * m.c_ctx:.3f} us/ctx token")
+        model = self.model
+        steps = ", ".join(f"{streams}x{ctx} {1e3 * step:.1f}" for (streams, ctx), step in self.step_s.items())
+        return (f"ms at streams x prompt tokens: {steps} -> T = {1e3 * model.c0:.2f} ms + "
+                f"{1e3 * model.c_seq:.3f} ms/row + {1e6 * model.c_ctx:.3f} us/ctx token")
 
 
 async def step_time(url: str, session: Any, streams: int, ctx: int, tokens: int, salt: int = 0,
                     vocab: int = 400) -> float:
     """Median decode step of `streams` concurrent streamed requests of `ctx` prompt tokens."""
-    sp = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
-    gens = await asyncio.gather(*[client.generate(url, None, sp, stream=True, session=session,
+    sampling = {"max_new_tokens": tokens, "temperature": 0.0, "ignore_eos": True}
+    gens = await asyncio.gather(*[client.generate(url, None, sampling, stream=True, session=session,
                                                   input_ids=probe_prompt(i, ctx, salt, vocab))
                                   for i in range(streams)])
-    steps = [(g.chunk_times[-1] - g.chunk_times[0]) / (g.completion_tokens - 1) for g in gens
-             if len(g.chunk_times) > 1 and g.completion_tokens > 1]
+    steps = [(gen.chunk_times[-1] - gen.chunk_times[0]) / (gen.completion_tokens - 1) for gen in gens
+             if len(gen.chunk_times) > 1 and gen.completion_tokens > 1]
     if not steps:
-        raise RuntimeError(f"probe at {streams} streams x {ctx} tokens: no streamed decode timings from {url}")
+        raise RuntimeError(f"probe at {streams} streams x {ctx} tokens: "
+                           f"no streamed decode timings from {url}")
     return statistics.median(steps)
 
 
 async def probe(url: str, sizes: tuple[int, ...] = SIZES, contexts: tuple[int, ...] = CONTEXTS,
                 tokens: int = 32, repeats: int = 2, vocab: int = 400, progress: bool = False) -> Probe:
-    grid = [(b, c) for c in contexts for b in sizes]
-    seen: dict[tuple[int, int], list[float]] = {g: [] for g in grid}
+    """The fastest of `repeats` rounds at every (streams, prompt tokens) point and T(S) fitted to them."""
+    grid = [(streams, ctx) for ctx in contexts for streams in sizes]
+    seen: dict[tuple[int, int], list[float]] = {point: [] for point in grid}
     async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=600)) as session:
         await step_time(url, session, 1, 8, 4, vocab=vocab)  # warm up
         for _ in range(repeats):
-            for b, c in grid:
-                seen[b, c].append(t := await step_time(url, session, b, c, tokens, salt=b, vocab=vocab))
+            for streams, ctx in grid:
+                step_s = await step_time(url, session, streams, ctx, tokens, salt=streams, vocab=vocab)
+                seen[streams, ctx].append(step_s)
                 if progress:
-                    print(f"bs={b:4d} ctx={c:5d}  step={1e3 * t:8.3f} ms", flush=True)
-    step = {g: min(v) for g, v in seen.items()}  # interference only adds time
-    model = LinearLatencyModel.fit([(b, b * (c + tokens // 2), t) for (b, c), t in step.items()])
-    return Probe(step, model, tokens)
+                    print(f"bs={streams:4d} ctx={ctx:5d}  step={1e3 * step_s:8.3f} ms", flush=True)
+    fastest = {point: min(times) for point, times in seen.items()}  # interference only adds time
+    model = LinearLatencyModel.fit([(streams, streams * (ctx + tokens // 2), step)
+                                    for (streams, ctx), step in fastest.items()])
+    return Probe(fastest, model, tokens)
 
 
 def probe_url(url: str) -> Probe:
     """`probe` from synchronous code, its fit printed."""
-    p = asyncio.run(probe(url))
-    print(f"probe {url}: {p.line()}", flush=True)
-    return p
+    probed = asyncio.run(probe(url))
+    print(f"probe {url}: {probed.line()}", flush=True)
+    return probed
 
 
 # ------------------------------------------------------------------------------------ calibration
@@ -135,7 +133,8 @@ class Calibration:
 
     @property
     def needs_probe(self) -> bool:
-        return self.slo_tpot_ms is None or self.rate_scale is None or (self.launch and self.latency_model == "auto")
+        return (self.slo_tpot_ms is None or self.rate_scale is None
+                or (self.launch and self.latency_model == "auto"))
 
     def given(self) -> Point:
         """The operating point when every part of it is given (needs_probe is False)."""
@@ -157,28 +156,34 @@ class Point:
 def solve_rate_scale(target: float, demand: Callable[[float], float], tries: int = 16) -> float:
     """The rate scale whose schedule demands closest to `target` tok/s. Demand is only roughly linear in
     the scale (each scale draws other programs and lengths), so iterate and keep the best."""
-    k, best = 1.0, (float("inf"), 1.0)
+    scale, best = 1.0, (float("inf"), 1.0)
     for _ in range(tries):
-        d = demand(k)
-        best = min(best, (abs(d - target), k))
+        demanded = demand(scale)
+        best = min(best, (abs(demanded - target), scale))
         if best[0] <= 0.02 * target:
             break
-        k *= (target / max(d, 1e-9)) ** 0.8  # damped: a jump can land on a run of long programs
+        scale *= (target / max(demanded, 1e-9)) ** 0.8  # damped: a jump can land on a run of long programs
     return best[1]
 
 
-def calibrate(c: Calibration, trace: Any, scaling: Scaling, p: Probe, out: Path) -> Point:
-    """Fill every `auto` from the probe (module docstring); the fit goes to out/latency_model.json."""
-    t_slo = p.at(c.slo_rows, c.slo_context)
-    slo_ms = c.slo_tpot_ms if c.slo_tpot_ms is not None else 1e3 * p.auto_slo_s(c.slo_rows, c.slo_context, c.slo_floor)
-    rs = c.rate_scale
-    if rs is None:
-        rs = solve_rate_scale(c.load * c.slo_rows / t_slo, lambda k: mean_demand_tok_s(
-            build_programs(trace, fit_schedule(trace, c.schedule, c.duration_s, k), c.preset, c.seed, scaling),
-            c.duration_s))
-    model = c.latency_model if c.launch and c.latency_model not in ("auto", "none") else None
-    if c.launch and c.latency_model == "auto":
+def calibrate(cal: Calibration, trace: Any, scaling: Scaling, probed: Probe, out: Path) -> Point:
+    """Fill every `auto` from the probe (the rule: docs/design/bench-micro.md); the fit goes to
+    out/latency_model.json."""
+    t_slo = probed.at(cal.slo_rows, cal.slo_context)
+    slo_ms = (cal.slo_tpot_ms if cal.slo_tpot_ms is not None
+              else 1e3 * probed.auto_slo_s(cal.slo_rows, cal.slo_context, cal.slo_floor))
+
+    def demand(scale: float) -> float:
+        schedule = fit_schedule(trace, cal.schedule, cal.duration_s, scale)
+        specs = build_programs(trace, schedule, cal.preset, cal.seed, scaling)
+        return mean_demand_tok_s(specs, cal.duration_s)
+
+    rate_scale = cal.rate_scale
+    if rate_scale is None:
+        rate_scale = solve_rate_scale(cal.load * cal.slo_rows / t_slo, demand)
+    model = cal.latency_model if cal.launch and cal.latency_model not in ("auto", "none") else None
+    if cal.launch and cal.latency_model == "auto":
         out.mkdir(parents=True, exist_ok=True)
         model = str(out / "latency_model.json")
-        p.model.save(model)
-    return Point(slo_ms, rs, model, p)
+        probed.model.save(model)
+    return Point(slo_ms, rate_scale, model, probed)

@@ -19,7 +19,7 @@ from branchwise.taper.predictor import mape
 
 def csv_ints(text: str) -> list[int]:
     try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
+        vals = [int(item) for item in text.split(",") if item.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
     if not vals or min(vals) < 1:
@@ -28,25 +28,27 @@ def csv_ints(text: str) -> list[int]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--url", required=True)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--batch-sizes", type=csv_ints, default=[1, 8, 32, 64])
-    ap.add_argument("--contexts", type=csv_ints, default=[64, 256, 512])
-    ap.add_argument("--new-tokens", type=int, default=32)
-    ap.add_argument("--repeats", type=int, default=1, help="rounds over the grid; each point keeps its median")
-    ap.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
-    args = ap.parse_args(argv)
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--url", required=True)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--batch-sizes", type=csv_ints, default=[1, 8, 32, 64])
+    parser.add_argument("--contexts", type=csv_ints, default=[64, 256, 512])
+    parser.add_argument("--new-tokens", type=int, default=32)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds over the grid; each point keeps its median")
+    parser.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
+    args = parser.parse_args(argv)
     try:
-        p = asyncio.run(probe(args.url, tuple(args.batch_sizes), tuple(args.contexts), args.new_tokens,
-                              args.repeats, args.vocab, progress=True))
-    except (ConnectionError, RuntimeError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        probed = asyncio.run(probe(args.url, tuple(args.batch_sizes), tuple(args.contexts), args.new_tokens,
+                                   args.repeats, args.vocab, progress=True))
+    except (ConnectionError, RuntimeError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    p.model.save(args.out)
-    m = p.model
-    print(f"T(S) = {1e3 * m.c0:.3f} ms + {1e3 * m.c_seq:.4f} ms/row + {1e6 * m.c_ctx:.4f} us/context token;  "
-          f"MAPE {100 * mape(m, p.samples()):.1f}% over {len(p.step_s)} grid points -> {args.out}")
+    probed.model.save(args.out)
+    model = probed.model
+    print(f"T(S) = {1e3 * model.c0:.3f} ms + {1e3 * model.c_seq:.4f} ms/row + "
+          f"{1e6 * model.c_ctx:.4f} us/context token;  MAPE {100 * mape(model, probed.samples()):.1f}% "
+          f"over {len(probed.step_s)} grid points -> {args.out}")
     return 0
 
 

@@ -3,20 +3,13 @@
     python -m bench.replay --url URL --schedule rate:6 --duration-s 60 --out DIR [--policy-label taper]
     python -m bench.replay --launch --model models/tiny --compare --policies off,eager,taper --out runs/bench
 
-Every scheduled arrival becomes a client-side fork/join program (bench.programs: lengths scaled to
-the served model), run on the server by bench.client at its arrival time; bench.metrics turns the
-token delivery times into goodput, SLO attainment and per-class P99 TPOT (a stage's TPOT runs from
-the previous stage's last token, so the client-side fork/join cost counts; results.json reports those
-gaps). The step-latency and admission series come from /metrics.
-
-The operating point is measured, not assumed (bench.probe): by default a probe of the first server
-sets the SLO to T(--slo-rows rows of --slo-context tokens) (at least --slo-floor x T(1 row)) and the
-arrival rate so that the mean demand is --load x the decode rate at that composition; taper servers
-get the fit as their --latency-model. Every launched server is probed before its run, so a change in
-the shared box's speed shows in the table. Results (bench.results) are saved after every policy, so
-a dead server, a failed start or Ctrl-C keeps what ran.
-
-Live points at one stationary load (what the load sweeps run) are bench.point's `run_point`.
+Every scheduled arrival becomes a client-side fork/join program (bench.programs), run on the server
+by bench.client at its arrival time; bench.metrics turns the token delivery times into goodput, SLO
+attainment and per-class P99 TPOT. The operating point (SLO, arrival rate, taper's T(S)) is
+calibrated from a probe of the first server unless given (bench.probe). Results (bench.results)
+are saved after every policy, so a dead server, a failed start or Ctrl-C keeps what ran. What is
+measured and how: docs/design/bench-micro.md. Live points at one stationary load (what the load
+sweeps run) are bench.point's `run_point`.
 """
 
 from __future__ import annotations
@@ -50,7 +43,8 @@ class ReplayOptions:
     cal: Calibration  # the workload and the operating point (given, or from a probe)
     url: str | None = None
     model: str = "models/tiny"
-    compare: bool = False  # one run per policy; otherwise one run labelled policy_label (or the server's policy)
+    # one run per policy; otherwise one run labelled policy_label (or the server's policy)
+    compare: bool = False
     policies: tuple[str, ...] = ("off", "eager", "taper")
     policy_label: str | None = None
     trace: str = DEFAULT_TRACE
@@ -91,7 +85,8 @@ _POINT_FLAGS = (  # flag, type, default, help
     ("--slo-context", float, 256.0,
      "KV tokens per row for the auto SLO (the default workload decodes at 250-310 on average)"),
     ("--slo-floor", float, 2.5, "auto SLO >= this x the probed T(1)"),
-    ("--load", _auto_float, 0.35, "mean demanded tok/s as a fraction of the probed decode rate at the SLO "
+    ("--load", _auto_float, 0.35,
+     "mean demanded tok/s as a fraction of the probed decode rate at the SLO "
      "composition (the 3-regime schedule peaks at ~2x its mean); load sweeps: python -m bench.sweep"),
     ("--latency-model", str, "auto",
      "T(S) JSON for --launch servers | auto: the probe's fit | none: server default, refit online"),
@@ -99,60 +94,67 @@ _POINT_FLAGS = (  # flag, type, default, help
 
 
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m bench.replay", description=__doc__.split("\n\n")[0])
-    add_server_source(ap, "a running server (its --branch-policy is fixed)",
+    parser = argparse.ArgumentParser(prog="python -m bench.replay",
+                                     description=__doc__.split("\n\n")[0])
+    add_server_source(parser, "a running server (its --branch-policy is fixed)",
                       "start a server per policy (branchwise.launch)")
-    ap.add_argument("--compare", action="store_true", help="run the schedule once per --policies")
-    ap.add_argument("--policies", default="off,eager,taper")
-    ap.add_argument("--policy-label", help="name of a single --url run (default: the server's policy)")
-    ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
-    ap.add_argument("--duration-s", type=float, default=60.0, help="the schedule is compressed to this")
-    ap.add_argument("--drain-s", type=float, default=30.0, help="wait this long after the schedule for stragglers")
-    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--output-scale", type=float, default=_DEF.output_scale)
-    ap.add_argument("--max-stage-tokens", type=int, default=_DEF.max_stage_tokens)
-    ap.add_argument("--prompt-scale", type=float, default=_DEF.prompt_scale)
-    ap.add_argument("--max-prompt-tokens", type=int, default=_DEF.max_prompt_tokens)
-    ap.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
-    point_flags = ap.add_argument_group("operating point (auto: calibrated from a probe of the first server)")
+    parser.add_argument("--compare", action="store_true", help="run the schedule once per --policies")
+    parser.add_argument("--policies", default="off,eager,taper")
+    parser.add_argument("--policy-label",
+                        help="name of a single --url run (default: the server's policy)")
+    parser.add_argument("--trace", default=DEFAULT_TRACE)
+    parser.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
+    parser.add_argument("--duration-s", type=float, default=60.0, help="the schedule is compressed to this")
+    parser.add_argument("--drain-s", type=float, default=30.0,
+                        help="wait this long after the schedule for stragglers")
+    parser.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--output-scale", type=float, default=_DEF.output_scale)
+    parser.add_argument("--max-stage-tokens", type=int, default=_DEF.max_stage_tokens)
+    parser.add_argument("--prompt-scale", type=float, default=_DEF.prompt_scale)
+    parser.add_argument("--max-prompt-tokens", type=int, default=_DEF.max_prompt_tokens)
+    parser.add_argument("--max-program-tokens", type=int, default=_DEF.max_program_tokens)
+    point_flags = parser.add_argument_group(
+        "operating point (auto: calibrated from a probe of the first server)")
     for flag, kind, default, text in _POINT_FLAGS:
         point_flags.add_argument(flag, type=kind, default=default, help=text)
-    ap.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
-    ap.add_argument("--server-args", default="", help="extra flags for --launch servers")
-    ap.add_argument("--max-total-tokens", type=int, default=65536,
-                    help="KV pool of --launch servers: room for every live prefix, so no policy pays re-prefills")
-    ap.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
-    ap.add_argument("--server-threads", type=int, default=1, help="OMP threads of --launch servers; 0: torch's default")
-    ap.add_argument("--stream-interval", type=int, default=8,
-                    help="chunk every n tokens: 8x less detokenize/HTTP work; stage TPOT stays exact")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--poll-s", type=float, default=1.0, help="server /metrics poll period; 0: no step series")
-    ap.add_argument("--no-plots", action="store_true")
-    ap.add_argument("--no-progress", action="store_true")
-    return ap
+    parser.add_argument("--taper-rho", type=float, default=0.8, help="with --launch")
+    parser.add_argument("--server-args", default="", help="extra flags for --launch servers")
+    parser.add_argument("--max-total-tokens", type=int, default=65536,
+                        help="KV pool of --launch servers: room for every live prefix, "
+                             "so no policy pays re-prefills")
+    parser.add_argument("--vocab", type=int, default=400, help="prompt token ids are drawn below this")
+    parser.add_argument("--server-threads", type=int, default=1,
+                        help="OMP threads of --launch servers; 0: torch's default")
+    parser.add_argument("--stream-interval", type=int, default=8,
+                        help="chunk every n tokens: 8x less detokenize/HTTP work; stage TPOT stays exact")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--poll-s", type=float, default=1.0,
+                        help="server /metrics poll period; 0: no step series")
+    parser.add_argument("--no-plots", action="store_true")
+    parser.add_argument("--no-progress", action="store_true")
+    return parser
 
 
 def parse_args(argv: list[str] | None) -> ReplayOptions:
     """The flags as ReplayOptions; a bad value exits 2 with the reason (argparse)."""
-    ap = _parser()
-    args = ap.parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     if args.load is None:
-        ap.error("--load takes a number > 0")
+        parser.error("--load takes a number > 0")
     try:
-        scaling = Scaling(args.output_scale, args.max_stage_tokens, args.prompt_scale, args.max_prompt_tokens,
-                          args.max_program_tokens)
-    except ValueError as e:
-        ap.error(str(e))
+        scaling = Scaling(args.output_scale, args.max_stage_tokens, args.prompt_scale,
+                          args.max_prompt_tokens, args.max_program_tokens)
+    except ValueError as err:
+        parser.error(str(err))
     policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
     cal = Calibration(args.schedule, args.duration_s, args.preset, args.seed, args.slo_tpot_ms,
                       args.rate_scale, args.slo_rows, args.slo_context, args.slo_floor, args.load,
                       args.latency_model, args.launch)
     return ReplayOptions(
-        args.out, cal, args.url, args.model, args.compare, policies, args.policy_label, args.trace, args.drain_s,
-        scaling, args.taper_rho, args.server_args, args.max_total_tokens, args.vocab, args.server_threads,
-        args.stream_interval, args.poll_s, not args.no_plots, not args.no_progress)
+        args.out, cal, args.url, args.model, args.compare, policies, args.policy_label, args.trace,
+        args.drain_s, scaling, args.taper_rho, args.server_args, args.max_total_tokens, args.vocab,
+        args.server_threads, args.stream_interval, args.poll_s, not args.no_plots, not args.no_progress)
 
 
 # ------------------------------------------------------------------------------------- servers
@@ -190,8 +192,10 @@ def prepare(opts: ReplayOptions, trace: Any, point: Point) -> Workload:
         "rate_scale": point.rate_scale, "preset": opts.cal.preset, "seed": opts.cal.seed,
         "scaling": asdict(opts.scaling),
         "slo_tpot_ms": point.slo_tpot_ms, "slo_rows": opts.cal.slo_rows if auto_slo else None,
-        "slo_floor": opts.cal.slo_floor if auto_slo else None, "slo_context": opts.cal.slo_context if auto_slo else None,
-        "load": opts.cal.load if auto_rate else None, "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
+        "slo_floor": opts.cal.slo_floor if auto_slo else None,
+        "slo_context": opts.cal.slo_context if auto_slo else None,
+        "load": opts.cal.load if auto_rate else None,
+        "demand_tok_s": mean_demand_tok_s(specs, schedule.duration_s),
         "taper_rho": opts.taper_rho if opts.launch else None, "latency_model": point.latency_model,
         "calibration_probe": point.probe.as_dict() if point.probe else None,
         "server": ("launch " + opts.model) if opts.launch else opts.url,
@@ -211,7 +215,7 @@ class Bench:
 
     opts: ReplayOptions
     trace: Any
-    pt: Point | None = None
+    operating_point: Point | None = None
     work: Workload | None = None
     results: dict[str, dict] = field(default_factory=dict)
     runs: dict[str, Run] = field(default_factory=dict)
@@ -223,23 +227,25 @@ class Bench:
 
     def point(self, probe: Probe | None) -> Point:
         """The operating point, calibrated on the first probe; the workload follows from it."""
-        if self.pt is None:
+        if self.operating_point is None:
             assert probe is not None
-            self.pt = calibrate(self.opts.cal, self.trace, self.opts.scaling, probe, self.out)
+            self.operating_point = calibrate(self.opts.cal, self.trace, self.opts.scaling, probe, self.out)
         if self.work is None:
-            self.work = prepare(self.opts, self.trace, self.pt)
-        return self.pt
+            self.work = prepare(self.opts, self.trace, self.operating_point)
+        return self.operating_point
 
     def _replay(self, policy: str, url: str, probe: Probe | None) -> Run:
         opts, point = self.opts, self.point(probe)
         assert self.work is not None
         run = Run(policy, [Outcome(spec) for spec in self.work.specs])
         target = Target(url, point.slo_tpot_ms, opts.cal.seed, opts.stream_interval, vocab=opts.vocab)
-        execute(run, target, self.work.schedule.duration_s + opts.drain_s, opts.poll_s, progress=opts.progress)
+        execute(run, target, self.work.schedule.duration_s + opts.drain_s, opts.poll_s,
+                progress=opts.progress)
         res = summarize_run(run, point.slo_tpot_ms / 1e3, self.work.schedule)
         cal = opts.cal
-        res["run"]["probe"] = (probe.as_dict() | {"at_slo_rows_ms": 1e3 * probe.at(cal.slo_rows, cal.slo_context)}
-                               if probe else None)
+        res["run"]["probe"] = (
+            probe.as_dict() | {"at_slo_rows_ms": 1e3 * probe.at(cal.slo_rows, cal.slo_context)}
+            if probe else None)
         self.runs[policy], self.results[policy] = run, res
         if run.warning:
             print(f"{policy}: warning: {run.warning}", file=sys.stderr)
@@ -248,20 +254,23 @@ class Bench:
     def run_policy(self, policy: str) -> bool:
         """Start (or reuse) the server, probe it, replay; False when the whole bench must stop."""
         opts = self.opts
-        server = _server(opts, policy, self.pt) if opts.launch else None
+        server = _server(opts, policy, self.operating_point) if opts.launch else None
         stop = False
         try:
             url = server.start().url if server else opts.url
             assert url is not None
-            probe = probe_url(url) if opts.launch else (self.pt.probe if self.pt else None)
+            known = self.operating_point
+            probe = probe_url(url) if opts.launch else (known.probe if known else None)
             self.point(probe)  # the first (non-taper) server calibrates the operating point
-            policy = policy or (server_report(url) or {}).get("policy") or "server"  # --url: the server's own
+            # --url: the server's own
+            policy = policy or (server_report(url) or {}).get("policy") or "server"
             run = self._replay(policy, url, probe)
             stop = run.interrupted or (run.error is not None and not opts.launch)
-        except (ServerError, ConnectionError, RuntimeError) as e:  # start, probe or a bug in between
-            self.results[policy] = {"run": {"error": f"{type(e).__name__}: {e}"}, "partial": True}
+        except (ServerError, ConnectionError, RuntimeError) as err:  # start, probe or a bug in between
+            self.results[policy] = {"run": {"error": f"{type(err).__name__}: {err}"}, "partial": True}
         except KeyboardInterrupt:  # during a server start or probe
-            self.results[policy] = {"run": {"error": "interrupted (Ctrl-C)", "interrupted": True}, "partial": True}
+            self.results[policy] = {"run": {"error": "interrupted (Ctrl-C)", "interrupted": True},
+                                    "partial": True}
             stop = True
         finally:
             if server is not None:
@@ -279,11 +288,11 @@ class Bench:
         write_records(self.out, self.runs)
 
     def report(self) -> None:
-        if self.opts.plots and self.runs and self.work and self.pt:
+        if self.opts.plots and self.runs and self.work and self.operating_point:
             from bench.plots import plot_run
 
             plotted = {policy: _Plotted(run.records, run.steps) for policy, run in self.runs.items()}
-            plot_run(plotted, self.work.schedule, self.pt.slo_tpot_ms / 1e3, self.out)
+            plot_run(plotted, self.work.schedule, self.operating_point.slo_tpot_ms / 1e3, self.out)
         print(report_text(self.results))
 
 
@@ -325,7 +334,7 @@ def _calibrate_first(bench: Bench, policies: list[str]) -> None:
     fit at start: calibrate on an off server first)."""
     opts, cal = bench.opts, bench.opts.cal
     if not cal.needs_probe:
-        bench.pt = cal.given()
+        bench.operating_point = cal.given()
     elif opts.launch and policies[0].startswith("taper"):
         with _server(opts, "off", None) as srv:
             bench.point(probe_url(srv.url))
@@ -341,15 +350,15 @@ def main(argv: list[str] | None = None) -> int:
         fit_schedule(trace, opts.cal.schedule, opts.cal.duration_s, opts.cal.rate_scale or 1.0)
         if opts.cal.latency_model not in ("auto", "none"):
             load_model(opts.cal.latency_model)
-    except ValueError as e:  # a TraceError too
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as err:  # a TraceError too
+        print(f"error: {err}", file=sys.stderr)
         return 2
     policies = _policies(opts)
     bench = Bench(opts, trace)
     try:
         _calibrate_first(bench, policies)
-    except (ServerError, ConnectionError, RuntimeError) as e:
-        print(f"error: calibration failed: {e}", file=sys.stderr)
+    except (ServerError, ConnectionError, RuntimeError) as err:
+        print(f"error: calibration failed: {err}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         print("interrupted during calibration; nothing measured", file=sys.stderr)

@@ -5,21 +5,12 @@ machine that runs it, in one run.
         [--seeds 0,1,2] [--slo-scale F]
     python -m bench.sweep --url off=URL1,eager=URL2,taper=URL3 --slo-tpot-ms 12 --out DIR
 
-The operating points are fixed by a rule before anything is measured (bench.live.calibrate):
-1. probe the first non-taper server: T(S) = c0 + c_seq rows + c_ctx context tokens (bench.probe);
-2. SLO = max(T(32 rows of 256 KV tokens), 2.5 x T(1 row)) x --slo-scale, unless --slo-tpot-ms;
-3. load 1.0 = the fluid bound at that SLO (bench.bound over the programs' real contexts);
-4. loads LOADS x that: geometric, x1.58 a point, from far below the bound (where per-request costs,
-   not decode steps, decide) up to the bound itself, where no policy can hold. The grid spans 10x,
-   so a probe that is off by 2x either way still leaves the transition inside it;
-5. all servers start once and stay up; per seed the loads run in ascending order, each load runs
-   every policy (in an order rotated per load, so a drift of a shared box does not always hit the
-   same policy) on the same programs, each server's cache flushed before its run. A point is a
-   stationary schedule of --duration-s plus --drain-s; a program unfinished by then is a miss.
-It is bench.capacity's instrument at these loads without bisection: the same capacity rule (the
-last load up to which every load holds 95%), the same two-axis verdict per seed and on the means
-over seeds, the same capacity.json; DIR also gets sweep.json (grid, probes, every point),
-capacity.png and records per point.
+The operating points are fixed from a probe before anything is measured (bench.live.calibrate):
+SLO = max(T(32 rows of 256 KV tokens), 2.5 x T(1 row)) x --slo-scale unless --slo-tpot-ms is
+given, load 1.0 = the fluid bound at that SLO, and the loads are LOADS x that. It is
+bench.capacity's instrument at these loads without bisection (the same capacity rule, verdicts
+and capacity.json); DIR also gets sweep.json (grid, probes, every point), capacity.png and records
+per point. The rule and the run order in full: docs/design/bench-micro.md.
 """
 
 from __future__ import annotations
@@ -54,19 +45,21 @@ class Grid:
 
     @property
     def rates(self) -> list[float]:
-        return [x * self.fluid_bound_rps for x in self.loads]
+        return [load * self.fluid_bound_rps for load in self.loads]
 
     def line(self) -> str:
-        return (f"SLO {self.slo_tpot_ms:.2f} ms (probe {self.probed_slo_ms:.2f} ms x {self.slo_scale:g}); load 1.0 = "
-                f"fluid bound {self.fluid_bound_rps:.3f} req/s; loads " + ", ".join(
-                    f"{x:g} ({r:.3f} req/s)" for x, r in zip(self.loads, self.rates, strict=True)))
+        loads = ", ".join(f"{load:g} ({rate:.3f} req/s)"
+                          for load, rate in zip(self.loads, self.rates, strict=True))
+        return (f"SLO {self.slo_tpot_ms:.2f} ms (probe {self.probed_slo_ms:.2f} ms x {self.slo_scale:g}); "
+                f"load 1.0 = fluid bound {self.fluid_bound_rps:.3f} req/s; loads " + loads)
 
 
 def _csv(kind: type, text: str, what: str) -> tuple:
     try:
-        vals = tuple(kind(x) for x in text.split(",") if x.strip())
+        vals = tuple(kind(item) for item in text.split(",") if item.strip())
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{what}: expected values separated by commas, got {text!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"{what}: expected values separated by commas, got {text!r}") from None
     if not vals:
         raise argparse.ArgumentTypeError(f"{what}: none given")
     return vals
@@ -74,103 +67,112 @@ def _csv(kind: type, text: str, what: str) -> tuple:
 
 def _loads(text: str) -> tuple[float, ...]:
     vals = _csv(float, text, "--loads")
-    if any(not v > 0 for v in vals) or list(vals) != sorted(vals):
+    if any(not load > 0 for load in vals) or list(vals) != sorted(vals):
         raise argparse.ArgumentTypeError(f"loads must be > 0 and ascending, got {text!r}")
     return vals
 
 
 def _urls(text: str) -> dict[str, str]:
-    pairs = [x.split("=", 1) for x in text.split(",") if x.strip()]
-    if not pairs or any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+    pairs = [item.split("=", 1) for item in text.split(",") if item.strip()]
+    if not pairs or any(len(pair) != 2 or not pair[0] or not pair[1] for pair in pairs):
         raise argparse.ArgumentTypeError(f"expected policy=URL pairs separated by commas, got {text!r}")
     return dict(pairs)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
-    where = ap.add_mutually_exclusive_group(required=True)
+    parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
+    where = parser.add_mutually_exclusive_group(required=True)
     where.add_argument("--launch", action="store_true", help="start one server per policy")
     where.add_argument("--url", type=_urls, help="running servers, policy=URL,...")
-    ap.add_argument("--model", default="models/tiny")
-    ap.add_argument("--policies", default="off,eager,taper", help="with --launch")
-    ap.add_argument("--trace", default=DEFAULT_TRACE)
-    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
-    ap.add_argument("--seeds", type=lambda t: _csv(int, t, "--seeds"), default=(0,),
-                    help="each seed runs every load (its own programs); verdict per seed and on the means")
-    ap.add_argument("--loads", type=_loads, default=LOADS, help="fractions of the fluid bound")
-    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: from the probe (module docstring)")
-    ap.add_argument("--slo-scale", type=float, default=1.0, help="SLO sensitivity: the SLO times this")
-    ap.add_argument("--slo-ttft-s", type=float, default=None, help="a TTFT target attainment also requires")
-    ap.add_argument("--duration-s", type=float, default=40.0)
-    ap.add_argument("--drain-s", type=float, default=20.0)
-    ap.add_argument("--output-scale", type=float, default=1.0)
-    ap.add_argument("--max-stage-tokens", type=int, default=256)
-    ap.add_argument("--taper-rho", type=float, default=0.8)
-    ap.add_argument("--server-args", default="", help="extra flags for --launch servers")
-    ap.add_argument("--server-threads", type=int, default=1, help="OMP threads of --launch servers; 0: torch's")
-    ap.add_argument("--max-total-tokens", type=int, default=65536)
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--no-progress", action="store_true")
-    a = ap.parse_args(argv)
-    if not a.slo_scale > 0:
-        ap.error("--slo-scale must be > 0")
-    return a
+    parser.add_argument("--model", default="models/tiny")
+    parser.add_argument("--policies", default="off,eager,taper", help="with --launch")
+    parser.add_argument("--trace", default=DEFAULT_TRACE)
+    parser.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    parser.add_argument("--seeds", type=lambda text: _csv(int, text, "--seeds"), default=(0,),
+                        help="each seed runs every load (its own programs); "
+                             "verdict per seed and on the means")
+    parser.add_argument("--loads", type=_loads, default=LOADS, help="fractions of the fluid bound")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help="default: from the probe (module docstring)")
+    parser.add_argument("--slo-scale", type=float, default=1.0, help="SLO sensitivity: the SLO times this")
+    parser.add_argument("--slo-ttft-s", type=float, default=None,
+                        help="a TTFT target attainment also requires")
+    parser.add_argument("--duration-s", type=float, default=40.0)
+    parser.add_argument("--drain-s", type=float, default=20.0)
+    parser.add_argument("--output-scale", type=float, default=1.0)
+    parser.add_argument("--max-stage-tokens", type=int, default=256)
+    parser.add_argument("--taper-rho", type=float, default=0.8)
+    parser.add_argument("--server-args", default="", help="extra flags for --launch servers")
+    parser.add_argument("--server-threads", type=int, default=1,
+                        help="OMP threads of --launch servers; 0: torch's")
+    parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--no-progress", action="store_true")
+    args = parser.parse_args(argv)
+    if not args.slo_scale > 0:
+        parser.error("--slo-scale must be > 0")
+    return args
 
 
-def _config(a: argparse.Namespace) -> dict[str, Any]:
-    return {k: v for k, v in vars(a).items() if k != "url"} | {"servers": "launch" if a.launch else dict(a.url)}
+def _config(args: argparse.Namespace) -> dict[str, Any]:
+    flags = {name: value for name, value in vars(args).items() if name != "url"}
+    return flags | {"servers": "launch" if args.launch else dict(args.url)}
 
 
-def run(a: argparse.Namespace, policies: list[str], base: PointSetup, servers: Servers, doc: dict[str, Any]) -> dict:
+def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers: Servers,
+        doc: dict[str, Any]) -> dict:
     """Calibrate, then every seed at every load; bench.capacity's result (the doc gets grid and probes)."""
-    out = Path(a.out)
-    op = calibrate(servers, policies, base, out, a.slo_tpot_ms, a.slo_scale)
-    grid = Grid(op.setup.slo_tpot_ms, op.probed_slo_ms, a.slo_scale, op.fluid_bound_rps, a.loads)
-    doc["grid"], doc["probes"]["start"] = asdict(grid) | {"rates": grid.rates}, op.probe.as_dict()
+    out = Path(args.out)
+    operating = calibrate(servers, policies, base, out, args.slo_tpot_ms, args.slo_scale)
+    bound = operating.fluid_bound_rps
+    grid = Grid(operating.setup.slo_tpot_ms, operating.probed_slo_ms, args.slo_scale, bound, args.loads)
+    doc["grid"], doc["probes"]["start"] = asdict(grid) | {"rates": grid.rates}, operating.probe.as_dict()
     print(grid.line(), flush=True)
-    points = doc["points"] = LivePoints(servers, op.setup, op.fluid_bound_rps, out, progress=not a.no_progress)
-    engine = Engine("replay", points, op.fluid_bound_rps, 1, {"fluid_bound_rps": op.fluid_bound_rps})
-    res = measure(engine, policies, list(a.seeds), rates=grid.rates, bisect_steps=0)
+    points = doc["points"] = LivePoints(servers, operating.setup, bound, out, progress=not args.no_progress)
+    engine = Engine("replay", points, bound, 1, {"fluid_bound_rps": bound})
+    res = measure(engine, policies, list(args.seeds), rates=grid.rates, bisect_steps=0)
     end = calibration_policy(policies) if calibration_policy(policies) in policies else policies[0]
     doc["probes"]["end"] = live.probe_server(servers.url(end)).as_dict()
     return res
 
 
 def main(argv: list[str] | None = None) -> int:
-    a = parse_args(argv)
+    args = parse_args(argv)
     try:
-        trace = load_trace(a.trace)
-        scaling = Scaling(a.output_scale, a.max_stage_tokens)
-    except (TraceError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        trace = load_trace(args.trace)
+        scaling = Scaling(args.output_scale, args.max_stage_tokens)
+    except (TraceError, ValueError) as err:
+        print(f"error: {err}", file=sys.stderr)
         return 2
-    policies = list(a.url) if a.url else [p.strip() for p in a.policies.split(",") if p.strip()]
-    settings = ServerSettings(a.model, a.taper_rho, a.server_threads, a.max_total_tokens, a.server_args)
-    servers = Servers(urls=dict(a.url)) if a.url else Servers(settings, max_alive=len(policies) + 1)
-    base = PointSetup(trace, 1.0, scaling, a.duration_s, a.drain_s, a.preset, a.slo_ttft_s)
-    out = Path(a.out)
-    doc: dict[str, Any] = {"config": _config(a), "probes": {}, "grid": None}
-    res, rc = None, 0
+    policies = (list(args.url) if args.url
+                else [name.strip() for name in args.policies.split(",") if name.strip()])
+    settings = ServerSettings(args.model, args.taper_rho, args.server_threads, args.max_total_tokens,
+                              args.server_args)
+    servers = Servers(urls=dict(args.url)) if args.url else Servers(settings, max_alive=len(policies) + 1)
+    base = PointSetup(trace, 1.0, scaling, args.duration_s, args.drain_s, args.preset, args.slo_ttft_s)
+    out = Path(args.out)
+    doc: dict[str, Any] = {"config": _config(args), "probes": {}, "grid": None}
+    res, exit_code = None, 0
     try:
-        res = run(a, policies, base, servers, doc)
-    except (ServerError, ConnectionError, RuntimeError, OSError) as e:
-        print(f"error: {type(e).__name__}: {e}", file=sys.stderr)
-        rc = 1
+        res = run(args, policies, base, servers, doc)
+    except (ServerError, ConnectionError, RuntimeError, OSError) as err:
+        print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+        exit_code = 1
     except KeyboardInterrupt:
         print("interrupted: what ran is saved", file=sys.stderr)
-        rc = 130
+        exit_code = 130
     finally:
         servers.close()
     points = doc.pop("points", None)
     doc["points"] = points.done if points is not None else []
     if res is None:
         write_json(out / "sweep.json", doc | {"partial": True}, indent=1, default=float)
-        return rc or 1
+        return exit_code or 1
     path = write(out, res, doc["config"] | {"grid": doc["grid"], "probes": doc["probes"]})
     write_json(out / "sweep.json", doc | {"capacity": res["capacity"], "per_seed": res["per_seed"],
                                           "wall_s": res["wall_s"]}, indent=1, default=float)
-    plot(res["capacity"], out, f"live sweep, {Path(a.trace).stem}, SLO {doc['grid']['slo_tpot_ms']:.2f} ms, "
-         f"seeds {','.join(map(str, a.seeds))}")
+    plot(res["capacity"], out, f"live sweep, {Path(args.trace).stem}, "
+         f"SLO {doc['grid']['slo_tpot_ms']:.2f} ms, seeds {','.join(map(str, args.seeds))}")
     print("\n" + report(res) + f"\nwall {res['wall_s']:.0f} s -> {path}")
     return 0
 
