@@ -4,13 +4,12 @@
 (2) sampler: time of parallel_sampler.sample_rows for the full batch vs a ceil(bs/t) row slice
     (t = 2, 4, 8): the per-rank sampling cost that sequence-parallel sampling leaves.
 (3) decode: forward-step latency of a random-weight Llama-8B-like decoder over a (batch, context)
-    grid, eager and CUDA-graph, fitted to T = c0 + c_seq*bs + c_ctx*sum_ctx (seconds).
-    Own pure-torch decoder, KV written in place into preallocated buffers as a paged engine does:
-    HF's DynamicCache concatenates the whole cache every step (~3x the KV traffic), which would
-    inflate c_ctx. The top-level "fit" comes from this part (graph times when capture works).
+    grid, eager and CUDA-graph, fitted to T = c0 + c_seq*bs + c_ctx*sum_ctx (seconds). Own
+    pure-torch decoder, KV written in place. The top-level "fit" comes from this part.
 (4) decode_hf: HF LlamaForCausalLM + DynamicCache on a few points only, as a cross-check.
 Every part is guarded, bounded by --budget-s, and the JSON is rewritten after each measurement.
-`--dry-run` runs tiny shapes on CPU in seconds.
+`--dry-run` runs tiny shapes on CPU in seconds; bench/gpu_check.sh is the prepared device run.
+Why an own decoder, the grids and the fit: docs/design/bench-tools.md.
 """
 
 import argparse
