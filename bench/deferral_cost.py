@@ -170,6 +170,7 @@ def _drain(sched: Any, arm: Arm, reqs: list[Any]) -> None:
     _swap_in(sched, arm)
     for req in reqs:
         req.to_finish = FINISH_ABORT("bench done")
+
     def drained() -> bool:
         return sched.running_batch.is_empty() and sched.last_batch is None and not sched.result_queue
 
@@ -200,6 +201,7 @@ def measure(sched: Any, n_rows: int, frac: float, changed: bool, steps: int, tag
         # enough tokens to outlast the point (the KV pool holds them all: no retraction)
         reqs.append(add_phase_requests(sched, f"{tag}-{'ab'[len(reqs)]}", phases, rows,
                                        max_new_tokens=TOKENS * (WARMUP + steps)))
+
         def prefilled(rows: int = rows) -> bool:
             return not sched.waiting_queue and sched.running_batch.batch_size() == phases * rows
 
