@@ -4,27 +4,13 @@
         --slo-tpot-ms 50 --seeds 0,1,2 --out DIR [--preset multiverse|sprint] [--max-running sglang|slo|N]
         [--slo-ttft-s S] [--rates R1,R2,...] [--engine sim|replay (--launch | --url URL)]
 
-Every point is one policy at one stationary rate (`workload.stationary_schedule`: the trace's burst
-pattern at a constant mean rate from a seed-chosen place in the trace; the seed also draws the
-requests' branch structure and the latency noise), scored by bench.metrics over every request that
-arrived in the measured window (unfinished or failed requests are misses).
-
-The rules, fixed before any result was seen:
-* grid: the fluid bound (bench.bound) times GRID, the same rates for every policy and seed
-  (`--rates` replaces the grid and skips the bisection);
-* capacity of one seed: the lowest grid rate below TARGET attainment bounds it from above and the
-  grid rate under it from below; BISECT_STEPS halvings of that bracket; the lower end is the
-  capacity. capacity_rps is the mean over seeds, capacity_spread their max - min;
-* the verdict (`verdict`): (a) taper's capacity >= every other policy's; (b) at each grid rate the
-  frontier is the lowest decomposable P50 end to end among the policies holding TARGET, and
-  wherever a fixed-width policy (off, cap:K, eager) holds, taper holds too and is within
-  FRONTIER_SLACK of the frontier. Judged on the means over seeds and on each seed.
-Simulator windows: WARMUP_S of load before the measured window, WINDOW_S measured (arrivals
-counted), arrivals go on for DRAIN_S after it, and whatever has not finished then is a miss.
-
-Engines: `sim` (bench.engine's simulator and the server's own controller, default) and `replay`
-(live servers, bench.live). An Engine runs points: `point(policy, rate, seed)` -> bench.metrics'
-load_point figures. bench.sweep (`make bench`) is this instrument on live servers at fixed loads.
+Every point is one policy at one stationary rate (`workload.stationary_schedule`), scored by
+bench.metrics over every request that arrived in the measured window. The grid is the fluid bound
+(bench.bound) times GRID; a seed's capacity is the lower end of its hold/fail bracket after
+BISECT_STEPS halvings. `verdict`: (a) taper's capacity >= every other policy's; (b) wherever a
+fixed-width policy holds TARGET, taper holds and is within FRONTIER_SLACK of the latency frontier.
+Engines: `sim` (bench.engine's simulator, default) and `replay` (live servers, bench.live). The
+rules in full: docs/design/bench-tools.md.
 """
 
 from __future__ import annotations
@@ -78,13 +64,14 @@ class Engine:
 
     def run(self, jobs: Sequence[Job]) -> list[dict]:
         if self.workers <= 1 or len(jobs) <= 1:
-            return [self.point(*j) for j in jobs]
+            return [self.point(*job) for job in jobs]
         if self._pool is None:
             self._pool = ProcessPoolExecutor(self.workers)
         # the per-step policies at high load first: the long jobs do not end up last
-        order = sorted(range(len(jobs)), key=lambda i: (not jobs[i][0].startswith("taper"), -jobs[i][1]))
-        futs = {i: self._pool.submit(self.point, *jobs[i]) for i in order}
-        return [futs[i].result() for i in range(len(jobs))]
+        order = sorted(range(len(jobs)),
+                       key=lambda idx: (not jobs[idx][0].startswith("taper"), -jobs[idx][1]))
+        futs = {idx: self._pool.submit(self.point, *jobs[idx]) for idx in order}
+        return [futs[idx].result() for idx in range(len(jobs))]
 
     def close(self) -> None:
         if self._pool is not None:
@@ -136,9 +123,10 @@ class _SimPoint:
         window = (setup.warmup_s, setup.warmup_s + setup.window_s)
         metrics = summarize(res.records, setup.slo_s, window, steps=res.steps, slo_ttft_s=setup.slo_ttft_s,
                             horizon_s=t_end)
-        extra = ("requests", "raw_throughput_tok_s", "slo_attainment_gap", "ttft_p50_s", "step_latency_mean_ms",
-                 "admission_rate", "decomp_decode_p50_s", "serial_decode_p50_s")
-        return load_point(rate, metrics) | {k: metrics.get(k) for k in extra} | {"cpu_s": res.stats["cpu_s"]}
+        extra = ("requests", "raw_throughput_tok_s", "slo_attainment_gap", "ttft_p50_s",
+                 "step_latency_mean_ms", "admission_rate", "decomp_decode_p50_s", "serial_decode_p50_s")
+        return (load_point(rate, metrics) | {key: metrics.get(key) for key in extra}
+                | {"cpu_s": res.stats["cpu_s"]})
 
 
 def sim_engine(opts: CapacityOptions) -> Engine:
@@ -152,10 +140,11 @@ def sim_engine(opts: CapacityOptions) -> Engine:
     ref = regime_specs(trace, 1.0, 3600.0, 0, opts.preset, reg.scaling)
     cfg = reg.engine_for(slo_s, resolve_max_running(opts.max_running, model, slo_s, ref))
     setup = SimSetup(opts.trace, opts.preset, slo_s, opts.slo_ttft_s, opts.rho, model.coefs(),
-                     bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s, reg.drain_s,
-                     reg.scaling, reg.drain_arrivals)
+                     bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s,
+                     reg.drain_s, reg.scaling, reg.drain_arrivals)
     bound = fluid_bound_rps(model, slo_s, ref)
-    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg), "running_cap": cfg.running_cap,
+    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg),
+            "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
             "drain_s": setup.drain_s}
@@ -173,8 +162,8 @@ def replay_engine(opts: CapacityOptions) -> Engine:
     if not (opts.launch or opts.url):
         raise ValueError("--engine replay needs --launch or --url")
     if opts.url and len(policies) != 1:
-        raise ValueError("--engine replay --url: a running server has one policy; pass it alone in --policies "
-                         "(or use --launch)")
+        raise ValueError("--engine replay --url: a running server has one policy; pass it alone in "
+                         "--policies (or use --launch)")
     settings = ServerSettings(opts.model, opts.rho, opts.server_threads, opts.max_total_tokens,
                               opts.server_args)
     servers = (Servers(settings, slo_ms=opts.slo_tpot_ms) if opts.launch
@@ -212,31 +201,34 @@ def holds(point: Mapping[str, Any]) -> bool:
 def bracket(rates: list[float], att: list[float | None]) -> tuple[float, float | None]:
     """(lower, upper): the highest grid rate with every rate up to it at >= TARGET (0.0 if the first
     fails) and the first one below TARGET (None if all hold)."""
-    lo = 0.0
+    lower = 0.0
     for rate, attainment in zip(rates, att, strict=True):
         if attainment is None or attainment < TARGET:
-            return lo, rate
-        lo = rate
-    return lo, None
+            return lower, rate
+        lower = rate
+    return lower, None
 
 
-def _rotated(policies: list[str], i: int) -> list[str]:
-    k = i % len(policies)
-    return policies[k:] + policies[:k]
+def _rotated(policies: list[str], shift: int) -> list[str]:
+    start = shift % len(policies)
+    return policies[start:] + policies[:start]
 
 
 def _document(bound: float, policies: list[str], rates: list[float], caps: dict[str, list[float]],
               got: dict[Job, dict], seeds: list[int]) -> dict[str, Any]:
-    """capacity.json's document over `seeds`: capacities (mean, spread) and points averaged over seeds."""
+    """capacity.json's document over `seeds`: capacities (mean, spread) and points averaged over
+    seeds."""
     doc: dict[str, Any] = {"fluid_bound_rps": bound, "policies": {}}
     for policy in policies:
         policy_caps = caps[policy]
-        points = [{"rate": r} | {k: _mean([got[(policy, r, s)] for s in seeds], k) for k in POINT_KEYS[1:]}
-                  for r in rates]
+        points = [{"rate": rate} | {key: _mean([got[(policy, rate, seed)] for seed in seeds], key)
+                                    for key in POINT_KEYS[1:]}
+                  for rate in rates]
         mean = float(np.mean(policy_caps))
         spread = float(max(policy_caps) - min(policy_caps))
         doc["policies"][policy] = {"capacity_rps": mean, "capacity_spread": spread,
-                                   "capacity_of_bound": mean / bound if bound > 0 else None, "points": points}
+                                   "capacity_of_bound": mean / bound if bound > 0 else None,
+                                   "points": points}
     return doc
 
 
@@ -248,30 +240,34 @@ def measure(engine: Engine, policies: list[str], seeds: list[int], log: Callable
     for one seed}, "detail": per policy capacities per seed and every point, "wall_s"}."""
     rates = rates or grid(engine.fluid_bound_rps)
     steps = BISECT_STEPS if bisect_steps is None else bisect_steps
-    jobs = [(p, r, s) for s in seeds for i, r in enumerate(rates) for p in _rotated(policies, i)]
-    t0 = time.perf_counter()
+    jobs = [(policy, rate, seed) for seed in seeds for idx, rate in enumerate(rates)
+            for policy in _rotated(policies, idx)]
+    start = time.perf_counter()
     got = dict(zip(jobs, engine.run(jobs), strict=True))
-    log(f"grid: {len(jobs)} points in {time.perf_counter() - t0:.0f} s")
-    brackets = {(p, s): bracket(rates, [got[(p, r, s)]["attainment"] for r in rates]) for p in policies for s in seeds}
+    log(f"grid: {len(jobs)} points in {time.perf_counter() - start:.0f} s")
+    brackets = {(policy, seed): bracket(rates, [got[(policy, rate, seed)]["attainment"] for rate in rates])
+                for policy in policies for seed in seeds}
     for step in range(steps):
-        todo = {k: (lo + hi) / 2 for k, (lo, hi) in brackets.items() if hi is not None}
+        todo = {key: (lower + upper) / 2 for key, (lower, upper) in brackets.items() if upper is not None}
         if not todo:
             break
-        res = engine.run([(p, mid, s) for (p, s), mid in todo.items()])
-        for ((p, s), mid), point in zip(todo.items(), res, strict=True):
-            lo, hi = brackets[(p, s)]
-            brackets[(p, s)] = (mid, hi) if holds(point) else (lo, mid)
-            got[(p, mid, s)] = point
-        log(f"bisection {step + 1}/{steps}: {len(todo)} points, {time.perf_counter() - t0:.0f} s")
+        res = engine.run([(policy, mid, seed) for (policy, seed), mid in todo.items()])
+        for ((policy, seed), mid), point in zip(todo.items(), res, strict=True):
+            lower, upper = brackets[(policy, seed)]
+            brackets[(policy, seed)] = (mid, upper) if holds(point) else (lower, mid)
+            got[(policy, mid, seed)] = point
+        log(f"bisection {step + 1}/{steps}: {len(todo)} points, {time.perf_counter() - start:.0f} s")
     bound = engine.fluid_bound_rps
-    caps = {p: [brackets[(p, s)][0] for s in seeds] for p in policies}
-    per_seed = {s: _document(bound, policies, rates, {p: [brackets[(p, s)][0]] for p in policies}, got, [s])
-                for s in seeds}
-    detail = {p: {"capacity_per_seed": dict(zip(map(str, seeds), caps[p], strict=True)),
-                  "holds_whole_grid": [brackets[(p, s)][1] is None for s in seeds],
-                  "points": [got[k] | {"seed": k[2]} for k in sorted(got) if k[0] == p]} for p in policies}
+    caps = {policy: [brackets[(policy, seed)][0] for seed in seeds] for policy in policies}
+    per_seed = {seed: _document(bound, policies, rates,
+                                {policy: [brackets[(policy, seed)][0]] for policy in policies}, got, [seed])
+                for seed in seeds}
+    detail = {policy: {"capacity_per_seed": dict(zip(map(str, seeds), caps[policy], strict=True)),
+                       "holds_whole_grid": [brackets[(policy, seed)][1] is None for seed in seeds],
+                       "points": [got[job] | {"seed": job[2]} for job in sorted(got) if job[0] == policy]}
+              for policy in policies}
     return {"capacity": _document(bound, policies, rates, caps, got, seeds), "per_seed": per_seed,
-            "detail": detail, "wall_s": time.perf_counter() - t0}
+            "detail": detail, "wall_s": time.perf_counter() - start}
 
 
 # ------------------------------------------------------------------------------------- the verdict
@@ -302,16 +298,19 @@ class LatencyCheck:
 
 
 def latency_check(rate: float, points: Mapping[str, Mapping[str, Any]], focus: str = "taper") -> LatencyCheck:
-    """(b) over {policy: point} at one rate (module docstring)."""
-    holding = {k: v[LATENCY] for k, v in points.items() if holds(v) and v.get(LATENCY) is not None}
-    frontier = min(holding, key=lambda k: holding[k], default=None)
+    """(b) over {policy: point} at one rate: the frontier is the lowest LATENCY among the policies
+    holding TARGET; where a fixed-width policy holds, `focus` must hold too and be within
+    FRONTIER_SLACK of the frontier."""
+    holding = {policy: point[LATENCY] for policy, point in points.items()
+               if holds(point) and point.get(LATENCY) is not None}
+    frontier = min(holding, key=lambda policy: holding[policy], default=None)
     own = points.get(focus, {})
-    applies = any(is_fixed(k) and holds(v) for k, v in points.items())
+    applies = any(is_fixed(policy) and holds(point) for policy, point in points.items())
     mine = own.get(LATENCY)
-    ok = (not applies) or (holds(own) and mine is not None and frontier is not None
-                           and mine <= FRONTIER_SLACK * holding[frontier] + 1e-12)
+    passes = (not applies) or (holds(own) and mine is not None and frontier is not None
+                               and mine <= FRONTIER_SLACK * holding[frontier] + 1e-12)
     return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine,
-                        own.get("attainment"), applies, ok)
+                        own.get("attainment"), applies, passes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -330,7 +329,8 @@ class Verdict:
     def lines(self, bound: float) -> list[str]:
         focus = self.focus
         of_bound = fmt(self.capacity_rps / bound if bound else None, nd=3)
-        out = [f"(a) capacity: {focus} {self.capacity_rps:.3f} req/s ({of_bound} of the fluid bound {bound:.3f}) "
+        out = [f"(a) capacity: {focus} {self.capacity_rps:.3f} req/s ({of_bound} of the fluid bound "
+               f"{bound:.3f}) "
                + ("PASS (>= every other)" if not self.above else f"FAIL (below {', '.join(self.above)})")]
         out += [f"(b) {check.line(focus)}" for check in self.latency]
         if self.over_bound:
@@ -348,27 +348,30 @@ class Verdict:
 
 
 def verdict(doc: dict, focus: str = "taper") -> Verdict | None:
-    """taper's two-axis verdict on a capacity document (module docstring); None without `focus`."""
+    """taper's two-axis verdict on a capacity document: (a) `focus`'s capacity >= every other
+    policy's, (b) `latency_check` at every grid rate. None without `focus`."""
     pols = doc["policies"]
     if focus not in pols:
         return None
     own_capacity = pols[focus]["capacity_rps"]
-    above = tuple(k for k, v in pols.items() if k != focus and v["capacity_rps"] > own_capacity + 1e-12)
+    above = tuple(policy for policy, entry in pols.items()
+                  if policy != focus and entry["capacity_rps"] > own_capacity + 1e-12)
     rates = [point["rate"] for point in pols[focus]["points"]]
-    checks = tuple(latency_check(rate, {k: v["points"][i] for k, v in pols.items()}, focus)
-                   for i, rate in enumerate(rates))
+    checks = tuple(latency_check(rate, {policy: entry["points"][idx] for policy, entry in pols.items()},
+                                 focus)
+                   for idx, rate in enumerate(rates))
     bound = doc.get("fluid_bound_rps") or math.inf
-    over = tuple(k for k, v in pols.items() if v["capacity_rps"] > bound * (1 + 1e-9))
-    first = [v["points"][0] for v in pols.values()]
-    last = [v["points"][-1] for v in pols.values()]
+    over = tuple(policy for policy, entry in pols.items() if entry["capacity_rps"] > bound * (1 + 1e-9))
+    first = [entry["points"][0] for entry in pols.values()]
+    last = [entry["points"][-1] for entry in pols.values()]
     spans = all(holds(point) for point in first) and not any(holds(point) for point in last)
     return Verdict(focus, own_capacity, above, checks, over, spans)
 
 
 # ------------------------------------------------------------------------------------------ output
 def _rate_cols(rates: list[float], cell: Callable[[dict], str], sub: str, width: int) -> list[Col]:
-    return [Col(f"{rate:.3f}", width, lambda _k, v, i=i: cell(v["points"][i]), sub=sub)
-            for i, rate in enumerate(rates)]
+    return [Col(f"{rate:.3f}", width, lambda _name, entry, idx=idx: cell(entry["points"][idx]), sub=sub)
+            for idx, rate in enumerate(rates)]
 
 
 def tables(doc: dict) -> str:
@@ -386,13 +389,14 @@ def tables(doc: dict) -> str:
         return (f"{fmt(point['decomp_e2e_p50_s'], nd=1)} {num(point['decomp_e2e_p99_s'])} "
                 f"{fmt(point['decomp_finished_frac'], True, 0)} {fmt(point['serial_e2e_p50_s'], nd=1)}")
 
-    caps = [Col("capacity", 10, lambda _k, v: f"{v['capacity_rps']:.3f}", sub="req/s"),
-            Col("x bound", 8, lambda _k, v: fmt(v.get("capacity_of_bound"), nd=3)),
-            Col("spread", 8, lambda _k, v: fmt(v["capacity_spread"], nd=3)), blank(2)]
+    caps = [Col("capacity", 10, lambda _name, entry: f"{entry['capacity_rps']:.3f}", sub="req/s"),
+            Col("x bound", 8, lambda _name, entry: fmt(entry.get("capacity_of_bound"), nd=3)),
+            Col("spread", 8, lambda _name, entry: fmt(entry["capacity_spread"], nd=3)), blank(2)]
     return "\n\n".join([
         "SLO axis: attainment, finished, goodput (tok/s) per offered rate (req/s)",
         render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 17)], name_width=14),
-        "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, serial P50 end to end (s)",
+        "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, "
+        "serial P50 end to end (s)",
         render(pols, _rate_cols(rates, lat, "dP50 dP99 dfin sP50", 22), name_width=14)])
 
 
@@ -431,7 +435,7 @@ def write(out: Path, res: dict, config: dict, focus: str = "taper") -> Path:
     verdicts = {"means": verdict(res["capacity"], focus)}
     verdicts |= {str(seed): verdict(doc, focus) for seed, doc in res["per_seed"].items()}
     detail = {"config": config | {"grid": list(GRID), "target": TARGET, "frontier_slack": FRONTIER_SLACK},
-              "verdict": {k: v.as_dict() for k, v in verdicts.items() if v is not None},
+              "verdict": {key: result.as_dict() for key, result in verdicts.items() if result is not None},
               "per_seed": {str(seed): doc for seed, doc in res["per_seed"].items()},
               "policies": res["detail"], "wall_s": res["wall_s"]}
     write_json(out / "capacity_detail.json", detail, indent=1, default=str)
@@ -477,39 +481,44 @@ def _rates(text: str) -> list[float]:
 
 
 def parse_args(argv: list[str] | None) -> CapacityOptions:
-    ap = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--trace", required=True)
-    ap.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
-    ap.add_argument("--slo-tpot-ms", type=float, default=None, help="default: the regime's (50 ms by default)")
-    ap.add_argument("--slo-ttft-s", type=float, default=None, help="TTFT target that attainment also requires")
-    ap.add_argument("--seeds", default="0,1,2")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--engine", choices=("sim", "replay"), default="sim")
-    ap.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
-    ap.add_argument("--rho", type=float, default=0.8)
-    ap.add_argument("--max-running", default="sglang",
-                    help="sim: running-request limit, sglang (SGLang's default for the pool), slo (sensitivity) or N")
-    ap.add_argument("--latency-model", help="sim: JSON latency model; default: branchwise's default model")
-    ap.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="sim: worker processes")
-    ap.add_argument("--rates", default="", help="these rates (req/s, ascending) instead of the grid; no bisection")
-    where = ap.add_mutually_exclusive_group()
+    parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--trace", required=True)
+    parser.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
+    parser.add_argument("--slo-tpot-ms", type=float, default=None,
+                        help="default: the regime's (50 ms by default)")
+    parser.add_argument("--slo-ttft-s", type=float, default=None,
+                        help="TTFT target that attainment also requires")
+    parser.add_argument("--seeds", default="0,1,2")
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--engine", choices=("sim", "replay"), default="sim")
+    parser.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
+    parser.add_argument("--rho", type=float, default=0.8)
+    parser.add_argument("--max-running", default="sglang",
+                        help="sim: running-request limit, sglang (SGLang's default for the pool), "
+                             "slo (sensitivity) or N")
+    parser.add_argument("--latency-model",
+                        help="sim: JSON latency model; default: branchwise's default model")
+    parser.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="sim: worker processes")
+    parser.add_argument("--rates", default="",
+                        help="these rates (req/s, ascending) instead of the grid; no bisection")
+    where = parser.add_mutually_exclusive_group()
     where.add_argument("--launch", action="store_true", help="replay: start a server per policy")
     where.add_argument("--url", help="replay: a running server")
-    ap.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
-    ap.add_argument("--regime", default="default",
-                    help="sim: bench.regimes' setting (default, live, live-fast): latency model, SLO, engine "
-                         "costs, program scale, point length")
-    ap.add_argument("--no-plot", action="store_true")
-    args = ap.parse_args(argv)
+    parser.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
+    parser.add_argument("--regime", default="default",
+                        help="sim: bench.regimes' setting (default, live, live-fast): latency model, SLO, "
+                             "engine costs, program scale, point length")
+    parser.add_argument("--no-plot", action="store_true")
+    args = parser.parse_args(argv)
     try:
         if args.slo_tpot_ms is None:
             args.slo_tpot_ms = 1e3 * get_regime(args.regime).slo_s
-    except ValueError as e:
-        ap.error(str(e))
-    return CapacityOptions(args.trace, args.out, args.policies, args.slo_tpot_ms, args.slo_ttft_s, args.seeds,
-                           args.engine, args.preset, args.rho, args.max_running, args.latency_model, args.jobs,
-                           args.launch, args.url, args.server_args, not args.no_plot, rates=args.rates,
-                           regime=args.regime)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return CapacityOptions(args.trace, args.out, args.policies, args.slo_tpot_ms, args.slo_ttft_s,
+                           args.seeds, args.engine, args.preset, args.rho, args.max_running,
+                           args.latency_model, args.jobs, args.launch, args.url, args.server_args,
+                           not args.no_plot, rates=args.rates, regime=args.regime)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -521,12 +530,13 @@ def main(argv: list[str] | None = None) -> int:
         if not policies or not seeds:
             raise ValueError("need at least one policy and one seed")
         engine = sim_engine(opts) if opts.engine == "sim" else replay_engine(opts)
-    except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
         return 2
     shown = rates or grid(engine.fluid_bound_rps)
     print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; "
-          f"rates {', '.join(f'{rate:.3f}' for rate in shown)} req/s; seeds {seeds}; policies {', '.join(policies)}")
+          f"rates {', '.join(f'{rate:.3f}' for rate in shown)} req/s; seeds {seeds}; "
+          f"policies {', '.join(policies)}")
     try:
         res = measure(engine, policies, seeds, rates=rates, bisect_steps=0 if rates else None)
     finally:

@@ -6,38 +6,11 @@
     python -m bench.soak --launch --deferring                      # an SLO at which TAPER defers rows
     python -m bench.soak --url http://127.0.0.1:30000   # a server with --enable-custom-logit-processor
 
-The load is deterministic from --seed (job i's kind and parameters depend only on the seed and i):
-serial requests, streaming and not; client fork/join (branchwise.client stamps and rids) and SGLang
-frontend programs (frontends/: fork/join, Multiverse, SPRINT); server-side Multiverse and SPRINT
-forks (bench.structure_driver forces the skeleton: the tiny model never writes tags itself) and
-forks wider than --branch-max-fanout (not taken: serial, with a branchwise_error); client
-disconnects mid-stream; aborts by rid (/abort_request) of server-fork parents, of serial streams and
-of one client-side branch while its siblings run; parallel sampling (`sampling_params.n` 2..4 on
-one /generate, streamed and not, some samples aborted mid-stream); malformed requests (bad
-custom_params, bad sampling params, bad JSON). `--concurrency` workers keep that many jobs in flight until the time is
-up (the launched server caps running requests, so its waiting queue fills); no job outlives
---job-timeout-s and the run stops by itself.
-
---deferring stamps every request with one TPOT SLO measured on the server after warm-up: the time
-per output token of as many serial requests decoding together as can run at once (--concurrency,
-at most the server's --max-running-requests), launched with --branch-min-slo-tpot-ms low enough to
-allow it. Each request's own row fits that budget, extra branch rows do not, so TAPER defers rows
-at its budget on any machine.
-
-At the end it checks and prints:
-  lost        every job ended with its expected class of answer within the timeout: 2xx, a 4xx
-              naming the bad field, an abort result, or the disconnect the job made itself;
-  duplicated  no rid got two final answers, no stream sent anything after its final chunk, and no
-              answer carried a rid this run did not send (e.g. a server-side branch's);
-  healthy     /health answered 200 at every poll, the scheduler pid (/server_info's Branchwise
-              report) never changed and is alive; with --launch the server process is alive;
-  idle        /v1/loads reaches no used KV tokens and no running or waiting request, nothing parked;
-  rss         scheduler VmRSS (/proc/PID/status) at the end minus after warm-up < --rss-bound-mb;
-  dicts       Branchwise's per-request state is empty: controller trackers and pins, the fork
-              manager's parked parents, pending forks and joins, live branches and phase registry
-              maps; and its idle leak check freed no orphan (`orphans_freed`);
-  deferred    (--deferring only) TAPER deferred rows during the load.
-Exit status 0 only if every check passes.
+The load (MIX: serial requests, client, frontend and server-side forks, disconnects, aborts,
+parallel sampling, malformed requests) is deterministic from --seed; --concurrency workers keep that
+many jobs in flight until the time is up. The checks at the end: lost, duplicated, healthy, idle,
+rss, dicts, and deferred with --deferring; the exit status is 0 only if every check passes. What
+each job sends and each check requires: docs/design/bench-tools.md.
 """
 
 from __future__ import annotations
@@ -73,7 +46,8 @@ IDLE_DEADLINE_S = 90.0
 STALL_MARGIN_S = 120.0  # past a job's timeout with nothing done: the client itself is stuck
 POLL_S = 0.5
 
-# Job kinds and their weights in the mix (fixed before any run; see docs/benchmarks.md, "Correctness under load").
+# Job kinds and their weights in the mix (fixed before any run; see docs/benchmarks.md,
+# "Correctness under load").
 MIX: dict[str, int] = {
     "serial": 16, "client_fork": 8, "frontend": 5, "server_fork": 12, "disconnect": 6,
     "abort_parent": 7, "abort_branch": 5, "bad_meta": 5, "bad_sampling": 5, "bad_json": 4, "wide_fork": 3,
@@ -101,8 +75,10 @@ BAD_SAMPLING: list[tuple[dict[str, Any], str]] = [
     ({"temperature": -1}, "temperature"), ({"top_p": 1.5}, "top_p"), ({"min_p": 2}, "min_p"),
     ({"top_k": 0}, "top_k"), ({"frequency_penalty": 3}, "frequency_penalty"),
     ({"presence_penalty": -5}, "presence_penalty"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"max_new_tokens": -3}, "max_new_tokens"), ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
-    ({"logit_bias": {"999999": 1.0}}, "logit_bias"), ({"sampling_seed": 2**70}, ""),  # SGLang's message does not name it
+    ({"max_new_tokens": -3}, "max_new_tokens"),
+    ({"min_new_tokens": 9, "max_new_tokens": 4}, "min_new_tokens"),
+    ({"logit_bias": {"999999": 1.0}}, "logit_bias"),
+    ({"sampling_seed": 2**70}, ""),  # SGLang's message does not name it
 ]
 BAD_JSON: list[tuple[bytes | dict[str, Any], str]] = [
     (b'{"text": "a", "sampling_params": {', ""),
@@ -234,7 +210,7 @@ class Soak:
         those and n distinct ones must answer. With abort_after, the samples whose index is in
         `victims` and that have streamed by then are aborted by their rid. Returns the replies by
         rid and the rids aborted."""
-        n = payload["sampling_params"]["n"]
+        n_samples = payload["sampling_params"]["n"]
         reps: dict[str, Reply] = {}
         index: dict[int, str] = {}
         aborted: set[str] = set()
@@ -245,9 +221,9 @@ class Soak:
             if not stream:
                 body = json.loads(await resp.text())
                 if not isinstance(body, list):
-                    raise Unexpected(f"n={n}: expected a list of answers, got {str(body)[:200]}")
-                for i, part in enumerate(body):
-                    self._take(reps, index, part, i)
+                    raise Unexpected(f"n={n_samples}: expected a list of answers, got {str(body)[:200]}")
+                for order, part in enumerate(body):
+                    self._take(reps, index, part, order)
             else:
                 buf, chunks, aborts = b"", 0, None
                 async for piece in resp.content.iter_any():
@@ -258,22 +234,23 @@ class Soak:
                             chunks += 1
                             self._take(reps, index, json.loads(data), None)
                     if abort_after is not None and chunks >= abort_after and aborts is None:
-                        aborted = {index[i] for i in victims if i in index}
+                        aborted = {index[sample] for sample in victims if sample in index}
                         aborts = asyncio.ensure_future(asyncio.gather(*[self.abort(rid) for rid in aborted]))
                 if aborts is not None:
                     await aborts
-        if len(reps) != n:
-            raise Unexpected(f"n={n}: answers under {len(reps)} rids ({sorted(reps)[:5]})")
+        if len(reps) != n_samples:
+            raise Unexpected(f"n={n_samples}: answers under {len(reps)} rids ({sorted(reps)[:5]})")
         return reps, aborted
 
-    def _take(self, reps: dict[str, Reply], index: dict[int, str], chunk: dict[str, Any], i: int | None) -> None:
+    def _take(self, reps: dict[str, Reply], index: dict[int, str], chunk: dict[str, Any],
+              order: int | None) -> None:
         rid = (chunk.get("meta_info") or {}).get("id")
         if rid is None:
             raise Unexpected(f"an n>1 answer without a rid: {str(chunk)[:200]}")
         if rid not in reps:  # a sample's own rid: the server chose it for this request
             reps[rid] = Reply(200)
             self.sent.add(rid)
-            index[chunk.get("index", i if i is not None else len(index))] = rid
+            index[chunk.get("index", order if order is not None else len(index))] = rid
         rep = reps[rid]
         if rep.finals:
             self.stream_extra.append(rid)
@@ -292,7 +269,8 @@ class Soak:
 
 
 # ---- expectations --------------------------------------------------------------------------------
-def expect_ok(rep: Reply, rid: str | None = None, abort_ok: bool = False, limit_error: str | None = None) -> str:
+def expect_ok(rep: Reply, rid: str | None = None, abort_ok: bool = False,
+              limit_error: str | None = None) -> str:
     """A complete answer (stop/length), once; abort_ok: an abort result also counts ("aborted");
     limit_error: the answer must carry a branchwise_error naming that limit."""
     if rep.status != 200:
@@ -322,10 +300,12 @@ def expect_rejected(rep: Reply, needle: str) -> str:
         msg = rep.raw
     elif rep.status == 200 and rep.finals == 1 and "error" in (rep.body or {}):
         msg = json.dumps(rep.body["error"])
-    elif rep.status == 200 and rep.finish.get("type") == "abort" and 400 <= (rep.finish.get("status_code") or 0) < 500:
+    elif (rep.status == 200 and rep.finish.get("type") == "abort"
+          and 400 <= (rep.finish.get("status_code") or 0) < 500):
         msg = str(rep.finish.get("message"))
     else:
-        raise Unexpected(f"expected a 4xx naming {needle!r}, got HTTP {rep.status}: {rep.raw[:200] or rep.body}")
+        raise Unexpected(f"expected a 4xx naming {needle!r}, got HTTP {rep.status}: "
+                         f"{rep.raw[:200] or rep.body}")
     if needle.lower() not in msg.lower():
         raise Unexpected(f"the error does not name {needle!r}: {msg[:300]}")
     return "rejected"
@@ -336,8 +316,9 @@ def text(rng: random.Random, words: tuple[int, int] = (6, 30)) -> str:
     return " ".join(rng.choices(WORDS, k=rng.randint(*words))) + "."
 
 
-def sampling(rng: random.Random, lo: int = 4, hi: int = 48) -> dict[str, Any]:
-    params: dict[str, Any] = {"max_new_tokens": rng.randint(lo, hi), "ignore_eos": rng.random() < 0.5}
+def sampling(rng: random.Random, min_tokens: int = 4, max_tokens: int = 48) -> dict[str, Any]:
+    params: dict[str, Any] = {"max_new_tokens": rng.randint(min_tokens, max_tokens),
+                              "ignore_eos": rng.random() < 0.5}
     if rng.random() < 0.3:
         params |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
     else:
@@ -350,14 +331,14 @@ def sampling(rng: random.Random, lo: int = 4, hi: int = 48) -> dict[str, Any]:
 def server_fork_payload(soak: Soak, rng: random.Random, rid: str, stream: bool, branch_len: tuple[int, int],
                         max_new: int) -> dict[str, Any]:
     grammar = rng.choice(["multiverse", "sprint"])
-    n = rng.randint(2, 4)
-    lens = [rng.randint(*branch_len) for _ in range(n)]
+    branches = rng.randint(2, 4)
+    lens = [rng.randint(*branch_len) for _ in range(branches)]
     if grammar == "sprint":
-        skeleton = spec("sprint", n, lens, rounds=rng.randint(1, 2))
+        skeleton = spec("sprint", branches, lens, rounds=rng.randint(1, 2))
     elif rng.random() < 0.2:  # nested phases: every path opens its own <Parallel>
         skeleton = spec("multiverse", 2, lens[:2], nest=2, nest_n=2)
     else:
-        skeleton = spec("multiverse", n, lens)
+        skeleton = spec("multiverse", branches, lens)
     payload = driven_request(text(rng), skeleton, grammar=grammar, rid=rid, stream=stream,
                              max_new_tokens=max_new)
     if soak.slo_ms is not None:
@@ -380,16 +361,17 @@ async def job_client_fork(soak: Soak, idx: int, rng: random.Random) -> str:
     head = await soak.post({"text": prompt, "sampling_params": sampling(rng, 4, 16), "rid": head_rid})
     expect_ok(head, head_rid)
     fork_text = prompt + head.body["text"]
-    n, branch_params = rng.randint(2, 4), sampling(rng, 4, 32)
-    streams = [rng.random() < 0.4 for _ in range(n)]
+    fanout, branch_params = rng.randint(2, 4), sampling(rng, 4, 32)
+    streams = [rng.random() < 0.4 for _ in range(fanout)]
     reps = await asyncio.gather(*[
-        soak.post({"text": fork_text + f" branch {i}:",
-                   "sampling_params": client.stamp_branch(branch_params, group, i, n,
+        soak.post({"text": fork_text + f" branch {branch}:",
+                   "sampling_params": client.stamp_branch(branch_params, group, branch, fanout,
                                                           slo_tpot_ms=soak.slo_ms),
-                   "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i]) for i in range(n)])
-    for i, rep in enumerate(reps):
-        expect_ok(rep, client.branch_rid(group, i))
-    joined = fork_text + "".join(f"\n{i}:{rep.body['text']}" for i, rep in enumerate(reps))
+                   "rid": client.branch_rid(group, branch), "stream": streams[branch]}, streams[branch])
+        for branch in range(fanout)])
+    for branch, rep in enumerate(reps):
+        expect_ok(rep, client.branch_rid(group, branch))
+    joined = fork_text + "".join(f"\n{branch}:{rep.body['text']}" for branch, rep in enumerate(reps))
     tail_rid = f"{group}.t"
     tail = {"text": joined, "sampling_params": sampling(rng, 2, 8), "rid": tail_rid}
     return expect_ok(await soak.post(tail), tail_rid)
@@ -404,16 +386,18 @@ async def job_frontend(soak: Soak, idx: int, rng: random.Random) -> str:
         soak.endpoint = await soak.in_thread(lambda: backend(soak.url))
     which = rng.choice(["fork_join", "fork_join", "multiverse", "sprint"])
     if which == "fork_join":
-        kw = dict(fanout=rng.randint(2, 4), head_tokens=rng.randint(4, 16), branch_tokens=rng.randint(4, 24),
-                  tail_tokens=rng.randint(0, 8), seed=idx, endpoint=soak.endpoint)
-        res = await soak.in_thread(lambda: fork_join.run_batch(soak.url, 1, **kw)[0])
+        kwargs = dict(fanout=rng.randint(2, 4), head_tokens=rng.randint(4, 16),
+                      branch_tokens=rng.randint(4, 24), tail_tokens=rng.randint(0, 8), seed=idx,
+                      endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: fork_join.run_batch(soak.url, 1, **kwargs)[0])
     elif which == "multiverse":
-        kw = dict(paths=rng.randint(2, 3), path_tokens=rng.randint(6, 24), seed=idx, endpoint=soak.endpoint)
-        res = await soak.in_thread(lambda: multiverse.run(soak.url, **kw))
+        kwargs = dict(paths=rng.randint(2, 3), path_tokens=rng.randint(6, 24), seed=idx,
+                      endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: multiverse.run(soak.url, **kwargs))
     else:
-        kw = dict(rounds=rng.randint(1, 2), tasks=rng.randint(2, 3), exec_tokens=rng.randint(6, 24), seed=idx,
-                  endpoint=soak.endpoint)
-        res = await soak.in_thread(lambda: sprint.run(soak.url, **kw))
+        kwargs = dict(rounds=rng.randint(1, 2), tasks=rng.randint(2, 3), exec_tokens=rng.randint(6, 24),
+                      seed=idx, endpoint=soak.endpoint)
+        res = await soak.in_thread(lambda: sprint.run(soak.url, **kwargs))
     for req in res.requests:
         if req.finish not in ("stop", "length") or not req.rid:
             raise Unexpected(f"frontend {which} request {req.name} ({req.rid}): finish {req.finish!r}")
@@ -480,21 +464,23 @@ async def job_abort_parent(soak: Soak, idx: int, rng: random.Random) -> str:
 
 async def job_abort_branch(soak: Soak, idx: int, rng: random.Random) -> str:
     """Client fork of long branches; abort one branch by its rid: it ends aborted, its siblings do not."""
-    group, n = soak.rid(idx), rng.randint(2, 4)
-    victim = rng.randrange(n)
+    group, fanout = soak.rid(idx), rng.randint(2, 4)
+    victim = rng.randrange(fanout)
     prompt = text(rng)
     params = {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True, "temperature": 0}
-    streams = [rng.random() < 0.4 for _ in range(n)]
+    streams = [rng.random() < 0.4 for _ in range(fanout)]
     tasks = [asyncio.ensure_future(soak.post(
-        {"text": prompt + f" branch {i}:", "sampling_params": client.stamp_branch(params, group, i, n),
-         "rid": client.branch_rid(group, i), "stream": streams[i]}, streams[i])) for i in range(n)]
+        {"text": prompt + f" branch {branch}:",
+         "sampling_params": client.stamp_branch(params, group, branch, fanout),
+         "rid": client.branch_rid(group, branch), "stream": streams[branch]}, streams[branch]))
+        for branch in range(fanout)]
     await asyncio.sleep(rng.uniform(0.1, 2.0))
     await soak.abort(client.branch_rid(group, victim))
     reps = await asyncio.gather(*tasks)
     res = "finished_before_abort"
-    for i, rep in enumerate(reps):
-        got = expect_ok(rep, client.branch_rid(group, i), abort_ok=i == victim)
-        if i == victim and got == "aborted":
+    for branch, rep in enumerate(reps):
+        got = expect_ok(rep, client.branch_rid(group, branch), abort_ok=branch == victim)
+        if branch == victim and got == "aborted":
             res = "aborted"
     return res
 
@@ -503,15 +489,15 @@ async def job_n_sampling(soak: Soak, idx: int, rng: random.Random) -> str:
     """sampling_params.n in 2..4 on one /generate (SGLang's parallel sampling), streamed or not.
     A third of the streamed ones are long and get some of their samples aborted by rid after the
     first chunks: those end aborted (or finished first), the others complete."""
-    rid, n, stream = soak.rid(idx), rng.randint(2, 4), rng.random() < 0.5
+    rid, n_samples, stream = soak.rid(idx), rng.randint(2, 4), rng.random() < 0.5
     cut = stream and rng.random() < 0.35
-    params = sampling(rng, 4, 32) | {"n": n}
+    params = sampling(rng, 4, 32) | {"n": n_samples}
     if params["temperature"] == 0.0:  # n greedy samples are one answer n times: sample them
         params |= {"temperature": 0.8, "sampling_seed": rng.randrange(1 << 30)}
     if cut:
         params |= {"max_new_tokens": rng.randint(100, 300), "ignore_eos": True}
     params = client.stamp_serial(params, slo_tpot_ms=soak.slo_ms)
-    victims = set(rng.sample(range(n), rng.randint(1, n))) if cut else set()
+    victims = set(rng.sample(range(n_samples), rng.randint(1, n_samples))) if cut else set()
     payload = {"text": text(rng), "sampling_params": params, "rid": rid, "stream": stream}
     reps, aborted = await soak.post_n(payload, stream, rng.randint(1, 3) if cut else None, victims)
     res = "ok"
@@ -558,7 +544,7 @@ JOBS: dict[str, Callable[[Soak, int, random.Random], Awaitable[str]]] = {
 
 def job_kind(seed: int, idx: int, mix: dict[str, int]) -> str:
     kinds = sorted(mix)
-    return random.Random(f"{seed}/{idx}/kind").choices(kinds, [mix[k] for k in kinds])[0]
+    return random.Random(f"{seed}/{idx}/kind").choices(kinds, [mix[kind] for kind in kinds])[0]
 
 
 def arm_stall_dump(soak: Soak) -> None:
@@ -570,15 +556,15 @@ def arm_stall_dump(soak: Soak) -> None:
 
 async def run_job(soak: Soak, idx: int, kind: str) -> Outcome:
     rng = random.Random(f"{soak.seed}/{idx}/params")
-    t0 = time.monotonic()
+    start = time.monotonic()
     try:
         res = await asyncio.wait_for(JOBS[kind](soak, idx, rng), soak.job_timeout_s)
-        return Outcome(idx, kind, res, seconds=time.monotonic() - t0)
+        return Outcome(idx, kind, res, seconds=time.monotonic() - start)
     except TimeoutError:
         return Outcome(idx, kind, "LOST", f"no final answer within {soak.job_timeout_s:.0f} s",
-                       time.monotonic() - t0)
-    except Exception as e:  # noqa: BLE001 - every failure is reported with its job
-        return Outcome(idx, kind, "FAIL", f"{type(e).__name__}: {e}"[:500], time.monotonic() - t0)
+                       time.monotonic() - start)
+    except Exception as exc:  # noqa: BLE001 - every failure is reported with its job
+        return Outcome(idx, kind, "FAIL", f"{type(exc).__name__}: {exc}"[:500], time.monotonic() - start)
     finally:
         arm_stall_dump(soak)
 
@@ -610,8 +596,8 @@ async def watch(soak: Soak, watched: Watch, stop: asyncio.Event) -> None:
             watched.waiting += bool(wait)
             watched.max_running = max(watched.max_running, run)
             watched.max_waiting = max(watched.max_waiting, wait)
-        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as e:
-            watched.unhealthy.append(f"poll failed: {e!r}")
+        except (aiohttp.ClientError, TimeoutError, KeyError, ValueError) as exc:
+            watched.unhealthy.append(f"poll failed: {exc!r}")
         try:
             await asyncio.wait_for(stop.wait(), POLL_S)
         except TimeoutError:
@@ -633,25 +619,26 @@ def rss_mb(pid: int) -> float:
 def residue(branchwise: dict[str, Any], fork: dict[str, Any]) -> dict[str, int]:
     """Non-empty per-request Branchwise state (name -> size). The encode cache is bounded, not
     per-request, and `recent`/counters are bounded histories: not listed."""
-    sizes = {f"controller.{k}": v for k, v in (branchwise.get("sizes") or {}).items()}
+    sizes = {f"controller.{name}": size for name, size in (branchwise.get("sizes") or {}).items()}
     if fork:
         sizes |= {"fork.parked": fork["parked"], "fork.open_phases": fork["open_phases"],
                   "fork.live_branches": fork["live_branches"]}
-        sizes |= {f"fork.{k}": v for k, v in (fork.get("sizes") or {}).items() if k != "enc_cache"}
-    return {k: v for k, v in sizes.items() if v}
+        sizes |= {f"fork.{name}": size for name, size in (fork.get("sizes") or {}).items()
+                  if name != "enc_cache"}
+    return {name: size for name, size in sizes.items() if size}
 
 
 async def wait_idle(soak: Soak) -> tuple[dict[str, Any], float]:
     """Poll until no KV is used and nothing runs, waits or is parked; returns the last load."""
-    t0 = time.monotonic()
+    start = time.monotonic()
     while True:
         async with soak.http.get(soak.url + "/v1/loads") as resp:
             load = (await resp.json())["loads"][0]
         _, fork = await asyncio.to_thread(reports, soak.url)
         busy = (load["num_used_tokens"], load["num_running_reqs"], load["num_waiting_reqs"],
                 fork.get("parked", 0), fork.get("live_branches", 0), fork.get("open_phases", 0))
-        if not any(busy) or time.monotonic() - t0 > IDLE_DEADLINE_S:
-            return load, time.monotonic() - t0
+        if not any(busy) or time.monotonic() - start > IDLE_DEADLINE_S:
+            return load, time.monotonic() - start
         await asyncio.sleep(0.2)
 
 
@@ -678,8 +665,8 @@ async def measured_tpot_ms(soak: Soak, rows: int, tokens: int = 48) -> float:
     here (median over the requests): the step latency at that many rows on this server, now. As an
     SLO each request's own row meets it and extra branch rows push a step past it."""
 
-    async def one(i: int) -> float:
-        payload = {"text": text(random.Random(i)), "rid": f"{soak.run_id}-tpot{i}", "stream": True,
+    async def one(seq: int) -> float:
+        payload = {"text": text(random.Random(seq)), "rid": f"{soak.run_id}-tpot{seq}", "stream": True,
                    "sampling_params": {"max_new_tokens": tokens, "ignore_eos": True, "temperature": 0}}
         marks: list[tuple[float, int]] = []
         async with soak.http.post(soak.url + "/generate", json=payload) as resp:
@@ -689,10 +676,10 @@ async def measured_tpot_ms(soak: Soak, rows: int, tokens: int = 48) -> float:
                 data = line.decode().strip().removeprefix("data:").strip()
                 if data and data != "[DONE]":
                     marks.append((time.monotonic(), json.loads(data)["meta_info"]["completion_tokens"]))
-        (t0, k0), (t1, k1) = marks[0], marks[-1]
-        return (t1 - t0) / max(k1 - k0, 1)
+        (first_s, first_tokens), (last_s, last_tokens) = marks[0], marks[-1]
+        return (last_s - first_s) / max(last_tokens - first_tokens, 1)
 
-    per_token = sorted(await asyncio.gather(*[one(i) for i in range(rows)]))
+    per_token = sorted(await asyncio.gather(*[one(seq) for seq in range(rows)]))
     return 1e3 * per_token[len(per_token) // 2]
 
 
@@ -706,7 +693,7 @@ class Result:
 
     @property
     def ok(self) -> bool:
-        return all(ok for ok, _ in self.checks.values())
+        return all(passed for passed, _ in self.checks.values())
 
 
 @dataclass(frozen=True, slots=True)
@@ -724,7 +711,7 @@ class SoakOptions:
     rss_bound_mb: float = 256.0  # allowed scheduler VmRSS growth
     async_output: bool = False  # --launch with --async-output
     forward_thread: bool = False  # --launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1
-    deferring: bool = False  # every request carries the SLO measured after warm-up (module docstring)
+    deferring: bool = False  # every request carries the SLO measured after warm-up: TAPER defers
 
 
 def run(url: str, opts: SoakOptions, server: LocalServer | None = None, stall_exit: bool = False) -> Result:
@@ -738,11 +725,11 @@ async def _run(url: str, opts: SoakOptions, server: LocalServer | None, stall_ex
         run_id = f"soak{os.getpid():x}{int(time.time()) % 100000:05d}"
         soak = Soak(url, opts.seed, http, run_id, opts.job_timeout_s, dict(MIX), stall_exit=stall_exit)
         try:
-            t0 = time.monotonic()
+            start = time.monotonic()
             arm_stall_dump(soak)
             outcomes, watched, end = await _load(soak, opts)
             return Result(outcomes, checks(soak, opts, outcomes, watched, end, server), info(watched, end),
-                          end, time.monotonic() - t0)
+                          end, time.monotonic() - start)
         finally:
             faulthandler.cancel_dump_traceback_later()
             soak.pool.shutdown(wait=False, cancel_futures=True)
@@ -752,7 +739,7 @@ async def _load(soak: Soak, opts: SoakOptions) -> tuple[list[Outcome], Watch, En
     bw0, _ = await asyncio.to_thread(reports, soak.url)
     pid = int(bw0["pid"])
     # warm-up: one job of every kind (first frontend import, the driver's dill blob, first forks)
-    warm_up = [run_job(soak, i, kind) for i, kind in enumerate(sorted(soak.mix))]
+    warm_up = [run_job(soak, idx, kind) for idx, kind in enumerate(sorted(soak.mix))]
     outcomes = list(await asyncio.gather(*warm_up))
     await wait_idle(soak)
     end = End(pid, rss_mb(pid))
@@ -774,10 +761,10 @@ async def _load(soak: Soak, opts: SoakOptions) -> tuple[list[Outcome], Watch, En
     counter = iter(range(len(outcomes), len(outcomes) + opts.max_jobs))
 
     async def worker() -> None:
-        for i in counter:
+        for idx in counter:
             if time.monotonic() >= deadline:
                 return
-            outcomes.append(await run_job(soak, i, job_kind(soak.seed, i, soak.mix)))
+            outcomes.append(await run_job(soak, idx, job_kind(soak.seed, idx, soak.mix)))
 
     t_load = time.monotonic()
     await asyncio.gather(*[worker() for _ in range(opts.concurrency)])
@@ -822,7 +809,8 @@ def checks(soak: Soak, opts: SoakOptions, outcomes: list[Outcome], watched: Watc
                  f"{load['num_waiting_reqs']} ({end.idle_s:.1f} s after the last job)"),
         "rss": (growth < opts.rss_bound_mb, f"scheduler VmRSS {end.rss0:.0f} -> {end.rss1:.0f} MiB "
                 f"({growth:+.0f}, bound +{opts.rss_bound_mb:.0f})"),
-        "dicts": (not res and orphans == 0, ("Branchwise per-request state all empty" if not res else f"left: {res}")
+        "dicts": (not res and orphans == 0,
+                  ("Branchwise per-request state all empty" if not res else f"left: {res}")
                   + f"; idle leak check freed {orphans} orphans during the load"),
     }
     if opts.deferring:
@@ -853,36 +841,40 @@ def summary(result: Result) -> str:
     for kind in sorted(by_kind):
         counts = by_kind[kind]
         lines.append(f"  {kind:<13} {sum(counts.values()):>5}  "
-                     + ", ".join(f"{k} {v}" for k, v in sorted(counts.items())))
-    for name, (ok, msg) in result.checks.items():
-        lines.append(f"{'PASS' if ok else 'FAIL'} {name:<10} {msg}")
+                     + ", ".join(f"{label} {count}" for label, count in sorted(counts.items())))
+    for name, (passed, msg) in result.checks.items():
+        lines.append(f"{'PASS' if passed else 'FAIL'} {name:<10} {msg}")
     lines.append("soak passed" if result.ok else "soak FAILED")
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> SoakOptions:
-    ap = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
-    add_server_source(ap, "a running server on this machine (loopback only)",
+    parser = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    add_server_source(parser, "a running server on this machine (loopback only)",
                       "start a server (the model is built if missing): " + " ".join(SERVER_ARGS))
-    ap.add_argument("--server-args", default="", help="extra flags for the --launch server, e.g. --async-output")
-    ap.add_argument("--minutes", type=float, default=1.0)
-    ap.add_argument("--concurrency", type=int, default=12, help="jobs in flight")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--max-jobs", type=int, default=100_000, help="stop after this many jobs in any case")
-    ap.add_argument("--job-timeout-s", type=float, default=180.0, help="a job without a final answer by then is lost")
-    ap.add_argument("--rss-bound-mb", type=float, default=256.0, help="allowed scheduler VmRSS growth")
-    ap.add_argument("--async-output", action="store_true", help="--launch with --async-output (Albireo)")
-    ap.add_argument("--forward-thread", action="store_true",
-                    help="--launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1 (the CPU forward thread)")
-    ap.add_argument("--deferring", action="store_true",
-                    help="stamp every request with the SLO measured after warm-up, at which TAPER defers rows")
-    args = ap.parse_args(argv)
+    parser.add_argument("--server-args", default="",
+                        help="extra flags for the --launch server, e.g. --async-output")
+    parser.add_argument("--minutes", type=float, default=1.0)
+    parser.add_argument("--concurrency", type=int, default=12, help="jobs in flight")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-jobs", type=int, default=100_000, help="stop after this many jobs in any case")
+    parser.add_argument("--job-timeout-s", type=float, default=180.0,
+                        help="a job without a final answer by then is lost")
+    parser.add_argument("--rss-bound-mb", type=float, default=256.0, help="allowed scheduler VmRSS growth")
+    parser.add_argument("--async-output", action="store_true", help="--launch with --async-output (Albireo)")
+    parser.add_argument("--forward-thread", action="store_true",
+                        help="--launch with --async-output and env BRANCHWISE_FORWARD_THREAD=1 "
+                             "(the CPU forward thread)")
+    parser.add_argument("--deferring", action="store_true",
+                        help="stamp every request with the SLO measured after warm-up, at which TAPER "
+                             "defers rows")
+    args = parser.parse_args(argv)
     if args.url and not args.url.startswith(("http://127.0.0.1:", "http://localhost:", "http://[::1]:")):
-        ap.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
+        parser.error("--url must be a loopback address (the RSS check reads /proc of the scheduler)")
     if args.minutes <= 0 or args.concurrency < 1 or args.max_jobs < 1:
-        ap.error("--minutes, --concurrency and --max-jobs must be positive")
+        parser.error("--minutes, --concurrency and --max-jobs must be positive")
     if (args.forward_thread or args.async_output) and args.url:
-        ap.error("--async-output and --forward-thread are launch settings (a running server has its own)")
+        parser.error("--async-output and --forward-thread are launch settings (a running server has its own)")
     return SoakOptions(args.url and args.url.rstrip("/"), args.model, args.server_args, args.minutes,
                        args.concurrency, args.seed, args.max_jobs, args.job_timeout_s, args.rss_bound_mb,
                        args.async_output, args.forward_thread, args.deferring)
