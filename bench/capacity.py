@@ -10,7 +10,7 @@ bench.metrics over every request that arrived in the measured window. The grid i
 BISECT_STEPS halvings. `verdict`: (a) taper's capacity >= every other policy's; (b) wherever a
 fixed-width policy holds TARGET, taper holds and is within FRONTIER_SLACK of the latency frontier.
 Engines: `sim` (bench.engine's simulator, default) and `replay` (live servers, bench.live). The
-rules in full: docs/design/bench-tools.md.
+rules in full: docs/benchmarks.md ("SLO capacity").
 """
 
 from __future__ import annotations

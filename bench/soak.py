@@ -10,7 +10,7 @@ The load (MIX: serial requests, client, frontend and server-side forks, disconne
 parallel sampling, malformed requests) is deterministic from --seed; --concurrency workers keep that
 many jobs in flight until the time is up. The checks at the end: lost, duplicated, healthy, idle,
 rss, dicts, and deferred with --deferring; the exit status is 0 only if every check passes. What
-each job sends and each check requires: docs/design/bench-tools.md.
+each job sends and each check requires: docs/benchmarks.md ("Correctness under load").
 """
 
 from __future__ import annotations
