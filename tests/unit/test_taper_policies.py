@@ -57,7 +57,7 @@ def test_parse_invalid_names_say_what_is_valid(name):
 
 def test_policy_names_cover_the_cli_values():
     assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
-                            "taper-no-backlog", "taper-defer-cost", "taper-paper", "taper-no-slack",
+                            "taper-no-backlog", "taper-no-defer-cost", "taper-paper", "taper-no-slack",
                             "taper-no-replan", "taper-const-predictor", "stock")
 
 
@@ -218,18 +218,18 @@ def test_a_deferral_price_given_as_a_function_is_computed_only_when_rows_do_not_
 
 
 def test_taper_prices_a_deferral_over_the_steps_it_is_held():
-    """taper-defer-cost holds a deferral for (opportunistic rows' cost / room above the forced rows)
-    steps, at least one, and prices it per step held: with no room above the protected rows any
-    measured price makes it run every row; with room for all of them the price counts once. taper
-    (no price term) and a free deferral plan as before."""
+    """taper holds a deferral for (opportunistic rows' cost / room above the forced rows) steps, at
+    least one, and prices it per step held: with no room above the protected rows any measured
+    price makes it run every row; with room for all of them the price counts once.
+    taper-no-defer-cost (no price term) and a free deferral plan as before."""
     priced = LinearLatencyModel(0.010, 1e-3, 0.0, c_defer=1e-3, c_deferred=0.1e-3)
     free = LinearLatencyModel(0.010, 1e-3, 0.0)
     tight = _phase_batch(8, slack=0.012 / 0.8)  # budget 12 ms = the protected rows: no room
-    assert parse_policy("taper-defer-cost", model=free).plan(tight).widths.tolist() == [1, 1]
-    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 1]
-    assert parse_policy("taper-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 8]
+    assert parse_policy("taper", model=free).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper-no-defer-cost", model=priced).plan(tight).widths.tolist() == [1, 1]
+    assert parse_policy("taper", model=priced).plan(tight).widths.tolist() == [1, 8]
     roomy = _phase_batch(8, slack=0.0185 / 0.8)  # budget 18.5 ms: room 6.5 ms, opportunistic rows 7 ms
-    pol = parse_policy("taper-defer-cost", model=priced)
+    pol = parse_policy("taper", model=priced)
     budget, floor, _ = pol.budget(roomy)
     assert pol.held_price(roomy, budget, floor) == pytest.approx((1e-3 * 7 / 6.5, 0.1e-3 * 7 / 6.5))
 
@@ -282,3 +282,56 @@ def test_refit_finds_a_price_under_heavy_noise_by_accumulating_evidence():
         t = 2e-3 + 0.1e-3 * rows + (0.8e-3 if d else 0.0)
         rf.observe(rows, 0, t * rng.lognormal(-0.045, 0.3), deferred=d)
     assert sum(m.deferral()) == pytest.approx(0.8e-3, rel=0.25)
+
+
+def test_the_earlier_name_of_taper_still_parses():
+    assert parse_policy("taper-defer-cost").name == "taper"
+    assert parse_policy("taper-no-defer-cost").terms.defer_cost is False
+
+
+def _clocked_rows(rng: np.random.Generator, slo: float) -> tuple[list[Row], dict[str, tuple[float, int]]]:
+    """Random serial requests and phases, with each key's clock (age of its stage, tokens so far)."""
+    rows, clock = [], {}
+    for k in range(int(rng.integers(1, 7))):
+        key, fan = f"k{k}", int(rng.integers(1, 9))
+        rows += [Row(key=key, order=j, ctx=int(rng.integers(1, 4000)), slo_s=slo, phase=fan > 1)
+                 for j in range(fan)]
+        clock[key] = (float(rng.uniform(0.0, 0.4)), int(rng.integers(0, 40)))
+    return rows, clock
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.floats(0.0, 3e-3), st.floats(0.0, 3e-4), st.integers(0, 3))
+def test_an_unpriced_step_runs_what_the_plan_would(seed, per_step, per_row, waiting):
+    """Where no deferral can pay (Policy.never_defers) the controller runs every row without a
+    plan; the plan, made anyway, runs every row too, so both controllers choose alike every step."""
+    rng = np.random.default_rng(seed)
+    slo = 0.02
+    model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=per_row)
+    rows, clock = _clocked_rows(rng, slo)
+    fast, full = StepController(parse_policy("taper", model=model)), StepController(parse_policy("taper", model=model))
+    object.__setattr__(full, "_never_defers", lambda *args: False)
+    for ctl in (fast, full):
+        for key, (age, tokens) in clock.items():
+            in_phase = any(r.phase for r in rows if r.key == key)
+            ctl.on_step_done({key: Delivery(0, slo, in_phase)}, 1.0 - age, 0)
+            ctl.on_step_done({key: Delivery(tokens, slo, in_phase)}, 1.0 - age / 2, 0)
+    assert fast.select(rows, 1.0, waiting=waiting) == full.select(rows, 1.0, waiting=waiting)
+    assert fast.stats.candidates == full.stats.candidates and fast.stats.admitted == full.stats.admitted
+    if fast.stats.unpriced_steps:
+        assert full.stats.admitted == full.stats.candidates  # the plan ran every row
+
+
+def test_a_step_no_deferral_can_pay_is_not_planned():
+    """Seven opportunistic rows of 0.2 ms each save 1.4 ms at most. A price of 1.5 ms per deferring
+    step skips the plan and runs every row; at 0.2 ms the step is planned, and it defers."""
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.005, phase=True) for j in range(8)]
+    rows.append(Row(key="s", ctx=0, slo_s=0.00625))  # a fresh serial clock: a 5 ms budget
+    for per_step, planned, run in ((1.5e-3, 0, 9), (0.2e-3, 1, 3)):
+        model = LinearLatencyModel(4e-3, 2e-4, 0.0, c_defer=per_step)
+        ctl = StepController(parse_policy("taper", model=model))
+        assert len(ctl.select(rows, 0.0)) == run and ctl.stats.planned_steps == planned
+        assert ctl.stats.unpriced_steps == 1 - planned
+    free = StepController(parse_policy("taper", model=LinearLatencyModel(4e-3, 2e-4, 0.0)))
+    free.select(rows, 0.0)
+    assert free.stats.planned_steps == 1 and free.stats.unpriced_steps == 0  # no price: always planned

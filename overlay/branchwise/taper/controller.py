@@ -104,6 +104,7 @@ class SlackTracker:
 class StepStats:
     steps: int = 0
     planned_steps: int = 0  # steps where some row was a candidate for deferral
+    unpriced_steps: int = 0  # steps with candidates that ran every row unplanned: no deferral could pay
     rows_run: int = 0
     rows_deferred: int = 0
     candidates: int = 0  # opportunistic rows (beyond one per request) that were ready
@@ -156,6 +157,8 @@ class StepController:
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
         heads = [rows[idx[0]] for idx in groups.values()]
+        if self.policy.prices_deferral and self._never_defers(rows, heads, now):
+            return list(range(len(rows)))
         batch = self._snapshot(rows, groups, heads, now, bubble, waiting)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch)
@@ -172,6 +175,20 @@ class StepController:
                   if n < w or rows[i].forced]
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
+
+    def _never_defers(self, rows: list[Row], heads: list[Row], now: float) -> bool:
+        """Every row runs because no deferral can pay (Policy.never_defers): the plan's answer
+        without the snapshot or the plan. New keys' clocks start now, as a plan would start them."""
+        extra = len(rows) - len(heads)
+        if not self.policy.never_defers(extra, sum(r.ctx for r in rows) - sum(h.ctx for h in heads)):
+            return False
+        for h in heads:
+            self._tracker(h.key, h.slo_s, h.phase, now)
+        st = self.stats
+        st.unpriced_steps += 1
+        st.candidates += extra
+        st.admitted += extra
+        return True
 
     def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], now: float,
                   bubble: bool, waiting: int) -> ArrayBatch:

@@ -6,10 +6,10 @@ A policy decides, for one decode step, how many ready rows of each request run (
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
   per gap; taper-no-slack (infinite budget) and taper-const-predictor (a constant T) ablate it.
-  taper weighs the budget by three terms (`Terms`, `weighed_budget`), each with an ablation: an
-  SLO-matched budget (taper-no-mean), an overload rule (taper-no-overload) and a backlog floor
-  (taper-no-backlog); taper-defer-cost adds a price on deferral itself (`held_price`, not the
-  default). docs/design/taper-rule.md derives each term.
+  taper weighs the budget by three terms (`Terms`, `weighed_budget`) and prices deferral itself
+  (`held_price`, with the price the refit learns), each with an ablation: an SLO-matched budget
+  (taper-no-mean), an overload rule (taper-no-overload), a backlog floor (taper-no-backlog) and
+  the deferral price (taper-no-defer-cost). docs/design/taper-rule.md derives each term.
 * Pin rule (`replan`): taper-no-replan holds a phase at its first plan's width (capped by its ready
   rows) though the budget later shrinks; the step controller keeps the pins. Others replan each step.
 """
@@ -25,14 +25,14 @@ from types import MappingProxyType
 import numpy as np
 
 from branchwise.taper.planner import ArrayBatch, StepPlan, floor_cost, plan_capped, plan_step
-from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, default_model
+from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
+                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
                 "stock")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
-                 "taper-no-backlog, taper-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
+                 "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
                  "taper-const-predictor, stock"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
 CONST_REF = (64, 64 * 2048)
@@ -54,10 +54,12 @@ class Terms:
 
 
 PAPER = Terms()
-_TERMS = MappingProxyType({"taper": Terms(True, True, True), "taper-no-mean": Terms(False, True, True),
-                          "taper-no-overload": Terms(True, False, True),
-                          "taper-no-backlog": Terms(True, True, False),
-                          "taper-defer-cost": Terms(True, True, True, True)})
+_TERMS = MappingProxyType({"taper": Terms(True, True, True, True), "taper-no-mean": Terms(False, True, True, True),
+                          "taper-no-overload": Terms(True, False, True, True),
+                          "taper-no-backlog": Terms(True, True, False, True),
+                          "taper-no-defer-cost": Terms(True, True, True)})
+# earlier names that commands and results files still use
+_ALIASES = MappingProxyType({"taper-defer-cost": "taper"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +101,7 @@ class Policy:
         assert self.model is not None
         budget, floor, notes = self.budget(a)
         deferral = None
-        if self.terms.defer_cost and any(self.deferral_price()):  # plan_step prices it if rows do not all fit
+        if self.prices_deferral:  # plan_step prices it if rows do not all fit
             deferral = partial(self._held_price, a, budget, floor)
         plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
                          floor=floor, deferral=deferral)
@@ -110,6 +112,25 @@ class Policy:
         """The model's (per deferring step, per deferred row) seconds; (0, 0): deferring is free."""
         model = self.model
         return model.deferral() if hasattr(model, "deferral") else (0.0, 0.0)
+
+    @property
+    def prices_deferral(self) -> bool:
+        """The rule prices deferral and the model holds a price (a plan may then run every row)."""
+        return self.terms.defer_cost and any(self.deferral_price())
+
+    def never_defers(self, extra_rows: int, extra_ctx: int) -> bool:
+        """No plan can defer this step: deferring all `extra_rows` opportunistic rows (beyond one per
+        request; `extra_ctx` their context tokens) saves no more than the deferral price held for
+        one step, its least. plan_step would run every row then (its `cost.sum() <= per_step`
+        test, which that bound implies), so the controller skips the snapshot and the plan.
+        Only for a linear T whose row slope is above the per-row price (every row saves >= 0)."""
+        model = self.model
+        if not self.prices_deferral or not isinstance(model, LinearLatencyModel):
+            return False
+        per_step, per_row = self.deferral_price()
+        if model.c_seq < per_row:
+            return False
+        return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
     def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
@@ -181,6 +202,7 @@ class Policy:
 def parse_policy_name(name: str) -> str:
     """Canonical policy name; ValueError naming the valid values."""
     s = str(name).strip().lower()
+    s = _ALIASES.get(s, s)
     if s in POLICY_NAMES and s != "cap:K":
         return s
     m = _CAP.fullmatch(s)
