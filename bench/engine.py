@@ -271,6 +271,7 @@ class _Step:
     row_list: list[Row] | None = None  # the rows the controller saw, and the indices it ran
     active: list[int] | None = None
     all_in: bool = True
+    planned: bool = True  # the controller planned the widths (not a static or unpriced step)
     base: float = 0.0
     growth: float = 0.0
     noise: float = 1.0
@@ -599,7 +600,7 @@ class Simulator:
             return 0.0
         live = len(self.serial) + sum(len(req.branch_ctx) for req in self.phased)
         extra = host.step(step.rows)
-        if self.wide and not self.static:
+        if self.wide and not self.static and step.planned:
             extra += host.plan(live)
         if step.rows < live:
             sub = (self.gen, tuple(step.widths) if step.widths is not None else None)
@@ -620,7 +621,9 @@ class Simulator:
             widths = self.cached_widths
         else:
             step.row_list = self.driver.rows(par, ser, self.lag)
+            planned = self.driver.ctl.stats.planned_steps
             step.active = self.driver.select(step.row_list, self.now, len(self.waiting))
+            step.planned = self.driver.ctl.stats.planned_steps > planned
             owner = np.repeat(np.arange(len(par)), [len(req.branch_ctx) for req in par])
             active = np.asarray(step.active)
             widths = np.bincount(owner[active[active < len(owner)]], minlength=len(par)).tolist()

@@ -63,7 +63,7 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
     jobs = [Job(policy, policy, rho, calibrated) for policy in policies]
     if ablations:
         names = {job.key for job in jobs}
-        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-defer-cost", "taper-no-slack",
+        abl = ("taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-no-defer-cost", "taper-no-slack",
                "taper-no-replan", "taper-const-predictor")
         jobs += [Job(policy, policy, rho, calibrated) for policy in abl
                  if policy in POLICY_NAMES and policy not in names]

@@ -280,7 +280,7 @@ def test_a_slope_error_is_not_read_as_a_price_of_deferral(price):
 def test_without_a_believed_price_the_deferral_refit_is_the_plain_one():
     """Deferring is free (2% noise on every step): the refit that learns the price never believes
     one, and its model is the one the refit without the price term reaches, coefficient for
-    coefficient (taper-defer-cost plans as taper there)."""
+    coefficient (taper plans as taper-no-defer-cost there)."""
     learn, plain = LinearLatencyModel(1e-3, 0.1e-3, 1e-7), LinearLatencyModel(1e-3, 0.1e-3, 1e-7)
     refits = [OnlineRefit(learn, deferral=True), OnlineRefit(plain)]
     rng = np.random.default_rng(4)
