@@ -420,7 +420,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--out", default=os.environ.get("OUT") or "gpu_check_out")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "runs/gpu_check")
     parser.add_argument(
         "--dry-run", action="store_true", help="= --device cpu --tiny: exercises the logic in seconds"
     )

@@ -4,7 +4,7 @@
 # Extra arguments go to gpu_check.py (e.g. --budget-s 200, --parts sampler_check,sampler).
 set -uo pipefail
 cd "$(dirname "$0")/.."
-OUT="${OUT:-$PWD/gpu_check_out}"
+OUT="${OUT:-$PWD/runs/gpu_check}"
 mkdir -p "$OUT"
 PY="${PYTHON:-$(command -v python3 || command -v python)}"
 {
