@@ -136,7 +136,8 @@ class BranchwiseConfig:
         if self.taper_utility not in UTILITIES:
             raise ValueError(f"invalid --taper-utility {self.taper_utility!r}; valid: {', '.join(UTILITIES)}")
         if self.branch_grammar not in GRAMMARS:
-            raise ValueError(f"invalid --branch-grammar {self.branch_grammar!r}; valid: {', '.join(GRAMMARS)}")
+            raise ValueError(f"invalid --branch-grammar {self.branch_grammar!r}; "
+                             f"valid: {', '.join(GRAMMARS)}")
         return self
 
     @property

@@ -133,7 +133,8 @@ def _cut(batch: ScheduleBatch, idx: list[int], penalties: bool) -> ScheduleBatch
     sub = copy.copy(batch)
     sub.sampling_info = dataclasses.replace(batch.sampling_info)
     if penalties:
-        sub.sampling_info.penalizer_orchestrator = _fork_penalizers(batch.sampling_info.penalizer_orchestrator, sub)
+        sub.sampling_info.penalizer_orchestrator = _fork_penalizers(
+            batch.sampling_info.penalizer_orchestrator, sub)
     sub.filter_batch(keep_indices=idx)
     return sub
 
@@ -215,7 +216,8 @@ def pin_penalty_tokens(scheduler: Scheduler) -> None:
     setattr(scheduler.req_to_token_pool, PIN_ATTR, True)
 
 
-def around_cumulate_penalty_output_tokens(orig: Callable[[ScheduleBatch], None], batch: ScheduleBatch) -> None:
+def around_cumulate_penalty_output_tokens(orig: Callable[[ScheduleBatch], None],
+                                          batch: ScheduleBatch) -> None:
     """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on).
 
     Covers every decode preparation: sub-batches, full steps, and mixed chunked prefill steps,

@@ -65,7 +65,8 @@ def idle(mgr: ForkManager) -> bool:
             continue  # a nested parent goes with its root, which is parked too
         lost = [branch.rid for branch in phase.branches if not branch.finished]
         logger.error("Branchwise leak check: request %s is parked on branches %s that no scheduler queue "
-                     "holds; freed (prefix pin released, request ended with an error)", phase.parent_rid, lost)
+                     "holds; freed (prefix pin released, request ended with an error)",
+                     phase.parent_rid, lost)
         end_parked(mgr, phase.owner, FINISH_ABORT(ORPHAN_MESSAGE, HTTPStatus.INTERNAL_SERVER_ERROR))
         mgr.stats["orphans_freed"] += 1
         if mgr.metrics is not None:

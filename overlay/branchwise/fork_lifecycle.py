@@ -46,7 +46,8 @@ def on_tokens(mgr: ForkManager, track: Track) -> None:
         for event in events:
             if isinstance(event, PhaseOpened):
                 _on_fork(mgr, track, event)
-            elif isinstance(event, BranchClosed) and track.branch and track.det is not None and track.det.done:
+            elif (isinstance(event, BranchClosed) and track.branch and track.det is not None
+                  and track.det.done):
                 _on_close_tag(track, event)  # its own close tag (inner ones leave it running)
             elif (isinstance(event, PhaseClosed) and (phase := track.phase) is not None
                   and phase.state is Stage.REDUCE):

@@ -92,7 +92,8 @@ class ForkManager:
         self.limits = ForkLimits(max_fanout=cfg.branch_max_fanout,
                                  max_branch_tokens=cfg.branch_max_branch_tokens
                                  or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
-        self.metrics: BranchwiseMetrics | None = None  # fork.build hands over taper's, under --enable-metrics)
+        # fork.build hands over taper's, under --enable-metrics)
+        self.metrics: BranchwiseMetrics | None = None
         # Set by the first track() and never reset: until then no output row can need filtering,
         # later a finished branch may still sit in an in-flight batch whose output must be dropped.
         self.tracking = False
@@ -162,7 +163,8 @@ class ForkManager:
                 return rec
         rec = {"phase": phase.phase_id, "parent": phase.parent_rid, "fanout": phase.fanout,
                "depth": phase.depth, "prefix_tokens": phase.prefix_len, "shared_tokens": phase.shared,
-               "cached_tokens": [None] * phase.fanout, "reasons": [None] * phase.fanout, "joined_tokens": None}
+               "cached_tokens": [None] * phase.fanout, "reasons": [None] * phase.fanout,
+               "joined_tokens": None}
         self.recent.append(rec)
         return rec
 

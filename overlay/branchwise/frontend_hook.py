@@ -161,7 +161,8 @@ class FrontendHook(importlib.abc.MetaPathFinder):
         def fork(executor: StreamExecutor, size: int = 1,
                  position_ids_offset: list[int] | None = None) -> list[StreamExecutor]:
             executor.sync()  # the race fix: text_ is final before stock fork decides on the prefix hint
-            executor._bw_prefix_group = _next_group(executor) if int(size) > 1 else None  # the hint's routing_key
+            # the hint's routing_key
+            executor._bw_prefix_group = _next_group(executor) if int(size) > 1 else None
             try:
                 children = orig(executor, size, position_ids_offset)
             finally:
@@ -200,7 +201,8 @@ class FrontendHook(importlib.abc.MetaPathFinder):
                 executor._bw_stamp = None
 
         @functools.wraps(gen_stream)
-        def generate_stream(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any, **kw: Any) -> Iterator[Any]:
+        def generate_stream(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any,
+                            **kw: Any) -> Iterator[Any]:
             arm(executor)  # the request is sent at the first next(), in this same worker thread
             try:
                 yield from gen_stream(self, executor, *args, **kw)

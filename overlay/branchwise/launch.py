@@ -116,7 +116,8 @@ class _Process:
                 return
             if not picked or attempt == BIND_TRIES:
                 ports = ", ".join(f"{name} {getattr(self, name)}" for name in self.auto_ports)
-                raise ServerError(f"{what} could not bind its port ({ports}), try {attempt}:\n{self.log_tail()}")
+                raise ServerError(f"{what} could not bind its port ({ports}), try {attempt}:\n"
+                                  f"{self.log_tail()}")
 
     def _spawn_once(self, env: dict[str, str], timeout_s: float, what: str) -> bool:
         """True once ready; False when the process failed to bind a port (it is stopped)."""
@@ -276,7 +277,8 @@ def scheduler_states(url: str) -> list[dict[str, Any]]:
     for worker in router_workers(url) or [url.rstrip("/")]:
         for state in get_json(worker + "/server_info")["internal_states"]:
             states.append(state | {"worker": worker})
-    return sorted(states, key=lambda state: (state["worker"], (state.get("branchwise") or {}).get("dp_rank", 0)))
+    return sorted(states, key=lambda state: (state["worker"],
+                                             (state.get("branchwise") or {}).get("dp_rank", 0)))
 
 
 # merge_reports keeps these from the first scheduler: settings, identities and fitted models, not counts
@@ -292,7 +294,8 @@ def merge_reports(reports: list[dict[str, Any]]) -> dict[str, Any]:
         vals = [rep[key] for rep in reports if rep.get(key) is not None]
         out[key] = None if not vals else vals[0] if key in KEPT else _merge_values(vals)
     if {"admitted", "candidates", "admission_rate"} <= out.keys():
-        out["admission_rate"] = out["admitted"] / out["candidates"] if out["candidates"] else 1.0  # as StepStats
+        # as StepStats
+        out["admission_rate"] = out["admitted"] / out["candidates"] if out["candidates"] else 1.0
     return out
 
 

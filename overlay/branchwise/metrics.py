@@ -40,13 +40,14 @@ class BranchwiseMetrics:
         self.admitted = labeled(Counter, "branchwise:admitted_branches", "Opportunistic branch rows admitted")
         self.deferred = labeled(Counter, "branchwise:deferred_branches", "Branch rows deferred")
         self.candidates = labeled(Counter, "branchwise:candidate_branches", "Opportunistic branch rows ready")
-        self.branch_requests = labeled(Counter, "branchwise:branch_requests", "Branch (phase) requests created")
-        self.admission_rate = labeled(Gauge, "branchwise:admission_rate", "Admitted / ready opportunistic rows",
-                                      multiprocess_mode="mostrecent")
+        self.branch_requests = labeled(Counter, "branchwise:branch_requests",
+                                       "Branch (phase) requests created")
+        self.admission_rate = labeled(Gauge, "branchwise:admission_rate",
+                                      "Admitted / ready opportunistic rows", multiprocess_mode="mostrecent")
         self.budget = labeled(Gauge, "branchwise:slack_budget_seconds", "Last step's slack budget",
                               multiprocess_mode="mostrecent")
-        self.predicted = labeled(Gauge, "branchwise:predicted_step_seconds", "Predicted latency of the last plan",
-                                 multiprocess_mode="mostrecent")
+        self.predicted = labeled(Gauge, "branchwise:predicted_step_seconds",
+                                 "Predicted latency of the last plan", multiprocess_mode="mostrecent")
         buckets = (0.001, 0.002, 0.005, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
         self.realized = labeled(Histogram, "branchwise:realized_step_seconds", "Realized decode step latency",
                                 buckets=buckets)

@@ -93,7 +93,8 @@ def _applied_manifest(target: Target) -> dict[str, str]:
 def _run_patch(site: Path, patch: Path, *extra: str) -> None:
     if shutil.which("patch") is None:
         raise PatchError("the `patch` program is missing (apt-get install patch)")
-    cmd = ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-", "-d", str(site), "-i", str(patch)]
+    cmd = ["patch", "-p1", "--forward", "--no-backup-if-mismatch", "-r", "-",
+           "-d", str(site), "-i", str(patch)]
     proc = subprocess.run([*cmd, *extra], capture_output=True, text=True)
     if proc.returncode != 0:
         raise PatchError(f"{patch.name} does not apply cleanly:\n{proc.stdout}{proc.stderr}")

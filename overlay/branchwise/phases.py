@@ -158,13 +158,15 @@ class ParallelPhase:
             return sum(self.grants)
         if self.state is not Stage.PARALLEL:
             return 0
-        return sum(grant for grant, branch in zip(self.grants, self.branches, strict=False) if not branch.finished)
+        return sum(grant for grant, branch in zip(self.grants, self.branches, strict=False)
+                   if not branch.finished)
 
     def join(self) -> str:
         """PARALLEL -> REDUCE: all branches closed; the text the parent continues from."""
         self._expect(Stage.PARALLEL, "join")
         if not self.all_closed:
-            raise PhaseError(f"phase {self.phase_id}: reduce before all branches closed (open: {self.open_branches})")
+            raise PhaseError(f"phase {self.phase_id}: reduce before all branches closed "
+                             f"(open: {self.open_branches})")
         self.state = Stage.REDUCE
         return reduce(self.fmt, [branch.header for branch in self.branches],
                       [branch.output_text for branch in self.branches])
@@ -205,7 +207,8 @@ class PhaseRegistry:
         owner = self.of_branch(parent_rid)
         depth = owner[0].depth + 1 if owner is not None else 0
         if depth >= self.max_depth:
-            raise PhaseError(f"request {parent_rid}: nesting depth {depth} exceeds limit {self.max_depth - 1}")
+            raise PhaseError(f"request {parent_rid}: nesting depth {depth} exceeds limit "
+                             f"{self.max_depth - 1}")
         opened = self.counts.get(parent_rid, 0)
         self.counts[parent_rid] = opened + 1
         phase = ParallelPhase(phase_id=f"{parent_rid}/p{opened}", parent_rid=parent_rid, fanout=len(headers),

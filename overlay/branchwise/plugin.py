@@ -21,7 +21,8 @@ SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 REQ = "sglang.srt.managers.schedule_batch.Req"
 MODEL_RUNNER = "sglang.srt.model_executor.model_runner.ModelRunner"
 STREAMER = "sglang.srt.managers.scheduler_components.output_streamer.SchedulerOutputStreamer"
-RESULT_PROCESSOR = "sglang.srt.managers.scheduler_components.batch_result_processor.SchedulerBatchResultProcessor"
+RESULT_PROCESSOR = ("sglang.srt.managers.scheduler_components.batch_result_processor."
+                    "SchedulerBatchResultProcessor")
 SAMPLING_INFO = "sglang.srt.sampling.sampling_batch_info.SamplingBatchInfo"
 TP_WORKER = "sglang.srt.managers.tp_worker.TpModelWorker"
 OVERLAP_UTILS = "sglang.srt.managers.overlap_utils"
@@ -73,7 +74,8 @@ def hook_table(HookType: type[HookKind],
         # cumulate (deferral.py; SGLang calls it only for batches with penalties)
         (serving, f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch),
         (serving, f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result),
-        (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens", deferral.around_cumulate_penalty_output_tokens),
+        (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens",
+         deferral.around_cumulate_penalty_output_tokens),
         # fork.py: server-side fork/join (its per-token hook sits on each tracked Req instance)
         (serving, f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests),
         (serving, f"{SCHEDULER}.abort_request", fork.after_abort_request),
@@ -89,7 +91,8 @@ def hook_table(HookType: type[HookKind],
         (serving, f"{TOKENIZER_MANAGER}._send_one_request", ns.around_send_one_request),
         (serving, f"{TOKENIZER_MANAGER}.abort_request", ns.around_abort_request),
         # validate.py: malformed requests end as HTTP 400 in the HTTP server process
-        (serving, f"{GENERATE_REQ_INPUT}.normalize_batch_and_arguments", v.around_normalize_batch_and_arguments),
+        (serving, f"{GENERATE_REQ_INPUT}.normalize_batch_and_arguments",
+         v.around_normalize_batch_and_arguments),
         (serving, f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object),
         (serving, f"{TOKENIZER_MANAGER}._validate_one_request", v.after_validate_one_request),
         (serving, f"{TOKENIZER_MANAGER}.create_abort_task", v.around_create_abort_task),

@@ -63,8 +63,10 @@ def _num(fields: dict[str, Any], key: str, kind: type[int] | type[float], lo: fl
         return value
     what, fmt = ("an integer", "d") if kind is int else ("a number", "g")
     if (isinstance(value, bool) or not isinstance(value, int | float)
-            or (kind is int and isinstance(value, float) and not value.is_integer()) or not lo <= value <= hi):
-        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:{fmt}}, {hi:{fmt}}], got {show(value)}")
+            or (kind is int and isinstance(value, float) and not value.is_integer())
+            or not lo <= value <= hi):
+        raise MetaError(f"custom_params.{KEY}.{key} must be {what} in [{lo:{fmt}}, {hi:{fmt}}], "
+                        f"got {show(value)}")
     return kind(value)
 
 
@@ -104,7 +106,8 @@ def stamp(sampling_params: dict[str, Any] | None, **fields: Any) -> dict[str, An
     params = dict(sampling_params or {})
     parse(params.get("custom_params"))  # a malformed existing stamp fails here with the field's name
     custom = dict(params.get("custom_params") or {})
-    custom[KEY] = {**(custom.get(KEY) or {}), **{key: value for key, value in fields.items() if value is not None}}
+    custom[KEY] = {**(custom.get(KEY) or {}),
+                   **{key: value for key, value in fields.items() if value is not None}}
     parse(custom)  # fail on the client, not in the scheduler
     params["custom_params"] = custom
     return params

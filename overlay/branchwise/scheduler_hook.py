@@ -91,7 +91,8 @@ class BranchwiseState:
                 "policy": ctl.policy.name, "steps": stats.steps, "planned_steps": stats.planned_steps,
                 "unpriced_steps": stats.unpriced_steps,
                 "rows_run": stats.rows_run, "rows_deferred": stats.rows_deferred,
-                "candidates": stats.candidates, "admitted": stats.admitted, "admission_rate": stats.admission_rate,
+                "candidates": stats.candidates, "admitted": stats.admitted,
+                "admission_rate": stats.admission_rate,
                 "planner_ms_mean": 1e3 * stats.planner_s / max(stats.planned_steps, 1),
                 "last_budget_s": stats.last_budget_s if math.isfinite(stats.last_budget_s) else None,
                 "last_predicted_s": stats.last_predicted_s, "bubble_steps": stats.bubble_steps,
@@ -343,7 +344,8 @@ def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Deli
             count[0] += 1
     ctx = sum(map(_KV_LEN, reqs))
     # positional (tokens, slo_s, in_phase): once per key per step, and keywords cost ~150 ns a call
-    return {key: Delivery(rows, fields.slo_s, fields.meta.is_branch) for key, (rows, fields) in counts.items()}, ctx
+    return {key: Delivery(rows, fields.slo_s, fields.meta.is_branch)
+            for key, (rows, fields) in counts.items()}, ctx
 
 
 def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:

@@ -44,8 +44,9 @@ LLAMA_CONFIG = MappingProxyType(dict(
 ))
 SIZES = MappingProxyType({
     "tiny": LLAMA_CONFIG,
-    "small": MappingProxyType(LLAMA_CONFIG | dict(hidden_size=1024, num_hidden_layers=4, num_attention_heads=16,
-                                                  num_key_value_heads=4, intermediate_size=2816)),
+    "small": MappingProxyType(LLAMA_CONFIG | dict(hidden_size=1024, num_hidden_layers=4,
+                                                  num_attention_heads=16, num_key_value_heads=4,
+                                                  intermediate_size=2816)),
 })
 
 

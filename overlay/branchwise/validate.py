@@ -55,11 +55,12 @@ def check_sampling_params(sampling_params: object) -> None:
         for key, hi in (("top_k", MAX_TOP_K), ("min_new_tokens", INT32_MAX)):
             value = params.get(key)
             if _is_num(value) and value > hi:
-                raise ValueError(f"sampling_params.{key} must be at most {hi}, got {request_meta.show(value)}")
+                raise ValueError(f"sampling_params.{key} must be at most {hi}, "
+                                 f"got {request_meta.show(value)}")
         penalty = params.get("repetition_penalty")
         if _is_num(penalty) and 0 < penalty < MIN_REPETITION_PENALTY:
-            raise ValueError(f"sampling_params.repetition_penalty must be at least {MIN_REPETITION_PENALTY:g}, "
-                             f"got {request_meta.show(penalty)}")
+            raise ValueError("sampling_params.repetition_penalty must be at least "
+                             f"{MIN_REPETITION_PENALTY:g}, got {request_meta.show(penalty)}")
         bias = params.get("logit_bias")
         if isinstance(bias, dict):
             for value in bias.values():
@@ -100,7 +101,8 @@ def as_bad_request(err: Exception, where: str) -> ValueError:
     name = type(err).__name__
     # The 400's message names the exception; its traceback is for debugging unforeseen input shapes
     # (at DEBUG: a client sending such requests must not fill the log at the default level).
-    logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name, exc_info=err)
+    logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name,
+                 exc_info=err)
     try:
         msg = str(err)
     except Exception:  # noqa: BLE001 - str() of an exception can itself fail (int digit limit)
@@ -133,7 +135,8 @@ def check_rids(obj: ReqInput) -> None:
     else:
         ok = isinstance(rid, list) and all(isinstance(one, str) for one in rid)
     if not ok:
-        raise ValueError("rid must be a string (a list of strings for a batch), got " + request_meta.show(rid))
+        raise ValueError("rid must be a string (a list of strings for a batch), got "
+                         + request_meta.show(rid))
 
 
 def _nothing_dispatched(obj: ReqInput) -> None:

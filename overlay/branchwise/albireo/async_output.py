@@ -112,7 +112,8 @@ class _Marker:
 
 def _byte_decoder() -> dict[str, int]:
     """Inverse of GPT-2's bytes_to_unicode (the ByteLevel pre-tokenizer's alphabet)."""
-    printable = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), 256))
+    printable = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+                 + list(range(ord("®"), 256)))
     byte_values, code_points, shifted = printable, printable[:], 0
     for byte in range(256):
         if byte not in byte_values:
@@ -433,7 +434,8 @@ def fast_decode_result(state: AsyncOutput, proc: SchedulerBatchResultProcessor, 
     allocator.free_group_end()
     reporter = proc.metrics_reporter
     reporter.forward_ct_decode = (reporter.forward_ct_decode + 1) % (1 << 30)
-    reporter.report_decode_stats(result.can_run_cuda_graph, running_batch=batch, num_generated_tokens=n_generated)
+    reporter.report_decode_stats(result.can_run_cuda_graph, running_batch=batch,
+                                 num_generated_tokens=n_generated)
     state.stats["fast"] += 1
 
 

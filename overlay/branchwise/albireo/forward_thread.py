@@ -46,7 +46,8 @@ if TYPE_CHECKING:
 Hook = Callable[..., Any]  # the hooked SGLang function an AROUND body wraps
 
 logger = logging.getLogger("branchwise")
-ENV = "BRANCHWISE_FORWARD_THREAD"  # "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
+# "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
+ENV = "BRANCHWISE_FORWARD_THREAD"
 # CPython's GIL switch interval (ms) while the forward thread runs; unset = CPython's 5 ms
 SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
 # Longest wait for one job (seconds): a forward that takes longer, or a worker that hangs (e.g. in
@@ -136,7 +137,8 @@ class ForwardStats:
     idle_s: float = 0.0  # gaps between consecutive forwards of the worker (reset by an inline batch)
     reasons: dict[str, int] = field(default_factory=dict)  # "<mode>: <why>" -> inline batches
     modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode (decode/extend/mixed)
-    features: dict[str, int] = field(default_factory=dict)  # "<mode>: <feature>" -> worker jobs (penalties, ...)
+    # "<mode>: <feature>" -> worker jobs (penalties, ...)
+    features: dict[str, int] = field(default_factory=dict)
     checkpoint_drains: int = 0  # radix checkpoints that rewrote a row while a forward was queued or running
 
     def count(self, table: dict[str, int], key: str) -> None:
@@ -258,7 +260,8 @@ class ForwardExecutor:
             result.delay_sample_func()
             result.delay_sample_func = None
         else:
-            overlap_utils.resolve_forward_inputs(snap, scheduler.future_map)  # gather step n-1's stashed tokens
+            # gather step n-1's stashed tokens
+            overlap_utils.resolve_forward_inputs(snap, scheduler.future_map)
             result = job.run(snap)
             if (result.delay_sample_func is not None) != (job.forwarded is not None):
                 raise RuntimeError("Branchwise forward thread: the forward's delayed sampling does not match "
@@ -343,7 +346,8 @@ def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
     info = batch.sampling_info
     checks = [
         (not batch.spec_algorithm.is_none(), "speculative"),
-        (decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is not None), "inputs staged"),
+        (decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is not None),
+         "inputs staged"),
         # the worker's resolve_forward_inputs copies the prefill ids from the host staging
         (not decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is None),
          "prefill ids not staged on the host"),
@@ -358,7 +362,8 @@ def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
          or getattr(getattr(scheduler, "beam_coordinator", None), "_num_live_groups", 0), "beam search"),
         (info is None, "no sampling info"),
         (info is not None and info.has_custom_logit_processor
-         and (info.custom_params is None or len(info.custom_params) != len(batch.reqs)), "custom logit processor"),
+         and (info.custom_params is None or len(info.custom_params) != len(batch.reqs)),
+         "custom logit processor"),
     ]
     return next((why for bad, why in checks if bad), None)
 
@@ -370,7 +375,8 @@ def samples_later(worker: TpModelWorker, batch: ScheduleBatch) -> bool:
 
     # ForwardBatch.init_new sets sampling_info.grammars from has_grammar, which the worker then tests
     return bool(worker.enable_overlap and not worker.enable_spec
-                and (batch.has_grammar or (envs.SGLANG_ENABLE_DELAY_SAMPLE.get() and not batch.is_prefill_only)))
+                and (batch.has_grammar
+                     or (envs.SGLANG_ENABLE_DELAY_SAMPLE.get() and not batch.is_prefill_only)))
 
 
 def _embeds(batch: ScheduleBatch) -> bool:
@@ -390,7 +396,8 @@ def snapshot(batch: ScheduleBatch) -> ScheduleBatch:
             setattr(snap, name, list(value))
     info = getattr(snap, "sampling_info", None)
     if info is not None and info.has_custom_logit_processor and info.custom_params is not None:
-        snap.sampling_info = info = copy.copy(info)  # the launch's forward-only copy; leave the shared list alone
+        # the launch's forward-only copy; leave the shared list alone
+        snap.sampling_info = info = copy.copy(info)
         info.custom_params = [_frozen_params(params, req)
                               for params, req in zip(info.custom_params, snap.reqs, strict=True)]
     return snap
@@ -513,12 +520,14 @@ def around_forward_batch_generation(orig: Hook, self: TpModelWorker, batch: Sche
     batch.mix_running_indices = None
     if delayed:  # run_batch then skips relay and copy; launch_batch_sample_if_needed calls this
         placeholder.delay_sample_func = functools.partial(_launch_sampling, executor, job)
-        if batch.has_grammar:  # what ForwardBatch.init_new will set on the worker; the mask may be built first
+        # what ForwardBatch.init_new will set on the worker; the mask may be built first
+        if batch.has_grammar:
             job.snapshot.sampling_info.grammars = [req.grammar for req in batch.reqs]
     else:
         executor.job = job
     _count_job(executor.stats, batch)
-    executor.submit(job)  # the snapshot is complete: _forward_isolation already swapped in the forward-only sampling_info
+    # the snapshot is complete: _forward_isolation already swapped in the forward-only sampling_info
+    executor.submit(job)
     return placeholder
 
 
@@ -557,15 +566,16 @@ def _count_job(stats: ForwardStats, batch: ScheduleBatch) -> None:
             stats.count(stats.features, f"{mode}: {feature}")
 
 
-def around_relay_forward_payload(orig: Hook, self: Scheduler, batch: ScheduleBatch, future_indices: torch.Tensor,
-                                 result: GenerationBatchResult, *args: Any, **kwargs: Any) -> None:
+def around_relay_forward_payload(orig: Hook, self: Scheduler, batch: ScheduleBatch,
+                                 future_indices: torch.Tensor, result: GenerationBatchResult,
+                                 *args: Any, **kwargs: Any) -> None:
     if getattr(result, "_branchwise_job", False):
         return None
     return orig(self, batch, future_indices, result, *args, **kwargs)
 
 
-def around_copy_result_to_cpu(orig: Hook, self: Scheduler, result: GenerationBatchResult, batch: ScheduleBatch,
-                              *args: Any, **kwargs: Any) -> None:
+def around_copy_result_to_cpu(orig: Hook, self: Scheduler, result: GenerationBatchResult,
+                              batch: ScheduleBatch, *args: Any, **kwargs: Any) -> None:
     executor = self.branchwise.forward
     if executor is None or not getattr(result, "_branchwise_job", False):
         return orig(self, result, batch, *args, **kwargs)
@@ -596,7 +606,8 @@ def around_checkpoint(orig: Hook, self: RadixCache, req: Req, *args: Any, **kwar
     if executor is None or not executor.busy():
         return orig(self, req, *args, **kwargs)
     pool = self.req_to_token_pool
-    pool.write = _CheckedWrite(executor, type(pool).write.__get__(pool))  # instance attribute for this call only
+    # instance attribute for this call only
+    pool.write = _CheckedWrite(executor, type(pool).write.__get__(pool))
     try:
         return orig(self, req, *args, **kwargs)
     finally:
@@ -608,7 +619,8 @@ class _CheckedWrite:
 
     __slots__ = ("executor", "write")
 
-    def __init__(self, executor: ForwardExecutor, write: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
+    def __init__(self, executor: ForwardExecutor,
+                 write: Callable[[torch.Tensor, torch.Tensor], None]) -> None:
         self.executor, self.write = executor, write
 
     def __call__(self, indices: torch.Tensor | slice, values: torch.Tensor | list[int]) -> None:

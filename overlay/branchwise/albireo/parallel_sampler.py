@@ -187,12 +187,14 @@ def _group_info(group: dist.ProcessGroup | None) -> tuple[int, int]:
 
 
 def rows_per_rank(batch_size: int, tp_size: int) -> int:
-    """Row block of each rank: the batch padded up to a multiple of tp_size (collectives want equal blocks)."""
+    """Row block of each rank: the batch padded up to a multiple of tp_size (collectives want equal
+    blocks)."""
     return -(-batch_size // tp_size)
 
 
 def own_rows(batch_size: int, tp_size: int, rank: int) -> slice:
-    """The batch rows `rank` samples: its block of rows_per_rank rows, less padding past the batch (maybe empty)."""
+    """The batch rows `rank` samples: its block of rows_per_rank rows, less padding past the batch
+    (maybe empty)."""
     block = rows_per_rank(batch_size, tp_size)
     return slice(min(rank * block, batch_size), min((rank + 1) * block, batch_size))
 
@@ -211,7 +213,8 @@ def _pad_rows(tensor: torch.Tensor, rows: int) -> torch.Tensor:
     return torch.cat([tensor, tensor.new_zeros((rows - tensor.shape[0], *tensor.shape[1:]))])
 
 
-def _gather_ids(ids: torch.Tensor, batch_size: int, tp_size: int, group: dist.ProcessGroup | None) -> torch.Tensor:
+def _gather_ids(ids: torch.Tensor, batch_size: int, tp_size: int,
+                group: dist.ProcessGroup | None) -> torch.Tensor:
     out = ids.new_empty((tp_size * ids.shape[0],))
     _all_gather(out, ids.contiguous(), group=group)
     return out[:batch_size]
@@ -272,11 +275,13 @@ def sp_sample(
     return sample_own_rows(mine, params, batch_size, group)
 
 
-def sp_sample_full(logits: torch.Tensor, params: RowParams, group: dist.ProcessGroup | None = None) -> torch.Tensor:
+def sp_sample_full(logits: torch.Tensor, params: RowParams,
+                   group: dist.ProcessGroup | None = None) -> torch.Tensor:
     """Simpler path: logits already all-gathered ([bs, V] on every rank); sample own rows, gather ids."""
     tp_size, rank = _group_info(group)
     batch_size = logits.shape[0]
     if tp_size == 1 or batch_size == 0:
         return sample_rows(logits, params)
     block = rows_per_rank(batch_size, tp_size)
-    return sample_own_rows(_pad_rows(logits[rank * block : (rank + 1) * block], block), params, batch_size, group)
+    return sample_own_rows(_pad_rows(logits[rank * block : (rank + 1) * block], block),
+                           params, batch_size, group)

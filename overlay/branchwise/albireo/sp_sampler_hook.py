@@ -225,7 +225,8 @@ def _gather_reason(runner: ModelRunner, forward_batch: ForwardBatch) -> str | No
     if not _row_wise_penalizers(info):
         return UNKNOWN_PENALIZER
     rows = forward_batch.batch_size
-    if info.temperatures.shape[0] != rows or info.sampling_seed is None or info.sampling_seed.shape[0] != rows:
+    if (info.temperatures.shape[0] != rows or info.sampling_seed is None
+            or info.sampling_seed.shape[0] != rows):
         return NO_ROW_SEEDS
     return None
 
@@ -239,7 +240,8 @@ def _positions(forward_batch: ForwardBatch) -> torch.Tensor:
 
 def request_seed(nonce: int, rid: str) -> int:
     """An unseeded request's seed: a keyed hash of its rid, as a signed int64 (SGLang's seed dtype)."""
-    digest = hashlib.blake2b(str(rid).encode(), digest_size=8, key=(nonce & (2**64 - 1)).to_bytes(8, "little"))
+    digest = hashlib.blake2b(str(rid).encode(), digest_size=8,
+                             key=(nonce & (2**64 - 1)).to_bytes(8, "little"))
     return int.from_bytes(digest.digest(), "little", signed=True)
 
 
@@ -287,13 +289,13 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> SPState | None:
     return state
 
 
-def after_from_schedule_batch(info: SamplingBatchInfo, cls: type[SamplingBatchInfo], batch: ScheduleBatch | None,
-                              *args: Any, **kwargs: Any) -> SamplingBatchInfo:
+def after_from_schedule_batch(info: SamplingBatchInfo, cls: type[SamplingBatchInfo],
+                              batch: ScheduleBatch | None, *args: Any, **kwargs: Any) -> SamplingBatchInfo:
     """SamplingBatchInfo.from_schedule_batch: give every row its request's seed (unseeded: request_seed)."""
     state = getattr(batch.tree_cache, ATTR, None) if batch is not None else None
     if state is not None and state.inject_seeds and info.sampling_seed is None:
-        seeds = [seed if (seed := req.sampling_params.sampling_seed) is not None else request_seed(state.nonce, req.rid)
-                 for req in batch.reqs]
+        seeds = [seed if (seed := req.sampling_params.sampling_seed) is not None
+                 else request_seed(state.nonce, req.rid) for req in batch.reqs]
         info.sampling_seed = torch.tensor(seeds, dtype=torch.int64).to(info.temperatures.device)
     return info
 
@@ -317,7 +319,8 @@ class _AllToAll:
             self.group.all_to_all_single(out, inp)
 
 
-def around_forward(orig: Hook, runner: ModelRunner, forward_batch: ForwardBatch, *args: Any, **kwargs: Any) -> Any:
+def around_forward(orig: Hook, runner: ModelRunner, forward_batch: ForwardBatch,
+                   *args: Any, **kwargs: Any) -> Any:
     """ModelRunner.forward: arm the all-to-all for a covered decode batch; tag the batch with the outcome."""
     state = getattr(runner, ATTR, None)
     if state is None or state.tp_size == 1 or not forward_batch.forward_mode.is_decode():
@@ -336,7 +339,8 @@ def around_forward(orig: Hook, runner: ModelRunner, forward_batch: ForwardBatch,
         state.plan = None
     forward_batch._branchwise_sp_exchange = plan if plan.done else None
     if not plan.done:
-        state.gather("CUDA graph replay" if getattr(out, "can_run_graph", False) else "all-gather kept in the model")
+        state.gather("CUDA graph replay" if getattr(out, "can_run_graph", False)
+                     else "all-gather kept in the model")
     return out
 
 
@@ -344,7 +348,8 @@ def around_get_logits(orig: Hook, processor: LogitsProcessor, hidden_states: tor
                       lm_head: VocabParallelEmbedding, metadata: LogitsMetadata,
                       *args: Any, **kwargs: Any) -> torch.Tensor:
     """LogitsProcessor._get_logits: the all-to-all instead of the all-gather, when armed."""
-    state = processor.__dict__.get(ATTR)  # not getattr: a miss on an nn.Module raises inside Module.__getattr__
+    # not getattr: a miss on an nn.Module raises inside Module.__getattr__
+    state = processor.__dict__.get(ATTR)
     plan = state.plan if state is not None else None
     if plan is None:
         return orig(processor, hidden_states, lm_head, metadata, *args, **kwargs)
@@ -373,7 +378,8 @@ def around_sample(orig: Hook, runner: ModelRunner, logits_output: LogitsProcesso
     if plan is not None:  # next_token_logits holds my block of rows only
         logits_output.auxiliary_device_output = None
         logits = logits_output.next_token_logits
-        assert logits.shape[0] == rows_per_rank(plan.batch_size, state.tp_size), (logits.shape, plan.batch_size)
+        assert logits.shape[0] == rows_per_rank(plan.batch_size, state.tp_size), (
+            logits.shape, plan.batch_size)
         if _has_row_transforms(info):  # ModelRunner._preprocess_logits, on my rows
             transform_own_rows(logits, plan.batch_size, state.tp_size, state.tp_rank,
                                lambda block, rows: apply_row_transforms(info, block, rows))

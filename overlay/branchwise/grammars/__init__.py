@@ -28,7 +28,8 @@ from branchwise.grammars.base import (
 from branchwise.grammars.multiverse import MultiverseDetector, MultiverseTags
 from branchwise.grammars.sprint import SprintDetector, SprintTags
 
-DETECTORS: Mapping[str, type[Detector]] = MappingProxyType({"multiverse": MultiverseDetector, "sprint": SprintDetector})
+DETECTORS: Mapping[str, type[Detector]] = MappingProxyType({"multiverse": MultiverseDetector,
+                                                            "sprint": SprintDetector})
 
 
 def get_detector(name: str, **kw: Any) -> Detector:

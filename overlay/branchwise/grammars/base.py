@@ -137,8 +137,8 @@ class TagLexer:
             if lt > tstart:
                 out.append(Lexeme(start=self.base + tstart, end=self.base + lt, text=buf[tstart:lt]))
             attrs = (match[3] or "").strip()
-            out.append(Lexeme(start=self.base + lt, end=self.base + gt + 1, tag=match[2], closing=bool(match[1]),
-                              attrs=attrs))
+            out.append(Lexeme(start=self.base + lt, end=self.base + gt + 1, tag=match[2],
+                              closing=bool(match[1]), attrs=attrs))
             scan = tstart = gt + 1
         if hold > tstart:
             out.append(Lexeme(start=self.base + tstart, end=self.base + hold, text=buf[tstart:hold]))
@@ -282,7 +282,8 @@ class Detector:
             self._open(lexeme.tag, lexeme)
 
     def _emit(self, event: Event) -> None:
-        if self._joining is not None and not (isinstance(event, PhaseClosed) and event.depth == self._joining):
+        if (self._joining is not None
+                and not (isinstance(event, PhaseClosed) and event.depth == self._joining)):
             return  # structure inside joined branches was reported by the branches themselves
         self._out.append(event)
 

@@ -131,7 +131,8 @@ class MultiverseDetector(Detector):
                 self._push(tag, lexeme, ids[n_paths], top.depth)
             else:
                 if n_paths != len(ids):
-                    raise GrammarError(f"path count mismatch: {len(ids)} outlines, {n_paths} paths", lexeme.start)
+                    raise GrammarError(f"path count mismatch: {len(ids)} outlines, {n_paths} paths",
+                                       lexeme.start)
                 self._push(tag, lexeme, depth=top.depth)
 
     def _close(self, tag: str, lexeme: Lexeme) -> None:
@@ -168,7 +169,8 @@ class MultiverseDetector(Detector):
         if self.stack[-1].tag == self.tags.parallel and (lead := len(text) - len(text.lstrip())) < len(text):
             tags = self.tags
             msg = (
-                f"text directly inside <{tags.parallel}> (only <{tags.goal}>, <{tags.path}>, <{tags.conclusion}> allowed)"
+                f"text directly inside <{tags.parallel}> (only <{tags.goal}>, <{tags.path}>, "
+                f"<{tags.conclusion}> allowed)"
             )
             raise GrammarError(msg, start + lead)
 
@@ -177,4 +179,5 @@ class MultiverseDetector(Detector):
             if node is self._own:
                 raise GrammarError(f"branch {node.label} ended without </{node.tag}>", self.pos)
             if node.tag == self.tags.parallel:
-                raise GrammarError(f"unclosed <{node.tag}> at end of stream (opened at {node.start})", self.pos)
+                raise GrammarError(f"unclosed <{node.tag}> at end of stream (opened at {node.start})",
+                                   self.pos)

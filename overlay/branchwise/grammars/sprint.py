@@ -92,7 +92,8 @@ class SprintDetector(Detector):
                 )
             if task_id != self._round[self._done]:
                 raise GrammarError(
-                    f"execution id {task_id!r} out of order, expected {self._round[self._done]!r}", lexeme.start
+                    f"execution id {task_id!r} out of order, expected {self._round[self._done]!r}",
+                    lexeme.start,
                 )
             self._push(tag, lexeme, task_id)
         else:  # plan, answer

@@ -211,7 +211,8 @@ class StepController:
         return ArrayBatch(
             rids=list(groups), ready=np.fromiter(map(len, groups.values()), np.int64, n),
             ctx=np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
-            slack_s=np.array(slack, dtype=np.float64), weight=np.array([h.weight for h in heads], dtype=np.float64),
+            slack_s=np.array(slack, dtype=np.float64),
+            weight=np.array([h.weight for h in heads], dtype=np.float64),
             phase=np.array([h.phase for h in heads], dtype=bool), fixed_width=fixed,
             slo_s=np.array([h.slo_s for h in heads], dtype=np.float64), waiting=max(int(waiting), 0),
             gap_slack_s=np.array(gap, dtype=np.float64) if gap is not None else None)
@@ -246,7 +247,8 @@ class StepController:
     def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float, deferred: int = 0) -> None:
         """A realized pure-decode step latency (and the rows it deferred); feeds the rolling refit."""
         if self.refit is not None:
-            self.refit.observe(n_rows, ctx_tokens, latency_s, deferred=deferred)  # refits policy.model in place
+            # refits policy.model in place
+            self.refit.observe(n_rows, ctx_tokens, latency_s, deferred=deferred)
 
     def on_finished(self, keys: Iterable[str]) -> None:
         """These keys' last rows left for good (finished or aborted): drop their state, so a reused

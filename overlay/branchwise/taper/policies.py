@@ -29,8 +29,8 @@ from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, Linea
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
 POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
-                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor",
-                "stock")
+                "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan",
+                "taper-const-predictor", "stock")
 VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
                  "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
                  "taper-const-predictor, stock"
@@ -54,7 +54,8 @@ class Terms:
 
 
 PAPER = Terms()
-_TERMS = MappingProxyType({"taper": Terms(True, True, True, True), "taper-no-mean": Terms(False, True, True, True),
+_TERMS = MappingProxyType({"taper": Terms(True, True, True, True),
+                          "taper-no-mean": Terms(False, True, True, True),
                           "taper-no-overload": Terms(True, False, True, True),
                           "taper-no-backlog": Terms(True, True, False, True),
                           "taper-no-defer-cost": Terms(True, True, True)})
@@ -132,7 +133,8 @@ class Policy:
             return False
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
-    def held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float] | None:
+    def held_price(self, a: ArrayBatch, budget: float,
+                   floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
         (deferral is free)."""
         return self._held_price(a, budget, floor) if any(self.deferral_price()) else None
@@ -162,8 +164,10 @@ class Policy:
         rho, slack, slo, model, terms = self.rho, a.slack_s, a.slo_s, self.model, self.terms
         assert rho is not None and slo is not None and model is not None
         notes: dict[str, float] = {}
-        if a.gap_slack_s is not None and (a.waiting > 0 or floor_cost(a, model, None) > rho * float(slo.min())):
-            slack = a.gap_slack_s  # saturated (a queue, or protected rows over the pace): the bank stays a margin
+        if (a.gap_slack_s is not None
+                and (a.waiting > 0 or floor_cost(a, model, None) > rho * float(slo.min()))):
+            # saturated (a queue, or protected rows over the pace): the bank stays a margin
+            slack = a.gap_slack_s
             notes["per_gap"] = 1.0
         extra = a.ready - 1
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)

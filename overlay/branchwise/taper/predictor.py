@@ -371,7 +371,8 @@ class DeferralEvidence:
                          se=math.sqrt(rss / dof * float(w @ a_inv @ w)))
 
 
-def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, d: np.ndarray) -> float:
+def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray,
+                   d: np.ndarray) -> float:
     pred = m.c0 + m.c_seq * n + m.c_ctx * ctx + np.where(d > 0, m.c_defer + m.c_deferred * d, 0.0)
     return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
 
@@ -474,10 +475,12 @@ class OnlineRefit:
         m.c_defer, m.c_deferred = price  # from all the evidence, not from this window alone
         if cand.coefs() == m.coefs():
             return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
-        if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:  # worse beyond rounding
+        # worse beyond rounding
+        if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:
             return self._skip(f"{why}; intercept update would fit the window worse" if why
                               else "update would fit the window worse")
-        m.c0, m.c_seq, m.c_ctx, m.c_defer, m.c_deferred = cand.c0, cand.c_seq, cand.c_ctx, cand.c_defer, cand.c_deferred
+        m.c0, m.c_seq, m.c_ctx, m.c_defer, m.c_deferred = (
+            cand.c0, cand.c_seq, cand.c_ctx, cand.c_defer, cand.c_deferred)
         self.refits += 1
         self.intercept_refits += bool(why)
         if why:

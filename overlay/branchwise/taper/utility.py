@@ -43,7 +43,8 @@ class Utility:
 
 
 LINEAR = Utility("linear", lambda k: 1.0)  # throughput: every row is worth the same
-CONCAVE = Utility("concave", lambda k: math.log1p(k) - math.log1p(k - 1))  # fairness: first extra row counts most
+# fairness: first extra row counts most
+CONCAVE = Utility("concave", lambda k: math.log1p(k) - math.log1p(k - 1))
 PRIORITY = Utility("priority", lambda k: 1.0, weighted=True)  # linear, scaled by the tenant's weight
 
 
