@@ -9,7 +9,7 @@ import pytest
 
 import bench.capacity as cap
 from bench.bound import fluid_bound_rps, request_work_s
-from bench.capacity import Engine, bracket, grid, measure, verdict
+from bench.capacity import Engine, bracket, grid, holds, measure, verdict
 from bench.engine import EngineConfig, Simulator, build_controller
 from bench.metrics import POINT_KEYS
 from bench.workload import RequestSpec, compose, load_trace, stationary_schedule
@@ -35,11 +35,39 @@ def _fake(capacity: dict[str, float], calls: list | None = None, latency: dict[s
 
 
 def test_bracket_needs_every_rate_below_to_hold() -> None:
-    assert bracket([1, 2, 3], [1.0, 0.96, 0.5]) == (2, 3)
-    assert bracket([1, 2, 3], [1.0, 0.9, 1.0]) == (1, 2)  # a later recovery does not count
-    assert bracket([1, 2, 3], [0.5, 1.0, 1.0]) == (0.0, 1)
-    assert bracket([1, 2, 3], [1.0, 1.0, 0.95]) == (3, None)
-    assert bracket([1, 2], [None, 1.0]) == (0.0, 1)  # no arrivals measured: not held
+    assert bracket([1, 2, 3], [True, True, False]) == (2, 3)
+    assert bracket([1, 2, 3], [True, False, True]) == (1, 2)  # a later recovery does not count
+    assert bracket([1, 2, 3], [False, True, True]) == (0.0, 1)
+    assert bracket([1, 2, 3], [True, True, True]) == (3, None)
+
+
+def test_a_point_holds_on_attainment_at_a_load_it_sustained() -> None:
+    assert holds({"attainment": 0.95}) and not holds({"attainment": 0.94})
+    assert not holds({"attainment": None})  # no arrivals measured: not held
+    assert holds({"attainment": 1.0, "queue_growth": 0.05})
+    assert not holds({"attainment": 1.0, "queue_growth": 0.06})  # the queue outgrew the window
+    assert holds({"attainment": 1.0, "queue_growth": None})  # a live point: no steady-state figure
+
+
+def test_a_growing_queue_ends_a_capacity_that_attainment_alone_would_not() -> None:
+    """Every point meets its SLO, but above 0.6 req/s the admission queue grows by a tenth of the
+    window's arrivals: the capacity is the last rate the point sustained."""
+
+    def point(policy: str, rate: float, seed: int) -> dict:
+        return {"rate": rate, "attainment": 1.0, "queue_growth": 0.1 if rate > 0.6 else 0.0}
+
+    res = measure(Engine("fake", point, 1.0), ["taper"], [0], log=lambda _: None)
+    step = (cap.GRID[1] - cap.GRID[0]) / 2 ** cap.BISECT_STEPS
+    assert 0.6 - step - 1e-9 <= res["capacity"]["policies"]["taper"]["capacity_rps"] <= 0.6
+
+
+def test_a_simulated_point_reports_its_queue_growth() -> None:
+    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "off", "--slo-tpot-ms", "50",
+                           "--max-running", "4", "--out", "unused"])
+    engine = cap.sim_engine(opts)
+    low, high = (engine.point("off", rate, 0) for rate in (0.02, 2.0))
+    assert low["queue_growth"] == 0.0 and holds(low)
+    assert high["queue_growth"] > 0.5 and not holds(high)  # four running, the rest queue
 
 
 def test_capacity_by_bisection_per_seed_and_the_exact_schema() -> None:
@@ -52,7 +80,7 @@ def test_capacity_by_bisection_per_seed_and_the_exact_schema() -> None:
         v = doc["policies"][pol]
         assert set(v) == {"capacity_rps", "capacity_spread", "capacity_of_bound", "points"}
         assert [p["rate"] for p in v["points"]] == grid(1.0)
-        assert all(set(p) == set(POINT_KEYS) for p in v["points"])
+        assert all(set(p) == {*POINT_KEYS, "queue_growth"} for p in v["points"])
         assert {"decomp_e2e_p50_s", "decomp_e2e_p99_s", "serial_e2e_p50_s"} <= set(v["points"][0])
         per_seed = res["detail"][pol]["capacity_per_seed"]
         for seed, got in per_seed.items():

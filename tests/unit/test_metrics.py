@@ -155,6 +155,19 @@ def test_queued_requests_are_misses_and_their_wait_counts_in_ttft() -> None:
     assert summarize([*served, queued], SLO, (0.0, 2.0))["ttft_p99_s"] < 1.0  # default horizon: last event
 
 
+def test_queue_growth_counts_what_joined_the_admission_queue_over_the_window() -> None:
+    """Four arrive in [10, 20): one was already waiting at 10 and started at 12, two still wait at
+    20 (one starts later, one never): the queue grew by 1 per 4 arrivals. Nothing waits: 0."""
+    waited = RequestRecord("w", 5.0, 12.0, [StageRecord(False, 12.0, 13.0, 10)], True)
+    served = [_rec(f"s{i}", 11.0 + i, [(False, 11.2 + i, 11.5 + i, 10)]) for i in range(2)]
+    late = RequestRecord("l", 18.0, 25.0, [StageRecord(False, 25.0, 26.0, 10)], True)
+    never = RequestRecord("n", 19.0)
+    m = summarize([waited, *served, late, never], SLO, (10.0, 20.0))
+    assert m["requests"] == 4 and m["queue_growth"] == pytest.approx((2 - 1) / 4)
+    assert summarize(served, SLO, (10.0, 20.0))["queue_growth"] == 0.0
+    assert summarize([waited], SLO, (10.0, 20.0))["queue_growth"] is None  # no arrivals
+
+
 def test_ttft_slo_counts_in_attainment_and_goodput() -> None:
     fast = _rec("f", 0.0, [(False, 0.1, 0.5, 10)])  # TTFT 0.1 s
     slow = RequestRecord("s", 0.0, 3.0, [StageRecord(False, 3.0, 3.4, 10)], True)  # TTFT 3 s
