@@ -50,10 +50,12 @@ _LIVE = EngineConfig(kv_tokens=65536, context_len=2048, prefill_steps=True, clie
 # load (bench.step_account, load 0.4, off / eager / taper servers on a quiet 2-core box whose probe
 # read T = 1.38 ms + 0.089 ms/row + 0.099 us/token; docs/benchmarks.md). Prefill forwards: ~1.5 ms
 # per request plus ~25 us per new token on top of c0 (an arrival's 44-token prompt ~4 ms, a join's
-# ~400 tokens ~13 ms, a fork of n branches ~2 + 1.8 n ms). Decode: 0.25 ms per step lost to the
-# other processes (eager's mean run-queue wait); a step that defers rows prepares its sub-batch
-# (0.25 ms, the subset span) and carries ~0.05 ms per deferred row (regression of the step on rows
-# run and deferred over all three servers); taper's planning adds 0.14 ms (its plan spans less eager's).
+# ~400 tokens ~13 ms, a fork of n branches ~2 + 1.8 n ms). Decode: eager's steps ran 0.50 ms +
+# 0.02 ms/row above the probe's T (0.25 ms of it lost to the other processes, eager's mean run-queue
+# wait); a step that defers rows costs 0.5 ms more (its sub-batch, the subset span of 0.22-0.30 ms,
+# and the longer forward of deferring steps at equal rows) and ~0.05 ms per deferred row (regression
+# of the step on rows run and deferred over all three servers); taper's planning adds 0.14 ms (its
+# plan spans less eager's; 0.10 ms in the accounting after the kept sub-batch, not used here).
 LIVE_HOST = HostCosts(step=Cost(0.50e-3, 0.02e-3), plan=Cost(0.14e-3), subset=Cost(0.5e-3, 0.05e-3),
                       same_subset=Cost(0.5e-3, 0.05e-3), prefill=Cost(0.0, 1.5e-3))
 LIVE_C_TOK = 25e-6
