@@ -133,6 +133,15 @@ class _SimPoint:
                 | steady | {"cpu_s": res.stats["cpu_s"]})
 
 
+def window_bound_rps(setup: SimSetup, model: LinearLatencyModel, rate: float, seed: int) -> float:
+    """The fluid bound of the requests one seed's window measures at `rate`: a seed's place in the
+    trace can ask for more or less work per request than the workload the grid is built on, so a
+    seed's capacity is judged against its own limit too."""
+    end = setup.warmup_s + setup.window_s
+    specs = regime_specs(_trace(setup.trace), rate, end, seed, setup.preset, setup.scaling)
+    return fluid_bound_rps(model, setup.slo_s, [spec for spec in specs if spec.arrival_s >= setup.warmup_s])
+
+
 def sim_engine(opts: CapacityOptions) -> Engine:
     trace = load_trace(opts.trace)
     reg = get_regime(opts.regime)
@@ -147,7 +156,10 @@ def sim_engine(opts: CapacityOptions) -> Engine:
                      bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s,
                      reg.drain_s, reg.scaling, reg.drain_arrivals)
     bound = fluid_bound_rps(model, slo_s, ref)
-    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound, "engine_config": asdict(cfg),
+    seeds = [int(seed) for seed in opts.seeds.split(",") if seed.strip()]
+    conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound,
+            "window_bounds_rps": {seed: window_bound_rps(setup, model, bound, seed) for seed in seeds},
+            "engine_config": asdict(cfg),
             "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
@@ -550,6 +562,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     shown = rates or grid(engine.fluid_bound_rps)
+    if engine.config.get("window_bounds_rps"):
+        print("fluid bound of each seed's window: " + ", ".join(
+            f"seed {seed} {value:.3f}" for seed, value in engine.config["window_bounds_rps"].items()) + " req/s")
     print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; "
           f"rates {', '.join(f'{rate:.3f}' for rate in shown)} req/s; seeds {seeds}; "
           f"policies {', '.join(policies)}")

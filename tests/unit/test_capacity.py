@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -182,3 +183,18 @@ def test_cli_on_the_simulator(tmp_path: Path, monkeypatch, capsys) -> None:
     assert (tmp_path / "capacity.png").stat().st_size > 10_000
     out = capsys.readouterr().out
     assert "(a) capacity: taper" in out and "latency axis" in out and "verdict" in out
+
+
+def test_each_seed_is_judged_against_the_bound_of_its_own_window() -> None:
+    """A seed's window is its own place in the trace: its requests' fluid bound differs from the
+    grid's (built on the whole workload) and from another seed's."""
+    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "off", "--slo-tpot-ms", "50",
+                           "--seeds", "0,1", "--out", "unused"])
+    engine = cap.sim_engine(opts)
+    bounds = engine.config["window_bounds_rps"]
+    assert set(bounds) == {0, 1} and all(value > 0 for value in bounds.values())
+    assert bounds[0] != bounds[1] and engine.fluid_bound_rps not in bounds.values()
+    setup = engine.point.setup
+    longer = cap.window_bound_rps(replace(setup, warmup_s=0.0), LinearLatencyModel(*setup.model),
+                                  engine.fluid_bound_rps, 1)
+    assert longer != bounds[1]  # the warm-up's arrivals are not the window's
