@@ -420,8 +420,11 @@ def tables(doc: dict) -> str:
             Col("x bound", 8, lambda _name, entry: fmt(entry.get("capacity_of_bound"), nd=3)),
             Col("spread", 8, lambda _name, entry: fmt(entry["capacity_spread"], nd=3)), blank(2)]
     return "\n\n".join([
-        "SLO axis: attainment, finished, goodput (tok/s) per offered rate (req/s); *: not sustained "
-        "(the admission queue grew by more than 5% of the window's arrivals)",
+        "SLO axis: attainment, finished, goodput (tok/s) per offered rate (req/s)" + (
+            "; *: not sustained (the admission queue grew by more than 5% of the window's arrivals)"
+            if any(point.get("queue_growth") is not None
+                   for entry in pols.values() for point in entry["points"])
+            else ""),
         render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 17)], name_width=14),
         "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, "
         "serial P50 end to end (s)",
@@ -563,8 +566,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     shown = rates or grid(engine.fluid_bound_rps)
     if engine.config.get("window_bounds_rps"):
-        print("fluid bound of each seed's window: " + ", ".join(
-            f"seed {seed} {value:.3f}" for seed, value in engine.config["window_bounds_rps"].items()) + " req/s")
+        bounds = engine.config["window_bounds_rps"]
+        print("fluid bound of each seed's window: "
+              + ", ".join(f"seed {seed} {value:.3f}" for seed, value in bounds.items()) + " req/s")
     print(f"{engine.name}: fluid bound {engine.fluid_bound_rps:.3f} req/s; "
           f"rates {', '.join(f'{rate:.3f}' for rate in shown)} req/s; seeds {seeds}; "
           f"policies {', '.join(policies)}")
