@@ -133,6 +133,11 @@ class _SimPoint:
                 | steady | {"cpu_s": res.stats["cpu_s"]})
 
 
+def seed_list(text: str) -> list[int]:
+    """--seeds: integers separated by commas (ValueError otherwise)."""
+    return [int(seed) for seed in text.split(",") if seed.strip()]
+
+
 def window_bound_rps(setup: SimSetup, model: LinearLatencyModel, rate: float, seed: int) -> float:
     """The fluid bound of the requests one seed's window measures at `rate`: a seed's place in the
     trace can ask for more or less work per request than the workload the grid is built on, so a
@@ -156,9 +161,9 @@ def sim_engine(opts: CapacityOptions) -> Engine:
                      bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s,
                      reg.drain_s, reg.scaling, reg.drain_arrivals)
     bound = fluid_bound_rps(model, slo_s, ref)
-    seeds = [int(seed) for seed in opts.seeds.split(",") if seed.strip()]
     conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound,
-            "window_bounds_rps": {seed: window_bound_rps(setup, model, bound, seed) for seed in seeds},
+            "window_bounds_rps": {seed: window_bound_rps(setup, model, bound, seed)
+                                  for seed in seed_list(opts.seeds)},
             "engine_config": asdict(cfg),
             "running_cap": cfg.running_cap,
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
@@ -457,7 +462,7 @@ def _seed_line(seed: int, doc: dict, focus: str) -> str:
 def plot(doc: dict, out: Path, title: str) -> Path:
     from bench.plots import plot_capacity
 
-    return plot_capacity(doc, out / "capacity.png", title, TARGET, LATENCY, holds)
+    return plot_capacity(doc, out / "capacity.png", title, TARGET, holds, LATENCY)
 
 
 def write(out: Path, res: dict, config: dict, focus: str = "taper") -> Path:
@@ -556,7 +561,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     try:
         policies = [parse_policy_name(name) for name in opts.policies.split(",") if name.strip()]
-        seeds = [int(seed) for seed in opts.seeds.split(",") if seed.strip()]
+        seeds = seed_list(opts.seeds)
         rates = _rates(opts.rates) if opts.rates else None
         if not policies or not seeds:
             raise ValueError("need at least one policy and one seed")

@@ -157,13 +157,6 @@ class _Flat:
         """Requests arrived before t_s that had no first token by then (queued for admission)."""
         return int(np.count_nonzero((self.arrival < t_s) & ~(self.first < t_s)))  # nan: never started
 
-    def queue_growth(self, start_s: float, end_s: float) -> float | None:
-        """How much the admission queue grew over [start_s, end_s), per request that arrived in it:
-        near 0 at a load the server keeps up with, growing with the overload that a running-request
-        cap turns into waiting (which attainment sees only once the drain runs out)."""
-        arrived = np.count_nonzero((self.arrival >= start_s) & (self.arrival < end_s))
-        return (self.waiting_at(end_s) - self.waiting_at(start_s)) / arrived if arrived else None
-
     def ttft(self, sel: np.ndarray) -> np.ndarray:
         """TTFT of the selected requests; one that never started counts its wait up to the horizon."""
         wait = self.first[sel] - self.arrival[sel]
@@ -245,8 +238,11 @@ def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, start_s: fl
     ttft = flat.ttft(arrived)
     gap = flat.gap[done]
     gap = gap[np.isfinite(gap)]
+    # how much the admission queue grew, per arrival: near 0 at a load the engine keeps up with; a
+    # running-request cap turns overload into waiting that attainment sees only once the drain ends
+    growth = flat.waiting_at(end_s) - flat.waiting_at(start_s)
     out = {
-        "queue_growth": flat.queue_growth(start_s, end_s),
+        "queue_growth": growth / int(arrived.sum()) if arrived.any() else None,
         "goodput_tok_s": float(flat.out_tok[arrived & flat.good].sum()) / dur,
         "goodput_delivered_tok_s": flat.tokens_in(start_s, end_s, True) / dur,
         "raw_throughput_tok_s": flat.tokens_in(start_s, end_s, False) / dur,

@@ -66,11 +66,11 @@ def plot_run(sims: dict, schedule, slo_s: float, out: str | Path, bins: int = 12
 MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
 
 
-def plot_capacity(doc: dict, path: Path, title: str, target: float,
-                  latency_key: str = "decomp_e2e_p50_s", holds: Callable[[dict], bool] | None = None) -> Path:
+def plot_capacity(doc: dict, path: Path, title: str, target: float, holds: Callable[[dict], bool],
+                  latency_key: str = "decomp_e2e_p50_s") -> Path:
     """The two axes against offered load, one line per policy: decomposable P50 end to end on top
-    (points that do not hold hollow: by `holds`, else below `target` attainment), attainment
-    underneath; each policy's capacity dotted in its colour, the fluid bound dashed."""
+    (points that do not `hold` hollow), attainment underneath with the `target` line; each policy's
+    capacity dotted in its colour, the fluid bound dashed."""
     fig, (ax_l, ax_a) = plt.subplots(2, 1, figsize=(9, 8), sharex=True, height_ratios=(3, 2))
     bound = doc.get("fluid_bound_rps")
     keys: list[Line2D] = []
@@ -84,7 +84,7 @@ def plot_capacity(doc: dict, path: Path, title: str, target: float,
         line, = ax_l.plot(rate, lat, lw=1.2)
         color = line.get_color()
         keys.append(Line2D([], [], color=color, marker=marker, lw=1.2, label=name))
-        held = np.array([holds(point) for point in pts], bool) if holds else att >= 100 * target
+        held = np.array([holds(point) for point in pts], bool)
         ax_l.scatter(rate[held], lat[held], color=color, marker=marker, zorder=3)
         ax_l.scatter(rate[~held], lat[~held], facecolors="none", edgecolors=color, marker=marker, zorder=3)
         ax_a.plot(rate, att, marker=marker, color=color, lw=1.2)
@@ -96,8 +96,7 @@ def plot_capacity(doc: dict, path: Path, title: str, target: float,
         panel.grid(alpha=0.3)
     ax_a.axhline(100 * target, color="grey", lw=0.8)
     ax_l.set_ylabel("decomposable P50 end to end (s)")
-    hollow = "not held" if holds else f"below {target:.0%} attainment"
-    ax_l.set_title(f"{title}\nhollow: {hollow}; dotted: capacity; dashed: fluid bound"
+    ax_l.set_title(f"{title}\nhollow: not held; dotted: capacity; dashed: fluid bound"
                    + (f" {bound:.3f} req/s" if bound else ""), fontsize=9)
     ax_l.legend(handles=keys, fontsize=8)
     ax_a.set_ylabel("attainment over all arrivals (%)")
