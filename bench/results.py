@@ -18,8 +18,8 @@ from bench.metrics import summarize
 from bench.report import HEADLINE, LATENCY_COLS, Col, fmt, key, render, write_json
 from bench.workload import Schedule
 
-SERVER_COUNTERS = ("steps", "planned_steps", "unpriced_steps", "rows_run", "rows_deferred", "candidates",
-                   "admitted")
+SERVER_COUNTERS = ("steps", "planned_steps", "unpriced_steps", "fit_steps", "rows_run", "rows_deferred",
+                   "candidates", "admitted")
 
 
 def server_delta(before: dict | None, after: dict | None) -> dict[str, Any] | None:

@@ -89,7 +89,7 @@ class BranchwiseState:
             stats = ctl.stats
             rep["taper"] = {
                 "policy": ctl.policy.name, "steps": stats.steps, "planned_steps": stats.planned_steps,
-                "unpriced_steps": stats.unpriced_steps,
+                "unpriced_steps": stats.unpriced_steps, "fit_steps": stats.fit_steps,
                 "rows_run": stats.rows_run, "rows_deferred": stats.rows_deferred,
                 "candidates": stats.candidates, "admitted": stats.admitted,
                 "admission_rate": stats.admission_rate,

@@ -335,3 +335,64 @@ def test_a_step_no_deferral_can_pay_is_not_planned():
     free = StepController(parse_policy("taper", model=LinearLatencyModel(4e-3, 2e-4, 0.0)))
     free.select(rows, 0.0)
     assert free.stats.planned_steps == 1 and free.stats.unpriced_steps == 0  # no price: always planned
+
+
+BUDGET_RULES = ["taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog", "taper-no-defer-cost",
+                "taper-paper", "taper-no-slack", "taper-no-replan", "taper-const-predictor"]
+
+
+def _clocked(ctl: StepController, rows: list[Row], clock: dict[str, tuple[float, int]], slo: float) -> None:
+    for key, (age, tokens) in clock.items():
+        in_phase = any(r.phase for r in rows if r.key == key)
+        ctl.on_step_done({key: Delivery(0, slo, in_phase)}, 1.0 - age, 0)
+        ctl.on_step_done({key: Delivery(tokens, slo, in_phase)}, 1.0 - age / 2, 0)
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(BUDGET_RULES), st.floats(0.0, 2e-3), st.integers(0, 3),
+       st.booleans())
+def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting, bubble):
+    """Where every ready row fits the budget (Policy.fit_budget) the controller runs them all
+    without the arrays or the plan; the plan, made anyway, runs every row within the same budget,
+    and counts the same terms, so both controllers choose and count alike every step."""
+    rng = np.random.default_rng(seed)
+    slo = 0.02
+    model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=0.1 * per_step)
+    rows, clock = _clocked_rows(rng, slo)
+    fast, full = (StepController(parse_policy(name, model=model)) for _ in range(2))
+    object.__setattr__(full, "_all_fit", lambda *args: False)
+    for ctl in (fast, full):
+        _clocked(ctl, rows, clock, slo)
+    for step in range(2):  # the second step sees the first one's pins (taper-no-replan)
+        now = 1.0 + 0.003 * step
+        assert fast.select(rows, now, bubble, waiting=waiting) == full.select(rows, now, bubble, waiting=waiting)
+    a, b = fast.stats, full.stats
+    assert (a.candidates, a.admitted, a.rows_deferred, a.terms, a.bubble_steps, a.last_budget_s) == \
+        (b.candidates, b.admitted, b.rows_deferred, b.terms, b.bubble_steps, b.last_budget_s)
+    assert a.last_predicted_s == pytest.approx(b.last_predicted_s, rel=1e-12)
+    assert a.planned_steps + a.fit_steps + a.unpriced_steps == b.planned_steps + b.unpriced_steps
+    if name in ("taper-no-replan", "taper-const-predictor"):  # plans this does not mirror
+        assert a.fit_steps == 0
+
+
+def test_a_step_that_fits_is_not_planned():
+    """A phase of 8 short rows beside a fresh serial clock: 5.8 ms of rows fit a 16 ms budget and
+    run unplanned; at a 5 ms SLO (a 4 ms budget) they do not fit, and the plan decides."""
+    model = LinearLatencyModel(4e-3, 2e-4, 0.0)
+    for slo, planned, fit in ((0.020, 0, 1), (0.005, 1, 0)):
+        rows = [Row(key="p", order=j, ctx=0, slo_s=slo, phase=True) for j in range(8)]
+        rows.append(Row(key="s", ctx=0, slo_s=slo))
+        ctl = StepController(parse_policy("taper", model=model))
+        active = ctl.select(rows, 0.0)
+        assert (ctl.stats.planned_steps, ctl.stats.fit_steps) == (planned, fit)
+        assert (len(active) == 9) == bool(fit) and ctl.stats.admitted == (7 if fit else len(active) - 2)
+
+
+def test_a_broken_clock_is_never_read_as_room():
+    """A NaN clock gives the plan a budget of -inf: only the protected rows run, shortcut or not."""
+    model = LinearLatencyModel(4e-3, 2e-4, 0.0)
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.02, phase=True) for j in range(4)] + [Row(key="s", ctx=0, slo_s=0.02)]
+    for name in ("taper", "taper-paper"):
+        ctl = StepController(parse_policy(name, model=model))
+        ctl.on_step_done({"s": Delivery(1, 0.02, False)}, float("nan"), 1)
+        assert ctl.select(rows, 0.001) == [0, 4] and ctl.stats.fit_steps == 0

@@ -103,8 +103,9 @@ class SlackTracker:
 @dataclass(slots=True)
 class StepStats:
     steps: int = 0
-    planned_steps: int = 0  # steps where some row was a candidate for deferral
+    planned_steps: int = 0  # steps with candidates for deferral that the planner decided
     unpriced_steps: int = 0  # steps with candidates that ran every row unplanned: no deferral could pay
+    fit_steps: int = 0  # steps with candidates that ran every row unplanned: every row fit the budget
     rows_run: int = 0
     rows_deferred: int = 0
     candidates: int = 0  # opportunistic rows (beyond one per request) that were ready
@@ -159,7 +160,10 @@ class StepController:
         heads = [rows[idx[0]] for idx in groups.values()]
         if self.policy.prices_deferral and self._never_defers(rows, heads, now):
             return list(range(len(rows)))
-        batch = self._snapshot(rows, groups, heads, now, bubble, waiting)
+        slack, gap = self._clocks(heads, now, bubble)
+        if self._all_fit(rows, groups, heads, slack, gap, waiting):
+            return list(range(len(rows)))
+        batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch)
         width = plan.widths.tolist()
@@ -190,20 +194,51 @@ class StepController:
         st.admitted += extra
         return True
 
-    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], now: float,
-                  bubble: bool, waiting: int) -> ArrayBatch:
-        """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
-        n = len(groups)
+    def _clocks(self, heads: list[Row], now: float, bubble: bool) -> tuple[list[float], list[float] | None]:
+        """Each key's slack, and its per-gap slack where the rule reads it (terms.mean); a key seen
+        for the first time starts its clock now. After a prefill bubble the next step's protected
+        composition is reserved out of both."""
         trackers = [self._tracker(h.key, h.slo_s, h.phase, now) for h in heads]
         slack = [t.slack(now) for t in trackers]
         gap = [t.gap_slack(now) for t in trackers] if self.policy.terms.mean else None
         model = self.policy.model
         if bubble and model is not None:
-            reserve = model.predict(n, sum(h.ctx for h in heads))
+            reserve = model.predict(len(heads), sum(h.ctx for h in heads))
             slack = [s - reserve for s in slack]
             if gap is not None:
                 gap = [s - reserve for s in gap]
             self.stats.bubble_steps += 1
+        return slack, gap
+
+    def _all_fit(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
+                 gap: list[float] | None, waiting: int) -> bool:
+        """Every ready row fits the budget (Policy.fit_budget): the plan's answer without the arrays
+        or the plan, counted as the plan would count it, in fit_steps rather than planned_steps."""
+        model = self.policy.model
+        if self.policy.static or model is None:
+            return False
+        t_all = model.predict(len(rows), sum(r.ctx for r in rows))
+        fit = self.policy.fit_budget(
+            t_all, model.predict(len(heads), sum(h.ctx for h in heads)), slack, gap, [h.slo_s for h in heads],
+            [len(idx) - 1 for idx in groups.values()], [h.phase for h in heads], max(int(waiting), 0))
+        if fit is None:
+            return False
+        budget, notes = fit
+        st = self.stats
+        st.fit_steps += 1
+        extra = len(rows) - len(heads)
+        st.candidates += extra
+        st.admitted += extra
+        st.last_budget_s, st.last_predicted_s = budget, t_all
+        for term in _COUNTED:
+            if term in notes:
+                st.terms[term] = st.terms.get(term, 0) + 1
+        return True
+
+    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
+                  gap: list[float] | None, waiting: int) -> ArrayBatch:
+        """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
+        n = len(groups)
         fixed = None
         if self.fixed:
             f = [self.fixed.get(k, 0) for k in groups]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -38,6 +39,7 @@ VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, tape
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
 _HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
+_FIT_TOL = 1e-9  # fit_budget's relative margin: sums of the same row costs in another order agree far closer
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +134,40 @@ class Policy:
         if model.c_seq < per_row:
             return False
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
+
+    def fit_budget(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
+                   slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool],
+                   waiting: int) -> tuple[float, dict[str, float]] | None:
+        """(budget, notes) when every ready row fits the budget, else None (the plan decides): the
+        budget rule's answer to that one question in scalar arithmetic, per request from its slack,
+        per-gap slack (None unless terms.mean), SLO, extra ready rows and phase flag; t_all and
+        t_protected: T of every ready row and of the protected rows. Exact where it answers: the
+        budget is never below its first value (min of the requests' bounds) once every row fits it,
+        since the overload term needs the forced rows over that value and the backlog term only
+        raises it; a margin of _FIT_TOL keeps the plan's own sum of row costs inside it too. None
+        for the pin rule and a non-linear T, whose plans this does not mirror."""
+        rho, terms = self.rho, self.terms
+        if rho is None or not self.replan or not isinstance(self.model, LinearLatencyModel) or not slack:
+            return None
+        if not self.slack:
+            return math.inf, {}
+        notes: dict[str, float] = {}
+        if not terms.any():  # the paper's rule
+            first = rho * min(slack)
+        else:
+            if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
+                slack, notes["per_gap"] = gap, 1.0  # as weighed_budget: saturated, the bank is a margin
+            if terms.mean:
+                slack = [s + o * e if p else s for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
+            first = rho * min(slack)
+        if not t_all * (1 + _FIT_TOL) <= first or any(map(math.isnan, slack)):  # NaN: the plan's -inf budget
+            return None
+        if terms.backlog and waiting > 0:
+            pace = min(rho * o * (e + 1 if terms.mean else 1) for o, e in zip(slo, extra, strict=True))
+            if pace > first:
+                notes["backlog"] = 1.0
+                return pace, notes
+        return first, notes
 
     def held_price(self, a: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
