@@ -55,7 +55,9 @@ _LIVE = EngineConfig(kv_tokens=65536, context_len=2048, prefill_steps=True, clie
 # wait); a step that defers rows costs 0.5 ms more (its sub-batch, the subset span of 0.22-0.30 ms,
 # and the longer forward of deferring steps at equal rows) and ~0.05 ms per deferred row (regression
 # of the step on rows run and deferred over all three servers); taper's planning adds 0.14 ms (its
-# plan spans less eager's; 0.10 ms in the accounting after the kept sub-batch, not used here).
+# plan spans less eager's; 0.10 ms in the accounting after the kept sub-batch, not used here) to a
+# step the planner decides. A step that runs every row unplanned (no deferral can pay, or every row
+# fits) is charged nothing: its decision costs no more than eager's (bench.plan_cost).
 LIVE_HOST = HostCosts(step=Cost(0.50e-3, 0.02e-3), plan=Cost(0.14e-3), subset=Cost(0.5e-3, 0.05e-3),
                       same_subset=Cost(0.5e-3, 0.05e-3), prefill=Cost(0.0, 1.5e-3))
 LIVE_C_TOK = 25e-6
