@@ -21,6 +21,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from bench.capacity import seed_list
 from bench.engine import HostCosts, Simulator, build_controller
 from bench.live import live_bound_rps
 from bench.metrics import summarize
@@ -139,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
         terms = {term.strip() for term in args.without.split(",") if term.strip()}
         reg = without(get_regime(args.regime), terms)
         policies = [parse_policy_name(name) for name in args.policies.split(",") if name.strip()]
-        seeds = [int(seed) for seed in args.seeds.split(",") if seed.strip()]
+        seeds = seed_list(args.seeds)
         loads = tuple(float(load) for load in args.loads.split(",") if load.strip())
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -158,10 +158,13 @@ class StepController:
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
         heads = [rows[idx[0]] for idx in groups.values()]
-        if self.policy.prices_deferral and self._never_defers(rows, heads, now):
+        static = self.policy.static  # a width from the ready counts alone: no context sums needed
+        ctx = 0 if static else sum(r.ctx for r in rows)
+        head_ctx = 0 if static else sum(h.ctx for h in heads)
+        if self.policy.prices_deferral and self._never_defers(rows, heads, ctx - head_ctx, now):
             return list(range(len(rows)))
         slack, gap = self._clocks(heads, now, bubble)
-        if self._all_fit(rows, groups, heads, slack, gap, waiting):
+        if not static and self._all_fit(rows, groups, heads, ctx, head_ctx, slack, gap, waiting):
             return list(range(len(rows)))
         batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
         t0 = time.perf_counter()
@@ -180,18 +183,16 @@ class StepController:
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _never_defers(self, rows: list[Row], heads: list[Row], now: float) -> bool:
-        """Every row runs because no deferral can pay (Policy.never_defers): the plan's answer
-        without the snapshot or the plan. New keys' clocks start now, as a plan would start them."""
-        extra = len(rows) - len(heads)
-        if not self.policy.never_defers(extra, sum(r.ctx for r in rows) - sum(h.ctx for h in heads)):
+    def _never_defers(self, rows: list[Row], heads: list[Row], extra_ctx: int, now: float) -> bool:
+        """Every row runs because no deferral can pay (Policy.never_defers; extra_ctx: the context
+        tokens of the rows beyond each key's first): the plan's answer without the snapshot or the
+        plan. New keys' clocks start now, as a plan would start them."""
+        if not self.policy.never_defers(len(rows) - len(heads), extra_ctx):
             return False
         for h in heads:
             self._tracker(h.key, h.slo_s, h.phase, now)
-        st = self.stats
-        st.unpriced_steps += 1
-        st.candidates += extra
-        st.admitted += extra
+        self.stats.unpriced_steps += 1
+        self._all_admitted(len(rows) - len(heads))
         return True
 
     def _clocks(self, heads: list[Row], now: float, bubble: bool) -> tuple[list[float], list[float] | None]:
@@ -210,30 +211,38 @@ class StepController:
             self.stats.bubble_steps += 1
         return slack, gap
 
-    def _all_fit(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
-                 gap: list[float] | None, waiting: int) -> bool:
-        """Every ready row fits the budget (Policy.fit_budget): the plan's answer without the arrays
-        or the plan, counted as the plan would count it, in fit_steps rather than planned_steps."""
+    def _all_fit(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int, head_ctx: int,
+                 slack: list[float], gap: list[float] | None, waiting: int) -> bool:
+        """Every ready row fits the budget (Policy.fit_budget; ctx, head_ctx: the context tokens of
+        every row and of each key's first): the plan's answer without the arrays or the plan,
+        counted as the plan would count it, in fit_steps rather than planned_steps."""
         model = self.policy.model
-        if self.policy.static or model is None:
+        if model is None:
             return False
-        t_all = model.predict(len(rows), sum(r.ctx for r in rows))
+        t_all = model.predict(len(rows), ctx)
         fit = self.policy.fit_budget(
-            t_all, model.predict(len(heads), sum(h.ctx for h in heads)), slack, gap, [h.slo_s for h in heads],
+            t_all, model.predict(len(heads), head_ctx), slack, gap, [h.slo_s for h in heads],
             [len(idx) - 1 for idx in groups.values()], [h.phase for h in heads], max(int(waiting), 0))
         if fit is None:
             return False
-        budget, notes = fit
         st = self.stats
         st.fit_steps += 1
-        extra = len(rows) - len(heads)
-        st.candidates += extra
-        st.admitted += extra
-        st.last_budget_s, st.last_predicted_s = budget, t_all
+        self._all_admitted(len(rows) - len(heads))
+        st.last_budget_s, st.last_predicted_s = fit[0], t_all
+        self._count_terms(fit[1])
+        return True
+
+    def _all_admitted(self, extra: int) -> None:
+        """A step that ran all `extra` opportunistic rows without a plan."""
+        self.stats.candidates += extra
+        self.stats.admitted += extra
+
+    def _count_terms(self, notes: dict[str, float]) -> None:
+        """The taper terms that applied to this step's budget (StepStats.terms)."""
+        terms = self.stats.terms
         for term in _COUNTED:
             if term in notes:
-                st.terms[term] = st.terms.get(term, 0) + 1
-        return True
+                terms[term] = terms.get(term, 0) + 1
 
     def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
                   gap: list[float] | None, waiting: int) -> ArrayBatch:
@@ -269,9 +278,7 @@ class StepController:
         st.candidates += len(batch.ctx) - n
         st.admitted += rows - n
         st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
-        for term in _COUNTED:
-            if term in plan.notes:
-                st.terms[term] = st.terms.get(term, 0) + 1
+        self._count_terms(plan.notes)
 
     def on_step_done(self, delivered: dict[str, Delivery], now: float, n_rows: int) -> None:
         """Record token deliveries of the rows that ran, per key."""
