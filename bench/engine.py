@@ -28,6 +28,9 @@ from branchwise.taper import POLICY_NAMES, LinearLatencyModel, OnlineRefit, Poli
 from branchwise.taper.controller import Delivery, Row, StepController
 
 _BIG = 1 << 62
+# Steps in the noise table: step k of a run draws entry k mod this, however the steps are grouped
+# into windows, so a window is exact under noise and every policy's k-th step sees the same draw.
+_NOISE_STEPS = 1 << 16
 # Slack-driven policies whose "everything fits" is monotone (budget rho * min slack, T monotone), so
 # a window's worst case proves its middle; any other rule steps one by one while it has a choice.
 _PROVABLE = {"taper-paper", "taper-no-slack", "taper-const-predictor"} | \
@@ -298,7 +301,8 @@ class Simulator:
         self.provable = self.policy.name in _PROVABLE
         rng = np.random.default_rng(seed + 7919)
         sig = cfg.noise
-        self.noise = np.exp(rng.normal(-sig * sig / 2, sig, 1 << 16)).tolist() if sig > 0 else [1.0]
+        draws = np.exp(rng.normal(-sig * sig / 2, sig, _NOISE_STEPS)) if sig > 0 else np.ones(_NOISE_STEPS)
+        self.noise = np.concatenate([draws, draws])  # doubled: a window's draws are one slice
         self.log = StepLog()
         self.slots = self.kv = 0
         self.retractions = 0
@@ -309,7 +313,7 @@ class Simulator:
         self.running_cap = cfg.running_cap
         self.kv_admit = cfg.kv_tokens * cfg.admit_kv_frac
         self.pinning = getattr(self.policy, "replan", True) is False  # pins change step by step
-        self.noise_at = 0
+        self.noise_at = 0  # the next step's entry in the noise table
         # where every request is: queued, prefilling, decoding (split into serial and phase rows)
         self.now = 0.0
         self.next_arrival = 0  # index into specs of the next request to arrive
@@ -446,16 +450,14 @@ class Simulator:
             return _BIG
         return max(refit.every - self._since, refit.min_samples - min(self._obs, refit.window), 1)
 
-    def _observe(self, rows: int, ctx: int, base: float, growth: float, noise: float, n_steps: int,
-                 first: float = 0.0, deferred: int = 0) -> None:
-        """Realized latencies of n_steps pure-decode steps (rows fixed, context growing by rows per
-        step; the first one `first` longer), each with the rows it deferred. Straight to the refit,
-        as StepController.on_latency forwards them."""
+    def _observe(self, rows: int, ctx: int, latencies: np.ndarray, deferred: int = 0) -> None:
+        """Realized latencies of pure-decode steps (rows fixed, context growing by rows per step),
+        each with the rows it deferred. Straight to the refit, as StepController.on_latency forwards
+        them."""
         refit = self.ctl.refit
         if refit is None or self.static:
             return
-        for j in range(n_steps):
-            latency_s = (base + growth * j + (first if j == 0 else 0.0)) * noise
+        for j, latency_s in enumerate(latencies.tolist()):
             refit.observe(rows, ctx + j * rows, latency_s, deferred=deferred)
             self._obs += 1
             self._since += 1
@@ -589,9 +591,18 @@ class Simulator:
             step.host = self._host_s(step) + prefill_host
             step.base = model.predict(step.rows, step.ctx, chunk) + step.host
             step.growth = model.c_ctx * step.rows  # every run row's context grows by one per step
-        step.noise = self.noise[self.noise_at]
-        self.noise_at = (self.noise_at + 1) & (len(self.noise) - 1)
         return step
+
+    def _draws(self, n_steps: int) -> np.ndarray:
+        """The noise of the next n_steps steps (at most _NOISE_STEPS)."""
+        return self.noise[self.noise_at:self.noise_at + n_steps]
+
+    def _latencies(self, step: _Step, n_steps: int) -> np.ndarray:
+        """Realized latency of each of the step's next n_steps steps: (base + growth * j) times the
+        j-th step's noise, the first one first_extra longer."""
+        lat = step.base + step.growth * np.arange(n_steps)
+        lat[0] += step.first_extra
+        return lat * self._draws(n_steps)
 
     def _host_s(self, step: _Step) -> float:
         """HostCosts of a decode step (each of its n_steps steps; `first_extra` for the first alone)."""
@@ -669,7 +680,7 @@ class Simulator:
             horizon = min(self.t_end, nxt_t)
         if self.gated:  # a client's next request reaches the server
             horizon = min(horizon, self.gated[0][0])
-        n_steps = min(n_steps, _steps_until(step.base, step.growth, horizon - self.now))
+        n_steps = self._steps_until(step, min(n_steps, _NOISE_STEPS), horizon - self.now)
         if not static:
             if self.fresh or self.pinning and self.wide:
                 n_steps = 1  # a new key's clock starts at its first step; pins change step by step
@@ -681,12 +692,14 @@ class Simulator:
 
     def _execute(self, step: _Step) -> None:
         """Run step.n_steps steps: log them, tell the controller, advance every row, handle an overflow."""
-        n_steps, base, growth, noise = step.n_steps, step.base, step.growth, step.noise
-        total = (n_steps * base + growth * n_steps * (n_steps - 1) / 2 + step.first_extra) * noise
+        n_steps = step.n_steps
+        lat = self._latencies(step, n_steps)
+        total = float(lat.sum())
         end_s = self.now + total
-        longest = max(base + step.first_extra, base + growth * (n_steps - 1)) * noise
+        longest = float(lat.max())
         self.log.add(self.now, n_steps, total, longest, step.eligible * n_steps, step.admitted * n_steps)
         self._count(step, total)
+        self.noise_at = (self.noise_at + n_steps) % _NOISE_STEPS
         if self.trace is not None:
             rows = step.row_list or self.driver.rows(self.phased, self.serial, self.lag)
             self.trace.append((self.now, end_s, rows, step.active, len(self.waiting)))
@@ -694,8 +707,7 @@ class Simulator:
             if not self.static:
                 self.driver.delivered(self.phased, step.widths, self.serial, n_steps, end_s, step.rows)
                 if step.chunk == 0:
-                    self._observe(step.rows, step.ctx, base, growth, noise, n_steps, step.first_extra,
-                                  step.eligible - step.admitted)
+                    self._observe(step.rows, step.ctx, lat, step.eligible - step.admitted)
             self.kv += step.rows * n_steps
             # a request whose rows change (a branch ends, a stage closes) sets dirty: partitions are rebuilt
             self._advance_serial(n_steps, end_s)
@@ -713,7 +725,8 @@ class Simulator:
     def _count(self, step: _Step, total: float) -> None:
         """The run's tallies (SimResult.stats): decode and prefill steps, rows, host time."""
         tally, n_steps = self.tally, step.n_steps
-        tally["host_s"] += (n_steps * step.host + step.first_extra) * step.noise
+        draws = self._draws(n_steps)
+        tally["host_s"] += step.host * float(draws.sum()) + step.first_extra * float(draws[0])
         if step.prefill_only:
             tally["prefill_steps"] += 1
             tally["prefill_s"] += total
@@ -791,6 +804,12 @@ class Simulator:
         set_max_gaps(recs, self.log, self.now)
         return SimResult(self.policy.name, recs, self.log, stats["wall_s"], stats)
 
+    def _steps_until(self, step: _Step, n_steps: int, span: float) -> int:
+        """Fewest of the step's next n_steps steps (>= 1) whose realized latencies add up to span, or
+        n_steps: where stepping one by one would first pass it."""
+        reached = np.cumsum(self._latencies(step, n_steps)) >= span
+        return int(reached.argmax()) + 1 if reached[-1] else n_steps
+
     def _all_fit_steps(self, step: _Step, n_steps: int) -> int:
         """n_steps if the controller provably admits every ready row in each of the next n_steps
         steps, else 1.
@@ -800,12 +819,9 @@ class Simulator:
         never shrinks inside the window (serial rows deliver every step; a phase gains >= slo - T per
         step, so we need every step within the SLO), so each step in between has a cheaper
         composition and at least this budget, and "everything fits" holds for it too."""
-        slo, base, growth, noise = self.cfg.slo_s, step.base, step.growth, step.noise
-        if (base + growth * (n_steps - 1)) * noise > slo:  # keep every step within the SLO
-            if growth > 0 and base * noise <= slo:
-                n_steps = int((slo / noise - base) / growth) + 1
-            else:
-                n_steps = 1
+        over = np.flatnonzero(self._latencies(step, n_steps) > self.cfg.slo_s)
+        if len(over):  # keep every step within the SLO
+            n_steps = int(over[0])
             if n_steps <= 1:
                 return 1
         rows = self.driver.rows(self.phased, self.serial, self.lag, n_steps - 1)
@@ -850,17 +866,6 @@ def set_max_gaps(recs: list[RequestRecord], log: StepLog, t_end: float) -> None:
             continue
         gap = gap if end > start else 0.0
         rec.max_gap_s = gap if not rec.max_gap_s >= gap else rec.max_gap_s
-
-
-def _steps_until(base: float, growth: float, span: float) -> int:
-    """Fewest steps (>= 1) whose summed latency base, base+growth, ... reaches span."""
-    if span <= base:
-        return 1
-    if growth <= 0:
-        return max(1, math.ceil(span / base))
-    # k*base + growth*k*(k-1)/2 >= span
-    lin = base - growth / 2
-    return max(1, math.ceil((-lin + math.sqrt(lin * lin + 2 * growth * span)) / growth))
 
 
 def slo_sized_cap(model: LinearLatencyModel, slo_s: float, specs: list[RequestSpec]) -> int:

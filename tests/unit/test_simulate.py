@@ -12,7 +12,6 @@ import pytest
 from bench.engine import (
     EngineConfig,
     Simulator,
-    _steps_until,
     build_controller,
     sglang_max_running,
     slo_sized_cap,
@@ -61,11 +60,13 @@ def test_tokens_conserved_and_resources_released(small, policy: str) -> None:
         assert sim.retractions > 0
 
 
+@pytest.mark.parametrize("noise", [0.0, 0.05])
 @pytest.mark.parametrize("policy", ["off", "eager", "taper", "taper-paper"])
-def test_multi_step_windows_are_exact(small, policy: str) -> None:
-    """Running provably identical steps in one go gives the same deliveries as stepping one by one."""
+def test_multi_step_windows_are_exact(small, policy: str, noise: float) -> None:
+    """Running provably identical steps in one go gives the same deliveries as stepping one by one,
+    with step noise too: the k-th step draws the k-th noise however the steps are grouped."""
     specs = small[1][:100]
-    runs = [_run(specs, policy, noise=0.0, macro_steps=m)[1] for m in (True, False)]
+    runs = [_run(specs, policy, noise=noise, macro_steps=m)[1] for m in (True, False)]
     assert runs[0].stats["iterations"] < runs[1].stats["iterations"]
     a, b = ([(s.parallel, s.tokens, s.start_s, s.end_s) for r in x.records for s in r.stages] for x in runs)
     assert [s[:2] for s in a] == [s[:2] for s in b]
@@ -95,13 +96,6 @@ def test_taper_keeps_attainment_under_overload() -> None:
     assert got["taper"]["slo_attainment"] >= got["off"]["slo_attainment"] - 0.02
     assert got["taper"]["slo_attainment"] > got["eager"]["slo_attainment"] + 0.2
     assert got["taper"]["goodput_tok_s"] >= got["off"]["goodput_tok_s"] * 0.98
-
-
-def test_steps_until() -> None:
-    assert _steps_until(0.01, 0.0, 0.005) == 1
-    assert _steps_until(0.01, 0.0, 0.1) == 10
-    k = _steps_until(0.01, 0.001, 0.2)  # 10, 11, 12, ... ms
-    assert sum(0.01 + 0.001 * j for j in range(k)) >= 0.2 > sum(0.01 + 0.001 * j for j in range(k - 1))
 
 
 def test_sglang_default_running_limit() -> None:
@@ -259,6 +253,26 @@ def test_client_programs_conserve_tokens_and_release_resources(policy: str) -> N
     assert sim.slots == 0 and sim.kv == 0
     assert res.stats["prefill_steps"] > len(specs)  # arrivals, forks and joins prefill in forwards of their own
     assert sim.retractions > 0
+
+
+@pytest.mark.parametrize("policy", ["off", "eager", "taper"])
+def test_live_regime_windows_are_exact(policy: str) -> None:
+    """The live regime (host costs, a first step that pays for a changed subset, prefill forwards,
+    client-side programs) with step noise: windows give the deliveries of stepping one by one."""
+    from bench.regimes import get_regime
+
+    reg = get_regime("live-fast")
+    specs = _live_specs()
+    runs = []
+    for macro in (True, False):
+        cfg = dataclasses.replace(reg.engine_for(), noise=0.05, macro_steps=macro)
+        ctl = build_controller(policy, reg.model, calibrated=True)
+        runs.append(Simulator(specs, ctl, reg.model, cfg, 1e9).run())
+    assert runs[0].stats["iterations"] < runs[1].stats["iterations"]
+    a, b = ([(s.parallel, s.tokens, s.start_s, s.end_s) for r in x.records for s in r.stages] for x in runs)
+    assert [s[:2] for s in a] == [s[:2] for s in b]
+    np.testing.assert_allclose([s[2:] for s in a], [s[2:] for s in b], rtol=0, atol=1e-9)
+    assert runs[0].stats["rows_deferred"] == runs[1].stats["rows_deferred"]
 
 
 def test_client_phase_opens_at_the_delivery_before_it() -> None:
