@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 
 from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch
+from branchwise.taper.planner import floor_cost as floor_cost_of
 from branchwise.taper.policies import CONST_REF, POLICY_NAMES, Policy, parse_policy, parse_policy_name
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import CONCAVE
@@ -352,15 +353,16 @@ def _clocked(ctl: StepController, rows: list[Row], clock: dict[str, tuple[float,
 @given(st.integers(0, 2**32 - 1), st.sampled_from(BUDGET_RULES), st.floats(0.0, 2e-3), st.integers(0, 3),
        st.booleans())
 def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting, bubble):
-    """Where every ready row fits the budget (Policy.fit_budget) the controller runs them all
-    without the arrays or the plan; the plan, made anyway, runs every row within the same budget,
-    and counts the same terms, so both controllers choose and count alike every step."""
+    """Where the plan would run every ready row (Policy.unplanned: they all fit the budget, or no
+    deferral pays its held price) the controller runs them all without the arrays or the plan; the
+    plan, made anyway, runs every row within the same budget and counts the same terms, so both
+    controllers choose and count alike every step."""
     rng = np.random.default_rng(seed)
     slo = 0.02
     model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=0.1 * per_step)
     rows, clock = _clocked_rows(rng, slo)
     fast, full = (StepController(parse_policy(name, model=model)) for _ in range(2))
-    object.__setattr__(full, "_all_fit", lambda *args: False)
+    object.__setattr__(full, "_unplanned", lambda *args: False)
     for ctl in (fast, full):
         _clocked(ctl, rows, clock, slo)
     for step in range(2):  # the second step sees the first one's pins (taper-no-replan)
@@ -372,7 +374,56 @@ def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting
     assert a.last_predicted_s == pytest.approx(b.last_predicted_s, rel=1e-12)
     assert a.planned_steps + a.fit_steps + a.unpriced_steps == b.planned_steps + b.unpriced_steps
     if name in ("taper-no-replan", "taper-const-predictor"):  # plans this does not mirror
-        assert a.fit_steps == 0
+        assert a.fit_steps == 0 and a.unpriced_steps == b.unpriced_steps
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.integers(0, 2**32 - 1), st.sampled_from(["taper", "taper-no-mean", "taper-no-overload",
+                                                   "taper-no-backlog", "taper-paper"]),
+       st.integers(0, 3), st.floats(-2e-3, 2e-3))
+def test_the_scalar_budget_is_the_budget(seed, name, waiting, reserve):
+    """Policy.scalar_budget, from per-request lists, gives the array rule's budget, floors and notes
+    bit for bit (the unplanned shortcut decides on it)."""
+    rng = np.random.default_rng(seed)
+    policy = parse_policy(name, model=LinearLatencyModel(4e-3, 2e-4, 1e-7))
+    n = int(rng.integers(1, 9))
+    ready = rng.integers(1, 9, n)
+    phase = (ready > 1) & (rng.random(n) < 0.8)
+    ctx = rng.integers(1, 4000, int(ready.sum()))
+    slo = rng.choice([0.01, 0.02, 0.05], n)
+    slack = rng.uniform(-0.05, 0.1, n) - reserve
+    gap = np.where(phase, slack, rng.uniform(-0.02, 0.03, n))
+    a = ArrayBatch([f"k{i}" for i in range(n)], ready, ctx, slack, phase=phase, slo_s=slo, waiting=waiting,
+                   gap_slack_s=gap if policy.terms.mean else None)
+    starts = a.starts.tolist()
+
+    def floor_cost(lo):
+        return floor_cost_of(a, policy.model, None if lo is None else np.array(lo))
+
+    budget, floor, notes = policy.budget(a)
+    got = policy.scalar_budget(floor_cost(None), slack.tolist(), gap.tolist() if policy.terms.mean else None,
+                               slo.tolist(), (ready - 1).tolist(), phase.tolist(), waiting, floor_cost)
+    assert got[0] == budget and got[2] == notes
+    assert got[1] == (None if floor is None else floor.tolist())
+    assert len(starts) == n
+
+
+def test_a_step_whose_deferral_cannot_pay_its_held_price_is_not_planned():
+    """A serial request 6 ms from its pace sets a 4.8 ms budget beside a phase of 8 rows (4.4 ms of
+    protected rows, 5.8 ms in all). Deferring the 7 opportunistic rows would save 1.4 ms against a
+    price of 1 ms for one step, so the step is not unpriced outright; but they would be held 3.5
+    steps (their 1.4 ms over the 0.4 ms of room), at 3.5 ms, so the plan runs every row, and so
+    does the controller, without planning."""
+    model = LinearLatencyModel(4e-3, 2e-4, 0.0, c_defer=1e-3)
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.05, phase=True) for j in range(8)]
+    rows.append(Row(key="s", ctx=0, slo_s=0.02))
+    for skip, planned in ((False, 0), (True, 1)):
+        ctl = StepController(parse_policy("taper", model=model))
+        if skip:
+            object.__setattr__(ctl, "_unplanned", lambda *args: False)
+        ctl.on_step_done({"s": Delivery(1, 0.02, False)}, 0.0, 1)
+        assert len(ctl.select(rows, 0.034)) == 9
+        assert (ctl.stats.planned_steps, ctl.stats.unpriced_steps) == (planned, 1 - planned)
 
 
 def test_a_step_that_fits_is_not_planned():

@@ -164,7 +164,7 @@ class StepController:
         if self.policy.prices_deferral and self._never_defers(rows, heads, ctx - head_ctx, now):
             return list(range(len(rows)))
         slack, gap = self._clocks(heads, now, bubble)
-        if not static and self._all_fit(rows, groups, heads, ctx, head_ctx, slack, gap, waiting):
+        if not static and self._unplanned(rows, groups, heads, ctx, head_ctx, slack, gap, waiting):
             return list(range(len(rows)))
         batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
         t0 = time.perf_counter()
@@ -211,25 +211,37 @@ class StepController:
             self.stats.bubble_steps += 1
         return slack, gap
 
-    def _all_fit(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int, head_ctx: int,
-                 slack: list[float], gap: list[float] | None, waiting: int) -> bool:
-        """Every ready row fits the budget (Policy.fit_budget; ctx, head_ctx: the context tokens of
-        every row and of each key's first): the plan's answer without the arrays or the plan,
-        counted as the plan would count it, in fit_steps rather than planned_steps."""
+    def _unplanned(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int,
+                   head_ctx: int, slack: list[float], gap: list[float] | None, waiting: int) -> bool:
+        """Every ready row runs by the plan's own answer (Policy.unplanned; ctx, head_ctx: the context
+        tokens of every row and of each key's first), without the arrays or the plan: counted as the
+        plan would count the step, in fit_steps (every row fits the budget) or unpriced_steps (no
+        deferral pays its price) rather than planned_steps."""
         model = self.policy.model
         if model is None:
             return False
-        t_all = model.predict(len(rows), ctx)
-        fit = self.policy.fit_budget(
-            t_all, model.predict(len(heads), head_ctx), slack, gap, [h.slo_s for h in heads],
-            [len(idx) - 1 for idx in groups.values()], [h.phase for h in heads], max(int(waiting), 0))
-        if fit is None:
+
+        def floor_cost(lo: list[int] | None) -> float:
+            if lo is None:
+                return t_protected
+            kept = sum(rows[i].ctx for n, idx in zip(lo, groups.values(), strict=True) for i in idx[:n])
+            return model.predict(sum(lo), kept)
+
+        t_all, t_protected = model.predict(len(rows), ctx), model.predict(len(heads), head_ctx)
+        answer = self.policy.unplanned(
+            t_all, t_protected, slack, gap, [h.slo_s for h in heads], [len(idx) - 1 for idx in groups.values()],
+            [h.phase for h in heads], max(int(waiting), 0), floor_cost)
+        if answer is None:
             return False
+        fits, budget, notes = answer
         st = self.stats
-        st.fit_steps += 1
+        if fits:
+            st.fit_steps += 1
+        else:
+            st.unpriced_steps += 1
         self._all_admitted(len(rows) - len(heads))
-        st.last_budget_s, st.last_predicted_s = fit[0], t_all
-        self._count_terms(fit[1])
+        st.last_budget_s, st.last_predicted_s = budget, t_all
+        self._count_terms(notes)
         return True
 
     def _all_admitted(self, extra: int) -> None:

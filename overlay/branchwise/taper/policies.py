@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -39,7 +39,7 @@ VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, tape
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
 _HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
-_FIT_TOL = 1e-9  # fit_budget's relative margin: sums of the same row costs in another order agree far closer
+_FIT_TOL = 1e-9  # unplanned's relative margin: sums of the same row costs in another order agree far closer
 
 
 @dataclass(frozen=True, slots=True)
@@ -135,39 +135,82 @@ class Policy:
             return False
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
-    def fit_budget(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
-                   slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool],
-                   waiting: int) -> tuple[float, dict[str, float]] | None:
-        """(budget, notes) when every ready row fits the budget, else None (the plan decides): the
-        budget rule's answer to that one question in scalar arithmetic, per request from its slack,
-        per-gap slack (None unless terms.mean), SLO, extra ready rows and phase flag; t_all and
-        t_protected: T of every ready row and of the protected rows. Exact where it answers: the
-        budget is never below its first value (min of the requests' bounds) once every row fits it,
-        since the overload term needs the forced rows over that value and the backlog term only
-        raises it; a margin of _FIT_TOL keeps the plan's own sum of row costs inside it too. None
-        for the pin rule and a non-linear T, whose plans this does not mirror."""
-        rho, terms = self.rho, self.terms
-        if rho is None or not self.replan or not isinstance(self.model, LinearLatencyModel) or not slack:
+    def unplanned(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
+                  slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
+                  floor_cost: Callable[[list[int] | None], float]) -> tuple[bool, float, dict[str, float]] | None:
+        """(fits, budget, notes) where the plan would run every ready row, else None (the plan
+        decides): the budget rule in scalar arithmetic (`scalar_budget`), then the plan's two
+        run-everything answers. fits: T(every ready row) is within the budget. Otherwise a believed
+        deferral price, held for as many steps as `held_price` counts, is no less than what
+        deferring every row above the floors would save (plan_step's first test on the price, here
+        on an upper bound of that saving). t_all, t_protected: T of every ready row and of the
+        protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one each).
+        A relative margin of _FIT_TOL keeps the plan's own sums on the same side. None for the pin
+        rule, a non-linear T and a NaN clock (the plan reads it as no room)."""
+        if (self.rho is None or not self.replan or not isinstance(self.model, LinearLatencyModel) or not slack
+                or any(map(math.isnan, slack)) or (gap is not None and any(map(math.isnan, gap)))):
             return None
         if not self.slack:
-            return math.inf, {}
-        notes: dict[str, float] = {}
-        if not terms.any():  # the paper's rule
-            first = rho * min(slack)
-        else:
-            if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
-                slack, notes["per_gap"] = gap, 1.0  # as weighed_budget: saturated, the bank is a margin
-            if terms.mean:
-                slack = [s + o * e if p else s for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
-            first = rho * min(slack)
-        if not t_all * (1 + _FIT_TOL) <= first or any(map(math.isnan, slack)):  # NaN: the plan's -inf budget
+            return True, math.inf, {}
+        budget, floor, notes = self.scalar_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost)
+        if t_all * (1 + _FIT_TOL) <= budget:
+            return True, budget, notes
+        if not self.prices_deferral:
             return None
-        if terms.backlog and waiting > 0:
-            pace = min(rho * o * (e + 1 if terms.mean else 1) for o, e in zip(slo, extra, strict=True))
-            if pace > first:
-                notes["backlog"] = 1.0
-                return pace, notes
-        return first, notes
+        model = self.model
+        t_floor = floor_cost(floor)
+        room = budget - t_floor
+        held = max(1.0, (t_all - t_protected) / room) if room > 0 else _HELD_FOREVER
+        per_step, per_row = (price * held for price in self.deferral_price())
+        above = sum(extra) + len(extra) - (sum(floor) if floor is not None else len(extra))  # rows above the floors
+        cost_s = t_all - t_floor  # their T; deferring row i saves max(c_seq + c_ctx * ctx_i - per_row, 0)
+        if model.c_seq >= per_row:
+            saving = cost_s - per_row * above
+        else:  # with x_i = c_ctx * ctx_i >= 0 and k > 0: sum(max(x_i - k, 0)) <= max(sum(x_i) - k, 0)
+            saving = max(cost_s - model.c_seq * (above - 1) - per_row, 0.0) if above else 0.0
+        if saving + _FIT_TOL * (cost_s + per_step) <= per_step:
+            return False, budget, notes
+        return None
+
+    def scalar_budget(self, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
+                      slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
+                      floor_cost: Callable[[list[int] | None], float]) -> tuple[float, list[int] | None, dict]:
+        """`budget` (budget, floor, notes) from per-request lists rather than an ArrayBatch, for a
+        replanning rule with finite clocks: the same float operations in the same order, so the
+        same budget and floors (unit test test_the_scalar_budget_is_the_budget)."""
+        rho, terms = self.rho, self.terms
+        assert rho is not None
+        if not terms.any():  # the paper's rule
+            return rho * min(slack), None, {}
+        notes: dict[str, float] = {}
+        if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
+            slack, notes["per_gap"] = gap, 1.0  # saturated: the bank stays a margin
+        mean = terms.mean
+        bound = [rho * (s + (o * e if mean and p else 0.0)) for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
+        floors = mean and any(phase)
+
+        def floor_at(budget: float) -> list[int] | None:
+            if not floors or not math.isfinite(budget):
+                return None
+            need = []
+            for s, o, e, p in zip(slack, slo, extra, phase, strict=True):
+                x = (budget / rho - s) / max(o, 1e-9)
+                need.append(0 if not (p and x > 0) else e if x >= e else math.ceil(x))
+            return [n + 1 for n in need] if any(need) else None
+
+        pace = [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
+        budget = first = min(bound)
+        floor = floor_at(budget)
+        if terms.overload:
+            forced_s = floor_cost(floor)
+            if forced_s > budget:
+                on_time = [b for b in bound if not b < forced_s]
+                budget = min(min(on_time, default=math.inf),
+                             min(p for p, b in zip(pace, bound, strict=True) if b < forced_s))
+                notes["overload"] = 1.0
+        if terms.backlog and waiting > 0 and (pace_s := min(pace)) > budget:
+            budget, notes["backlog"] = pace_s, 1.0
+        return budget, floor if budget == first else floor_at(budget), notes
 
     def held_price(self, a: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
