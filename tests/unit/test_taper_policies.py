@@ -9,7 +9,6 @@ from hypothesis import strategies as st
 
 from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch
-from branchwise.taper.planner import floor_cost as floor_cost_of
 from branchwise.taper.policies import CONST_REF, POLICY_NAMES, Policy, parse_policy, parse_policy_name
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import CONCAVE
@@ -375,37 +374,6 @@ def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting
     assert a.planned_steps + a.fit_steps + a.unpriced_steps == b.planned_steps + b.unpriced_steps
     if name in ("taper-no-replan", "taper-const-predictor"):  # plans this does not mirror
         assert a.fit_steps == 0 and a.unpriced_steps == b.unpriced_steps
-
-
-@settings(max_examples=400, deadline=None)
-@given(st.integers(0, 2**32 - 1), st.sampled_from(["taper", "taper-no-mean", "taper-no-overload",
-                                                   "taper-no-backlog", "taper-paper"]),
-       st.integers(0, 3), st.floats(-2e-3, 2e-3))
-def test_the_scalar_budget_is_the_budget(seed, name, waiting, reserve):
-    """Policy.scalar_budget, from per-request lists, gives the array rule's budget, floors and notes
-    bit for bit (the unplanned shortcut decides on it)."""
-    rng = np.random.default_rng(seed)
-    policy = parse_policy(name, model=LinearLatencyModel(4e-3, 2e-4, 1e-7))
-    n = int(rng.integers(1, 9))
-    ready = rng.integers(1, 9, n)
-    phase = (ready > 1) & (rng.random(n) < 0.8)
-    ctx = rng.integers(1, 4000, int(ready.sum()))
-    slo = rng.choice([0.01, 0.02, 0.05], n)
-    slack = rng.uniform(-0.05, 0.1, n) - reserve
-    gap = np.where(phase, slack, rng.uniform(-0.02, 0.03, n))
-    a = ArrayBatch([f"k{i}" for i in range(n)], ready, ctx, slack, phase=phase, slo_s=slo, waiting=waiting,
-                   gap_slack_s=gap if policy.terms.mean else None)
-    starts = a.starts.tolist()
-
-    def floor_cost(lo):
-        return floor_cost_of(a, policy.model, None if lo is None else np.array(lo))
-
-    budget, floor, notes = policy.budget(a)
-    got = policy.scalar_budget(floor_cost(None), slack.tolist(), gap.tolist() if policy.terms.mean else None,
-                               slo.tolist(), (ready - 1).tolist(), phase.tolist(), waiting, floor_cost)
-    assert got[0] == budget and got[2] == notes
-    assert got[1] == (None if floor is None else floor.tolist())
-    assert len(starts) == n
 
 
 def test_a_step_whose_deferral_cannot_pay_its_held_price_is_not_planned():

@@ -139,8 +139,8 @@ class Policy:
                   slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
                   floor_cost: Callable[[list[int] | None], float]) -> tuple[bool, float, dict[str, float]] | None:
         """(fits, budget, notes) where the plan would run every ready row, else None (the plan
-        decides): the budget rule in scalar arithmetic (`scalar_budget`), then the plan's two
-        run-everything answers. fits: T(every ready row) is within the budget. Otherwise a believed
+        decides): the budget rule on the requests' clocks, then the plan's two run-everything
+        answers. fits: T(every ready row) is within the budget. Otherwise a believed
         deferral price, held for as many steps as `held_price` counts, is no less than what
         deferring every row above the floors would save (plan_step's first test on the price, here
         on an upper bound of that saving). t_all, t_protected: T of every ready row and of the
@@ -152,7 +152,10 @@ class Policy:
             return None
         if not self.slack:
             return True, math.inf, {}
-        budget, floor, notes = self.scalar_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost)
+        if self.terms.any():
+            budget, floor, notes = self.weighed_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost)
+        else:  # the paper's rule
+            budget, floor, notes = self.rho * min(slack), None, {}
         if t_all * (1 + _FIT_TOL) <= budget:
             return True, budget, notes
         if not self.prices_deferral:
@@ -172,46 +175,6 @@ class Policy:
             return False, budget, notes
         return None
 
-    def scalar_budget(self, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
-                      slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
-                      floor_cost: Callable[[list[int] | None], float]) -> tuple[float, list[int] | None, dict]:
-        """`budget` (budget, floor, notes) from per-request lists rather than an ArrayBatch, for a
-        replanning rule with finite clocks: the same float operations in the same order, so the
-        same budget and floors (unit test test_the_scalar_budget_is_the_budget)."""
-        rho, terms = self.rho, self.terms
-        assert rho is not None
-        if not terms.any():  # the paper's rule
-            return rho * min(slack), None, {}
-        notes: dict[str, float] = {}
-        if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
-            slack, notes["per_gap"] = gap, 1.0  # saturated: the bank stays a margin
-        mean = terms.mean
-        bound = [rho * (s + (o * e if mean and p else 0.0)) for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
-        floors = mean and any(phase)
-
-        def floor_at(budget: float) -> list[int] | None:
-            if not floors or not math.isfinite(budget):
-                return None
-            need = []
-            for s, o, e, p in zip(slack, slo, extra, phase, strict=True):
-                x = (budget / rho - s) / max(o, 1e-9)
-                need.append(0 if not (p and x > 0) else e if x >= e else math.ceil(x))
-            return [n + 1 for n in need] if any(need) else None
-
-        pace = [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
-        budget = first = min(bound)
-        floor = floor_at(budget)
-        if terms.overload:
-            forced_s = floor_cost(floor)
-            if forced_s > budget:
-                on_time = [b for b in bound if not b < forced_s]
-                budget = min(min(on_time, default=math.inf),
-                             min(p for p, b in zip(pace, bound, strict=True) if b < forced_s))
-                notes["overload"] = 1.0
-        if terms.backlog and waiting > 0 and (pace_s := min(pace)) > budget:
-            budget, notes["backlog"] = pace_s, 1.0
-        return budget, floor if budget == first else floor_at(budget), notes
-
     def held_price(self, a: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
@@ -227,58 +190,69 @@ class Policy:
         return price[0] * held, price[1] * held
 
     def budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
-        """The budget rule: (budget, per-request row floor or None, notes on the terms that applied)."""
+        """The budget rule on a snapshot: (budget, per-request row floor or None, notes on the terms
+        that applied)."""
         assert self.rho is not None
         if not self.slack or not len(a.rids):
             return math.inf, None, {}
-        if self.terms.any() and self.replan and a.slo_s is not None:
-            return self.weighed_budget(a)
-        return self.rho * float(a.slack_s.min()), None, {}
-
-    def weighed_budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
-        """taper's budget and per-request row floor (docs/design/taper-rule.md), from a.slack_s and
-        a.slo_s, and notes saying which terms applied ("per_gap", "overload", "backlog": 1.0). The
-        overload term makes the plan non-monotone in row cost: longer contexts can switch it on and
-        widen."""
-        rho, slack, slo, model, terms = self.rho, a.slack_s, a.slo_s, self.model, self.terms
-        assert rho is not None and slo is not None and model is not None
-        notes: dict[str, float] = {}
-        if (a.gap_slack_s is not None
-                and (a.waiting > 0 or floor_cost(a, model, None) > rho * float(slo.min()))):
-            # saturated (a queue, or protected rows over the pace): the bank stays a margin
-            slack = a.gap_slack_s
-            notes["per_gap"] = 1.0
-        extra = a.ready - 1
+        if not (self.terms.any() and self.replan and a.slo_s is not None):
+            return self.rho * float(a.slack_s.min()), None, {}
+        model = self.model
         phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
-        credit = np.where(phase, slo * extra, 0.0) if terms.mean else 0.0
-        bound = rho * (slack + credit)  # each request's bound on T at full width
-        floors = terms.mean and bool(phase.any())
-        per_slo = np.maximum(slo, 1e-9) if floors else slo
+        gap = None if a.gap_slack_s is None else a.gap_slack_s.tolist()
+        budget, floor, notes = self.weighed_budget(
+            floor_cost(a, model, None), a.slack_s.tolist(), gap, a.slo_s.tolist(), (a.ready - 1).tolist(),
+            phase.tolist(), a.waiting, lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)))
+        return budget, None if floor is None else np.array(floor, dtype=np.int64), notes
 
-        def floor_at(budget: float) -> np.ndarray | None:
-            """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo)."""
+    def weighed_budget(self, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
+                       slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
+                       floor_cost: Callable[[list[int] | None], float]) -> tuple[float, list[int] | None, dict]:
+        """taper's budget and per-request row floor (docs/design/taper-rule.md), and notes saying
+        which terms applied ("per_gap", "overload", "backlog": 1.0), per request from its slack,
+        per-gap slack (None unless terms.mean), SLO, extra ready rows and phase flag; t_protected: T
+        of the protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one
+        each). Lists, not arrays: a few dozen requests cost less in Python than in numpy calls, and
+        the controller answers most steps from this alone (`unplanned`). A NaN clock gives a NaN
+        budget, which the plan reads as no room. The overload term makes the plan non-monotone in
+        row cost: longer contexts can switch it on and widen."""
+        rho, terms = self.rho, self.terms
+        assert rho is not None
+        notes: dict[str, float] = {}
+        if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
+            slack, notes["per_gap"] = gap, 1.0  # saturated (a queue, or protected rows over the pace): a margin
+        if any(map(math.isnan, slack)):
+            return math.nan, None, notes
+        mean = terms.mean
+        # each request's bound on T at full width (a phase credited with its own rows)
+        bound = [rho * (s + (o * e if mean and p else 0.0)) for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
+        floors = mean and any(phase)
+
+        def floor_at(budget: float) -> list[int] | None:
+            """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo),
+            at most its ready rows."""
             if not floors or not math.isfinite(budget):
                 return None
-            need = np.ceil((budget / rho - slack) / per_slo)
-            # clip as minimum(maximum()): np.clip's Python wrapper costs several us
-            need = np.where(phase, np.minimum(np.maximum(need, 0), extra), 0).astype(np.int64)
-            return need + 1 if need.any() else None
+            need = []
+            for s, o, e, p in zip(slack, slo, extra, phase, strict=True):
+                x = (budget / rho - s) / max(o, 1e-9)
+                need.append(0 if not (p and x > 0) else e if x >= e else math.ceil(x))
+            return [n + 1 for n in need] if any(need) else None
 
         # the SLO pace: a step this long keeps a request on target (a phase at full width gets
         # `ready` tokens from it)
-        pace = rho * slo * (a.ready if terms.mean else 1)
-        budget = first = float(bound.min())
+        pace = [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
+        budget = first = min(bound)
         floor = floor_at(budget)
         if terms.overload:
-            forced_s = floor_cost(a, model, floor)
-            if forced_s > budget:
-                late = bound < forced_s  # no deferral keeps these within their budget this step
-                budget = min(float(bound[~late].min()) if not late.all() else math.inf,
-                             float(pace[late].min()))
+            forced_s = floor_cost(floor)
+            if forced_s > budget:  # a request bound below forced_s: no deferral keeps it in budget this step
+                on_time = [b for b in bound if not b < forced_s]
+                budget = min(min(on_time, default=math.inf),
+                             min(p for p, b in zip(pace, bound, strict=True) if b < forced_s))
                 notes["overload"] = 1.0
-        if terms.backlog and a.waiting > 0 and (pace_s := float(pace.min())) > budget:
-            budget = pace_s
-            notes["backlog"] = 1.0
+        if terms.backlog and waiting > 0 and (pace_s := min(pace)) > budget:
+            budget, notes["backlog"] = pace_s, 1.0
         return budget, floor if budget == first else floor_at(budget), notes  # a term moved it: floor again
 
 
