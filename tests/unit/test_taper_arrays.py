@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.planner import ArrayBatch, StepPlan
-from branchwise.taper.policies import Policy, parse_policy
+from branchwise.taper.policies import Policy, StepBudget, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
@@ -35,9 +35,9 @@ class Spy:
     def __getattr__(self, name: str):
         return getattr(self.inner, name)
 
-    def plan(self, a: ArrayBatch) -> StepPlan:
+    def plan(self, a: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
         self.seen.append(a)
-        return self.inner.plan(a)
+        return self.inner.plan(a, given)
 
 
 def rows_of(reqs: list[tuple]) -> list[Row]:

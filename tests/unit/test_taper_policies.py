@@ -361,7 +361,7 @@ def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting
     model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=0.1 * per_step)
     rows, clock = _clocked_rows(rng, slo)
     fast, full = (StepController(parse_policy(name, model=model)) for _ in range(2))
-    object.__setattr__(full, "_unplanned", lambda *args: False)
+    object.__setattr__(full, "_step_budget", lambda *args: None)
     for ctl in (fast, full):
         _clocked(ctl, rows, clock, slo)
     for step in range(2):  # the second step sees the first one's pins (taper-no-replan)
@@ -388,7 +388,7 @@ def test_a_step_whose_deferral_cannot_pay_its_held_price_is_not_planned():
     for skip, planned in ((False, 0), (True, 1)):
         ctl = StepController(parse_policy("taper", model=model))
         if skip:
-            object.__setattr__(ctl, "_unplanned", lambda *args: False)
+            object.__setattr__(ctl, "_step_budget", lambda *args: None)
         ctl.on_step_done({"s": Delivery(1, 0.02, False)}, 0.0, 1)
         assert len(ctl.select(rows, 0.034)) == 9
         assert (ctl.stats.planned_steps, ctl.stats.unpriced_steps) == (planned, 1 - planned)

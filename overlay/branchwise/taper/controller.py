@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from branchwise.taper.planner import ArrayBatch, StepPlan
-from branchwise.taper.policies import Policy
+from branchwise.taper.policies import Policy, StepBudget
 from branchwise.taper.predictor import OnlineRefit
 
 logger = logging.getLogger("branchwise")
@@ -164,11 +164,13 @@ class StepController:
         if self.policy.prices_deferral and self._never_defers(rows, heads, ctx - head_ctx, now):
             return list(range(len(rows)))
         slack, gap = self._clocks(heads, now, bubble)
-        if not static and self._unplanned(rows, groups, heads, ctx, head_ctx, slack, gap, waiting):
+        rule = None if static else self._step_budget(rows, groups, heads, ctx, head_ctx, slack, gap, waiting)
+        if rule is not None and rule.runs_all:
+            self._unplanned(rule, len(rows) - len(heads), self.policy.model.predict(len(rows), ctx))
             return list(range(len(rows)))
         batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
         t0 = time.perf_counter()
-        plan = self.policy.plan(batch)
+        plan = self.policy.plan(batch, rule)
         width = plan.widths.tolist()
         if not self.policy.replan:  # the pin rule: a phase keeps the width of its first plan
             for key, w, head in zip(groups, width, heads, strict=True):
@@ -211,15 +213,13 @@ class StepController:
             self.stats.bubble_steps += 1
         return slack, gap
 
-    def _unplanned(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int,
-                   head_ctx: int, slack: list[float], gap: list[float] | None, waiting: int) -> bool:
-        """Every ready row runs by the plan's own answer (Policy.unplanned; ctx, head_ctx: the context
-        tokens of every row and of each key's first), without the arrays or the plan: counted as the
-        plan would count the step, in fit_steps (every row fits the budget) or unpriced_steps (no
-        deferral pays its price) rather than planned_steps."""
+    def _step_budget(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int,
+                     head_ctx: int, slack: list[float], gap: list[float] | None, waiting: int) -> StepBudget | None:
+        """The budget rule straight from the rows and clocks (Policy.step_budget; ctx, head_ctx: the
+        context tokens of every row and of each key's first), without the snapshot's arrays."""
         model = self.policy.model
         if model is None:
-            return False
+            return None
 
         def floor_cost(lo: list[int] | None) -> float:
             if lo is None:
@@ -227,22 +227,23 @@ class StepController:
             kept = sum(rows[i].ctx for n, idx in zip(lo, groups.values(), strict=True) for i in idx[:n])
             return model.predict(sum(lo), kept)
 
-        t_all, t_protected = model.predict(len(rows), ctx), model.predict(len(heads), head_ctx)
-        answer = self.policy.unplanned(
-            t_all, t_protected, slack, gap, [h.slo_s for h in heads], [len(idx) - 1 for idx in groups.values()],
-            [h.phase for h in heads], max(int(waiting), 0), floor_cost)
-        if answer is None:
-            return False
-        fits, budget, notes = answer
+        t_protected = model.predict(len(heads), head_ctx)
+        return self.policy.step_budget(
+            model.predict(len(rows), ctx), t_protected, slack, gap, [h.slo_s for h in heads],
+            [len(idx) - 1 for idx in groups.values()], [h.phase for h in heads], max(int(waiting), 0), floor_cost)
+
+    def _unplanned(self, rule: StepBudget, extra: int, t_all: float) -> None:
+        """A step whose plan would run every row, run without it: counted as the plan would count
+        it, in fit_steps (every row fits the budget) or unpriced_steps (no deferral pays its
+        price) rather than planned_steps."""
         st = self.stats
-        if fits:
+        if rule.runs_all == "fit":
             st.fit_steps += 1
         else:
             st.unpriced_steps += 1
-        self._all_admitted(len(rows) - len(heads))
-        st.last_budget_s, st.last_predicted_s = budget, t_all
-        self._count_terms(notes)
-        return True
+        self._all_admitted(extra)
+        st.last_budget_s, st.last_predicted_s = rule.budget_s, t_all
+        self._count_terms(rule.notes)
 
     def _all_admitted(self, extra: int) -> None:
         """A step that ran all `extra` opportunistic rows without a plan."""

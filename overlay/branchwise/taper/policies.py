@@ -39,7 +39,7 @@ VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, tape
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
 _HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
-_FIT_TOL = 1e-9  # unplanned's relative margin: sums of the same row costs in another order agree far closer
+_FIT_TOL = 1e-9  # step_budget's relative margin: sums of the same row costs in another order agree far closer
 
 
 @dataclass(frozen=True, slots=True)
@@ -56,6 +56,16 @@ class Terms:
 
 
 PAPER = Terms()
+
+
+@dataclass(frozen=True, slots=True)
+class StepBudget:
+    """The budget rule's answer for one step, from the requests' clocks (Policy.step_budget)."""
+
+    budget_s: float
+    floor: list[int] | None  # rows per request that run whatever the budget; None: one each
+    notes: dict[str, float]  # the terms that applied
+    runs_all: str | None = None  # the plan would run every row: "fit" (within budget), "priced"; None: plan it
 _TERMS = MappingProxyType({"taper": Terms(True, True, True, True),
                           "taper-no-mean": Terms(False, True, True, True),
                           "taper-no-overload": Terms(True, False, True, True),
@@ -97,12 +107,17 @@ class Policy:
         """The plan is a function of the ready-row counts alone (off, cap:K, eager)."""
         return self.rho is None
 
-    def plan(self, a: ArrayBatch) -> StepPlan:
-        """Widths for one step: min(ready, cap) (static), or the greedy plan within the budget."""
+    def plan(self, a: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
+        """Widths for one step: min(ready, cap) (static), or the greedy plan within the budget
+        (`given`: the rule's answer on these clocks, already worked out by step_budget)."""
         if self.rho is None:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
-        budget, floor, notes = self.budget(a)
+        if given is None:
+            budget, floor, notes = self.budget(a)
+        else:
+            budget, notes = given.budget_s, given.notes
+            floor = None if given.floor is None else np.array(given.floor, dtype=np.int64)
         deferral = None
         if self.prices_deferral:  # plan_step prices it if rows do not all fit
             deferral = partial(self._held_price, a, budget, floor)
@@ -135,31 +150,31 @@ class Policy:
             return False
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
-    def unplanned(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
-                  slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
-                  floor_cost: Callable[[list[int] | None], float]) -> tuple[bool, float, dict[str, float]] | None:
-        """(fits, budget, notes) where the plan would run every ready row, else None (the plan
-        decides): the budget rule on the requests' clocks, then the plan's two run-everything
-        answers. fits: T(every ready row) is within the budget. Otherwise a believed
+    def step_budget(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
+                    slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
+                    floor_cost: Callable[[list[int] | None], float]) -> StepBudget | None:
+        """The budget rule on the requests' clocks, and whether the plan would run every ready row:
+        `runs_all` "fit" when T(every ready row) is within the budget; "priced" when a believed
         deferral price, held for as many steps as `held_price` counts, is no less than what
         deferring every row above the floors would save (plan_step's first test on the price, here
         on an upper bound of that saving). t_all, t_protected: T of every ready row and of the
         protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one each).
-        A relative margin of _FIT_TOL keeps the plan's own sums on the same side. None for the pin
-        rule, a non-linear T and a NaN clock (the plan reads it as no room)."""
+        A relative margin of _FIT_TOL keeps the plan's own sums on the same side. None (the plan
+        works it out) for the pin rule, a non-linear T and a NaN clock (the plan reads it as no room)."""
         if (self.rho is None or not self.replan or not isinstance(self.model, LinearLatencyModel) or not slack
                 or any(map(math.isnan, slack)) or (gap is not None and any(map(math.isnan, gap)))):
             return None
         if not self.slack:
-            return True, math.inf, {}
+            return StepBudget(math.inf, None, {}, "fit")
         if self.terms.any():
-            budget, floor, notes = self.weighed_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost)
+            budget, floor, notes = self.weighed_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost,
+                                                       t_all)
         else:  # the paper's rule
             budget, floor, notes = self.rho * min(slack), None, {}
         if t_all * (1 + _FIT_TOL) <= budget:
-            return True, budget, notes
+            return StepBudget(budget, floor, notes, "fit")
         if not self.prices_deferral:
-            return None
+            return StepBudget(budget, floor, notes)
         model = self.model
         t_floor = floor_cost(floor)
         room = budget - t_floor
@@ -171,9 +186,7 @@ class Policy:
             saving = cost_s - per_row * above
         else:  # with x_i = c_ctx * ctx_i >= 0 and k > 0: sum(max(x_i - k, 0)) <= max(sum(x_i) - k, 0)
             saving = max(cost_s - model.c_seq * (above - 1) - per_row, 0.0) if above else 0.0
-        if saving + _FIT_TOL * (cost_s + per_step) <= per_step:
-            return False, budget, notes
-        return None
+        return StepBudget(budget, floor, notes, "priced" if saving + _FIT_TOL * (cost_s + per_step) <= per_step else None)
 
     def held_price(self, a: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
@@ -202,18 +215,22 @@ class Policy:
         gap = None if a.gap_slack_s is None else a.gap_slack_s.tolist()
         budget, floor, notes = self.weighed_budget(
             floor_cost(a, model, None), a.slack_s.tolist(), gap, a.slo_s.tolist(), (a.ready - 1).tolist(),
-            phase.tolist(), a.waiting, lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)))
+            phase.tolist(), a.waiting, lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)),
+            model.predict(len(a.ctx), int(a.ctx.sum()), a.extra_tokens))
         return budget, None if floor is None else np.array(floor, dtype=np.int64), notes
 
     def weighed_budget(self, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
                        slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
-                       floor_cost: Callable[[list[int] | None], float]) -> tuple[float, list[int] | None, dict]:
+                       floor_cost: Callable[[list[int] | None], float],
+                       t_all: float = math.inf) -> tuple[float, list[int] | None, dict]:
         """taper's budget and per-request row floor (docs/design/taper-rule.md), and notes saying
         which terms applied ("per_gap", "overload", "backlog": 1.0), per request from its slack,
         per-gap slack (None unless terms.mean), SLO, extra ready rows and phase flag; t_protected: T
         of the protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one
-        each). Lists, not arrays: a few dozen requests cost less in Python than in numpy calls, and
-        the controller answers most steps from this alone (`unplanned`). A NaN clock gives a NaN
+        each); t_all: T of every ready row. Where t_all is within the first bound every row runs:
+        no floor is needed (None) and the overload term cannot apply (the forced rows fit too), so
+        the rule stops there but for the backlog term, which only raises the budget. Lists, not arrays: a few dozen requests cost less in Python than in numpy calls, and
+        the controller answers most steps from this alone (`step_budget`). A NaN clock gives a NaN
         budget, which the plan reads as no room. The overload term makes the plan non-monotone in
         row cost: longer contexts can switch it on and widen."""
         rho, terms = self.rho, self.terms
@@ -239,21 +256,26 @@ class Policy:
                 need.append(0 if not (p and x > 0) else e if x >= e else math.ceil(x))
             return [n + 1 for n in need] if any(need) else None
 
-        # the SLO pace: a step this long keeps a request on target (a phase at full width gets
-        # `ready` tokens from it)
-        pace = [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
+        def pace() -> list[float]:
+            """The SLO pace: a step this long keeps a request on target (a phase at full width gets
+            `ready` tokens from it)."""
+            return [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
+
         budget = first = min(bound)
-        floor = floor_at(budget)
-        if terms.overload:
+        fits = t_all * (1 + _FIT_TOL) <= first
+        floor = None if fits else floor_at(budget)
+        if terms.overload and not fits:
             forced_s = floor_cost(floor)
             if forced_s > budget:  # a request bound below forced_s: no deferral keeps it in budget this step
                 on_time = [b for b in bound if not b < forced_s]
                 budget = min(min(on_time, default=math.inf),
-                             min(p for p, b in zip(pace, bound, strict=True) if b < forced_s))
+                             min(p for p, b in zip(pace(), bound, strict=True) if b < forced_s))
                 notes["overload"] = 1.0
-        if terms.backlog and waiting > 0 and (pace_s := min(pace)) > budget:
+        if terms.backlog and waiting > 0 and (pace_s := min(pace())) > budget:
             budget, notes["backlog"] = pace_s, 1.0
-        return budget, floor if budget == first else floor_at(budget), notes  # a term moved it: floor again
+        if fits or budget == first:
+            return budget, floor, notes
+        return budget, floor_at(budget), notes  # a term moved it: floor again
 
 
 def parse_policy_name(name: str) -> str:
