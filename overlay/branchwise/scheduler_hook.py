@@ -55,6 +55,16 @@ class LastStep:
     deferred: int = 0  # live rows TAPER deferred this step (the refit's deferral price)
 
 
+@dataclass(slots=True, frozen=True)
+class PlannedStep:
+    """A deferring step as decode_step left it, keyed in `BranchwiseState.planned` by the forward
+    iteration it runs as. SGLang's overlap loop hands process_batch_result a `batch.copy()`, which
+    keeps `forward_iter` and `reqs` but drops any attribute of ours, so the record lives here."""
+
+    rows: int  # rows of the sub-batch (a check that the result is the step planned)
+    deferred: int  # live rows left out of it (not counting rows finishing in flight)
+
+
 @dataclass(slots=True, kw_only=True)
 class BranchwiseState:
     """What Branchwise keeps per scheduler process."""
@@ -77,6 +87,9 @@ class BranchwiseState:
     # None while steps with phase rows keep the serial rows' delivery clocks current.
     quiet_ts: float | None = None
     kept: deferral.KeptSubset = field(default_factory=deferral.KeptSubset)  # the last step's sub-batch
+    # forward_iter -> the deferring step launched as it, until its result comes back (rank 0; at
+    # most the step in flight and the one being planned under overlap)
+    planned: dict[int, PlannedStep] = field(default_factory=dict)
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -99,8 +112,23 @@ class BranchwiseState:
                 "planner_errors": stats.planner_errors, "terms": dict(stats.terms),
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
             }
-            rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed)}  # leak checks (soak)
+            rep["taper"]["refit"] = self._refit_report()
+            rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed),  # leak checks (soak)
+                            "planned": len(self.planned)}
         return rep
+
+    def _refit_report(self) -> dict[str, Any] | None:
+        """What the online refit has taken in: steps, those that deferred rows, the believed price
+        (ms; 0 until believed), and whether the last step's latency is still to come."""
+        ctl = self.controller
+        refit = ctl.refit if ctl is not None else None
+        if refit is None:
+            return None
+        c_defer, c_deferred = refit.model.deferral()
+        last = self.last_step
+        return {"steps": refit.steps, "deferring_steps": refit.deferring_steps,
+                "price_ms": [1e3 * c_defer, 1e3 * c_deferred],
+                "pending_deferring": int(last is not None and last.deferred > 0)}
 
 
 def state_of(scheduler: Scheduler) -> BranchwiseState | None:
@@ -134,7 +162,7 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
                        "every row runs every step (SGLang's schedule)", taper.disabled_reason)
     elif cfg.step_controller:  # policy stock: no controller, SGLang's schedule (phases still counted)
         taper.controller = _build_controller(cfg)
-    # Branch rows can sit out steps under every policy (off runs one branch per phase per step), so
+    # Branch rows can sit out steps under every policy (serial runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.
     if taper.controller is not None and scheduler.enable_overlap:
@@ -326,8 +354,10 @@ def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, taper.kept)
     if sub is None:
         return Exit.NO_FIT, None
-    sub.branchwise_deferred = len(live) - len(active)  # report_step's count: not finishing rows
-    step_timer.tag(timer, "deferred", sub.branchwise_deferred)
+    deferred = len(live) - len(active)  # report_step's count: not finishing rows
+    if taper.tp_rank == 0:  # only rank 0 reports steps; run_batch numbers this one forward_ct + 1
+        taper.planned[scheduler.forward_ct + 1] = PlannedStep(rows=len(sub.reqs), deferred=deferred)
+    step_timer.tag(timer, "deferred", deferred)
     return Exit.SUBSET, sub
 
 
@@ -385,6 +415,8 @@ def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleB
     if batch.forward_mode.is_mixed():  # mixed chunked prefill: every decode row ran (no deferral)
         taper.bump("mixed_steps")
     if taper.controller is None or taper.tp_rank != 0 or not batch.forward_mode.is_decode():
+        if taper.last_step is not None and taper.last_step.deferred:
+            taper.bump("deferring_unmeasured")  # the next launch was no decode step
         taper.last_step = None
         return result
     timer = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
@@ -397,6 +429,24 @@ def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleB
     finally:
         step_timer.switch(timer, None)
     return result
+
+
+def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: int) -> int:
+    """Rows the step launched as `forward_iter` deferred (0 unless decode_step planned it); records
+    of steps at or before it leave `planned` (a step whose result never came back is dropped)."""
+    planned = taper.planned
+    if not planned or forward_iter is None:
+        return 0
+    step = planned.pop(forward_iter, None)
+    for old in [it for it in planned if it < forward_iter]:
+        del planned[old]
+    if step is None:
+        return 0
+    taper.bump("subset_results")
+    if step.rows != rows:  # not the batch decode_step planned: never credit a deferral to it
+        taper.bump("planned_mismatch")
+        return 0
+    return step.deferred
 
 
 def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
@@ -424,7 +474,9 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
         ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
         if taper.metrics:
             taper.metrics.observe_step(latency, ctl.stats, taper.counters)
-    deferred = getattr(batch, "branchwise_deferred", 0)  # set on a TAPER sub-batch (decode_step)
+    elif prev is not None and prev.deferred:
+        taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
+    deferred = _planned_deferred(taper, forward_iter, len(reqs))
     # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
     # cost ~150 ns a call
     taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx, deferred)

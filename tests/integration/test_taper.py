@@ -64,6 +64,22 @@ def test_taper_defers_under_tight_slo_eager_admits_all_outputs_identical(servers
     assert "branchwise:admission_rate" in metrics and "branchwise:deferred_branches_total" in metrics
 
 
+def test_the_refit_sees_every_deferring_step_under_the_overlap_loop(servers):
+    """SGLang's default overlap loop reports a copy of each batch (ScheduleBatch.copy keeps
+    forward_iter, drops our attributes): every sub-batch step whose result came back must reach the
+    refit with its deferred rows, unless no decode launch followed it to time it."""
+    tight = servers.get(*TIGHT)
+    workload(tight.url, phases=3, serial=2)
+    assert wait_idle(tight.url) == 0
+    rep = branchwise_report(tight.url)
+    refit, counters = rep["taper"]["refit"], rep["counters"]
+    assert counters["subset_steps"] > 0 and counters["subset_results"] == counters["subset_steps"]
+    assert refit["deferring_steps"] > 0
+    timed = counters["subset_results"] - counters.get("deferring_unmeasured", 0) - refit["pending_deferring"]
+    assert refit["deferring_steps"] == timed
+    assert counters.get("planned_mismatch", 0) == 0 and rep["sizes"]["planned"] == 0
+
+
 def test_logprobs_with_deferral_match_eager(servers):
     extra = {"return_logprob": True, "top_logprobs_num": 2}
     ref = workload(servers.get(*EAGER).url, phases=2, serial=2, **extra)

@@ -18,7 +18,7 @@ from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
 from branchwise.taper.controller import StepController
 from branchwise.taper.policies import parse_policy
-from branchwise.taper.predictor import LinearLatencyModel
+from branchwise.taper.predictor import LinearLatencyModel, OnlineRefit
 
 MODEL = LinearLatencyModel(c0=2e-3, c_seq=1e-3, c_ctx=0.0)
 
@@ -37,7 +37,8 @@ def decode_batch(reqs: list, it: int) -> SimpleNamespace:
 
 def scheduler(policy: str = "taper") -> SimpleNamespace:
     cfg = BranchwiseConfig(branch_policy=policy)
-    st = sh.BranchwiseState(config=cfg, controller=StepController(parse_policy(policy, model=MODEL)))
+    policy_ = parse_policy(policy, model=MODEL)
+    st = sh.BranchwiseState(config=cfg, controller=StepController(policy_, OnlineRefit(policy_.model)))
     return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st))
 
 
@@ -132,16 +133,44 @@ def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req):
 
 
 def test_the_refit_sees_the_rows_taper_deferred_not_the_rows_that_left():
-    """A sub-batch says how many live rows it deferred; rows finishing in flight (in the running
-    batch, not in the sub-batch) are not deferred rows."""
+    """A deferring step's record is keyed by its forward iteration, not carried on the batch (the
+    overlap loop reports a copy of it); rows finishing in flight (in the running batch, not in the
+    sub-batch) are not deferred rows."""
     s = scheduler()
     st = s.branchwise.taper
     st.phases_seen = True
     rows = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1), req("p/2", "ph", 2), req("done")]
     s.running_batch = decode_batch(rows, 0)
-    sub = decode_batch(rows[:2], 0)
-    sub.branchwise_deferred = 2  # p/1 and p/2; "done" was finishing
-    sh.after_process_batch_result(None, s, sub)
-    assert st.last_step is not None and st.last_step.deferred == 2
-    sh.after_process_batch_result(None, s, s.running_batch)  # the whole batch: nothing deferred
+    st.planned[1] = sh.PlannedStep(rows=2, deferred=2)  # p/1 and p/2; "done" was finishing
+    sh.after_process_batch_result(None, s, decode_batch(rows[:2], 1))  # a fresh object, as copy() gives
+    assert st.last_step is not None and st.last_step.deferred == 2 and st.planned == {}
+    sh.after_process_batch_result(None, s, decode_batch(s.running_batch.reqs, 2))  # nothing deferred
     assert st.last_step.deferred == 0
+    assert st.counters["subset_results"] == 1
+    refit = st.report()["taper"]["refit"]
+    assert refit["steps"] == 1 and refit["deferring_steps"] == 1  # the deferring step's latency came in
+
+
+def test_a_deferring_step_without_a_decode_launch_after_it_is_counted_unmeasured():
+    s = scheduler()
+    st = s.branchwise.taper
+    st.phases_seen = True
+    rows = [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    st.planned[3] = sh.PlannedStep(rows=1, deferred=1)
+    sh.after_process_batch_result(None, s, decode_batch(rows[:1], 3))
+    assert st.report()["taper"]["refit"]["pending_deferring"] == 1
+    prefill = decode_batch(rows, 4)
+    prefill.forward_mode = SimpleNamespace(is_decode=lambda: False, is_mixed=lambda: False)
+    sh.after_process_batch_result(None, s, prefill)
+    assert st.counters["deferring_unmeasured"] == 1 and st.last_step is None
+
+
+def test_a_planned_record_never_credits_another_batch():
+    s = scheduler()
+    st = s.branchwise.taper
+    st.phases_seen = True
+    rows = [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    st.planned[5] = sh.PlannedStep(rows=1, deferred=1)
+    st.planned[2] = sh.PlannedStep(rows=1, deferred=1)  # a step whose result never came back
+    sh.after_process_batch_result(None, s, decode_batch(rows, 5))  # two rows: not the planned step
+    assert st.last_step.deferred == 0 and st.counters["planned_mismatch"] == 1 and st.planned == {}

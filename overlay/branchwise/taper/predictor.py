@@ -411,6 +411,8 @@ class OnlineRefit:
     intercept_refits: int = field(default=0, init=False)  # of `refits`, c0-only corrections
     skipped: int = field(default=0, init=False)
     last_skip: str = field(default="", init=False)
+    steps: int = field(default=0, init=False)  # realized steps taken in (observe accepted)
+    deferring_steps: int = field(default=0, init=False)  # of `steps`, those that deferred rows
     _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
     _deferred: deque[int] = field(init=False, repr=False)  # rows each buffered step deferred
     evidence: DeferralEvidence = field(default_factory=DeferralEvidence, init=False)
@@ -431,6 +433,8 @@ class OnlineRefit:
             return False
         self._buf.append((n_seqs, ctx_tokens, latency_s))
         self._deferred.append(max(int(deferred), 0))
+        self.steps += 1
+        self.deferring_steps += deferred > 0
         self._fresh += 1
         self._since += 1
         if self._since < self.every or len(self._buf) < self.min_samples:
