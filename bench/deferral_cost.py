@@ -104,6 +104,7 @@ class Arm:
     last_batch: Any = None
     result_queue: Any = None
     last_step: Any = None
+    planned: dict = field(default_factory=dict)  # its BranchwiseState.planned
     times: list[float] = field(default_factory=list)
 
 
@@ -115,7 +116,7 @@ def _swap_in(sched: Any, arm: Arm) -> None:
                            else ScheduleBatch(reqs=[], batch_is_full=False))
     sched.last_batch = arm.last_batch
     sched.result_queue = arm.result_queue if arm.result_queue is not None else deque()
-    taper.controller, taper.last_step = arm.controller, arm.last_step
+    taper.controller, taper.last_step, taper.planned = arm.controller, arm.last_step, arm.planned
     if arm.kept is None:
         arm.kept = type(taper.kept)()
     taper.kept = arm.kept
@@ -126,6 +127,7 @@ def _swap_out(sched: Any, arm: Arm) -> None:
     arm.running_batch, arm.last_batch = sched.running_batch, sched.last_batch
     arm.result_queue = sched.result_queue
     arm.controller, arm.last_step, arm.kept = taper.controller, taper.last_step, taper.kept
+    arm.planned = taper.planned
 
 
 def iterate(sched: Any) -> float:
