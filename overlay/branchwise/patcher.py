@@ -1,6 +1,11 @@
 """Apply, revert and check Branchwise's patch series on the installed SGLang.
 
+    branchwise-patch apply|revert|check [--patches DIR]
     python -m branchwise.patcher apply|revert|check [--patches DIR]
+
+The series ships inside the package (branchwise/patches, a link to the checkout's top-level
+patches/ that the wheel build copies in), so a `pip install`ed Branchwise patches the environment
+it runs in without the checkout; --patches DIR applies another copy of the series.
 
 Pristine means "byte-identical to the wheel": each file's sha256 is checked against sglang's own
 dist-info RECORD, so no manifest of ours can drift. Applying keeps a pristine copy of every touched
@@ -22,7 +27,7 @@ from importlib import metadata
 from pathlib import Path
 
 SGLANG_VERSION = "0.5.23"
-DEFAULT_PATCHES = Path(__file__).resolve().parents[2] / "patches" / f"sglang-{SGLANG_VERSION}"
+DEFAULT_PATCHES = Path(__file__).resolve().parent / "patches" / f"sglang-{SGLANG_VERSION}"
 STATE_NAME = "branchwise-patches"
 
 
@@ -46,7 +51,8 @@ def find_target() -> Target:
     try:
         dist = metadata.distribution("sglang")
     except metadata.PackageNotFoundError:
-        raise PatchError("sglang is not installed in this environment; run `make install` first") from None
+        raise PatchError(f"sglang is not installed in this environment ({sys.prefix}); install "
+                         f"sglang=={SGLANG_VERSION} first (or `make install` in the checkout)") from None
     if dist.version != SGLANG_VERSION:
         raise PatchError(f"installed sglang is {dist.version}; these patches are for {SGLANG_VERSION} only")
     site = Path(str(dist.locate_file("")))
@@ -58,7 +64,18 @@ def find_target() -> Target:
     return Target(site=site, record=record, state_dir=Path(sys.prefix) / STATE_NAME)
 
 
+def bundled_patches() -> Path:
+    """The series shipped in this package: the default of every command."""
+    if not (DEFAULT_PATCHES / "series").is_file():
+        raise PatchError(f"this Branchwise install has no bundled patch series at {DEFAULT_PATCHES} "
+                         "(built without the checkout's patches/?); reinstall it from the repository "
+                         "or pass --patches DIR")
+    return DEFAULT_PATCHES
+
+
 def series(patch_dir: Path) -> list[Path]:
+    if not (patch_dir / "series").is_file():
+        raise PatchError(f"{patch_dir} is not a patch series (no `series` file in it)")
     names = [line.strip() for line in (patch_dir / "series").read_text().splitlines()]
     return [patch_dir / name for name in names if name and not name.startswith("#")]
 
@@ -179,10 +196,11 @@ def check(patch_dir: Path = DEFAULT_PATCHES) -> tuple[str, int]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description="Branchwise patch series for sglang " + SGLANG_VERSION)
     ap.add_argument("action", choices=["apply", "revert", "check"])
-    ap.add_argument("--patches", type=Path, default=DEFAULT_PATCHES)
+    ap.add_argument("--patches", type=Path, default=None,
+                    help="a patch series directory (default: the series bundled with this package)")
     args = ap.parse_args(argv)
-    args.patches = args.patches.resolve()
     try:
+        args.patches = bundled_patches() if args.patches is None else args.patches.resolve()
         if args.action == "check":
             text, rc = check(args.patches)
             print(text)
