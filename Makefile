@@ -7,38 +7,65 @@ SGLANG := sglang==0.5.23
 TORCH := torch==2.14.1
 TORCHVISION := torchvision==0.29.1
 ROUTER := smg==1.13.0
-MODEL ?= models/tiny
+PYTHON ?= python3.11
+TINY_MODEL := models/tiny
+MODEL ?= $(TINY_MODEL)
 HOST ?= 127.0.0.1
 PORT ?= 30000
 POLICY ?= taper
-GPU := $(shell nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# GPU or CPU is decided when a recipe runs, never when make reads this file (a `docker build` sees no
+# GPU). CUDA 13 (torch 2.14.1, flashinfer cu13) needs NVIDIA driver >= MIN_DRIVER.
+HAS_GPU := nvidia-smi -L >/dev/null 2>&1
+MIN_DRIVER := 580
 STAMP := $(VENV)/.branchwise-installed
 CPU_ENV := SGLANG_USE_CPU_ENGINE=1 TORCHDYNAMO_DISABLE=1
+CPU_SERVE_ARGS := --device cpu --attention-backend torch_native --dtype float32 --max-total-tokens 16384 \
+	--sleep-on-idle
 SERVE_ARGS := --model-path $(MODEL) --host $(HOST) --port $(PORT) --branch-policy $(POLICY)
+# the tiny model is built when MODEL is it; a MODEL you set is yours to provide
+MODEL_PREREQ := $(if $(filter $(TINY_MODEL),$(MODEL)),tiny-model)
 
-.PHONY: install apply revert check-apply tiny-model serve serve-cluster demo test test-unit bench bench-seeds lint clean
+.PHONY: install sglang-cpu check-driver apply revert check-apply tiny-model serve serve-cluster demo test test-unit bench bench-seeds lint clean
 
 install: $(STAMP)
 
 $(STAMP): pyproject.toml overlay/branchwise/cpu_compat/requirements-cpu.txt
-	test -x $(PY) || python3.11 -m venv $(VENV)
-ifeq ($(GPU),1)
-	@echo "== NVIDIA GPU found: normal sglang install (flashinfer included)"
-	$(PIP) install -q -e '.[dev]'
-else
-	@echo "== no GPU: CPU recipe (torch, sglang --no-deps, import closure, sgl_kernel stand-in)"
-	$(PIP) install -q $(TORCH)
-	$(PIP) install -q --no-deps $(SGLANG) $(TORCHVISION)
-	$(PIP) install -q -r overlay/branchwise/cpu_compat/requirements-cpu.txt
-	$(PIP) install -q --no-deps -e .
-	$(PIP) install -q pytest pytest-timeout hypothesis ruff matplotlib tqdm
-	$(PIP) install -q $(ROUTER)  # the router of make serve-cluster (grpcio, pyyaml, setproctitle come with it)
-	echo "$(CURDIR)/overlay/branchwise/cpu_compat" > "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_cpu_compat.pth"
-endif
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@# $(ROUTER) is the router of make serve-cluster (grpcio, pyyaml, setproctitle come with it)
+	if $(HAS_GPU); then \
+		echo "== NVIDIA GPU found: normal sglang install (flashinfer included)"; \
+		$(CHECK_DRIVER) && $(PIP) install -q -e '.[sglang,dev]'; \
+	else \
+		echo "== no GPU: CPU recipe (torch, sglang --no-deps, import closure, sgl_kernel stand-in)"; \
+		$(SGLANG_CPU) && $(PIP) install -q --no-deps -e . \
+		&& $(PIP) install -q pytest pytest-timeout hypothesis ruff matplotlib tqdm $(ROUTER); \
+	fi
 	@# unchanged SGLang frontend programs get Branchwise's fork hook (lazy; BRANCHWISE_FRONTEND_HOOK=0 opts out)
 	echo "import os; os.environ.get('BRANCHWISE_FRONTEND_HOOK', '1') == '0' or __import__('branchwise.frontend_hook').frontend_hook.install()" \
 		> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_frontend.pth"
 	touch $(STAMP)
+
+# sglang 0.5.23 alone on a CPU-only machine (make install's CPU recipe; tests/integration/test_install.py
+# puts Branchwise on top with pip): torch, sglang --no-deps, its import closure, the sgl_kernel stand-in
+SGLANG_CPU = $(PIP) install -q $(TORCH) && $(PIP) install -q --no-deps $(SGLANG) $(TORCHVISION) \
+	&& $(PIP) install -q -r overlay/branchwise/cpu_compat/requirements-cpu.txt \
+	&& echo "$(CURDIR)/overlay/branchwise/cpu_compat" \
+		> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_cpu_compat.pth"
+
+sglang-cpu:
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(SGLANG_CPU)
+
+# the CUDA 13 stack installs on an older driver and fails only when a kernel launches: refuse first
+CHECK_DRIVER = { v=$$(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' '); \
+	major=$${v%%.*}; case "$$major" in ''|*[!0-9]*) major=0;; esac; \
+	if [ "$$major" -lt $(MIN_DRIVER) ]; then \
+		echo "error: NVIDIA driver '$$v' (from nvidia-smi): sglang 0.5.23's CUDA 13 stack (torch 2.14.1," \
+			"flashinfer cu13) needs driver >= $(MIN_DRIVER); upgrade the driver, then rerun make install" >&2; \
+		false; else echo "== NVIDIA driver $$v (CUDA 13 needs >= $(MIN_DRIVER))"; fi; }
+
+check-driver:
+	@$(CHECK_DRIVER)
 
 apply: install
 	$(PY) -m branchwise.patcher apply --patches patches/sglang-0.5.23
@@ -54,14 +81,12 @@ tiny-model: $(MODEL)/config.json
 $(MODEL)/config.json: overlay/branchwise/tiny_model.py
 	$(PY) -m branchwise.tiny_model $(MODEL)
 
-ifeq ($(GPU),1)
-serve: apply
-	$(PY) -m sglang.launch_server $(SERVE_ARGS)
-else
-serve: apply tiny-model
-	$(CPU_ENV) $(PY) -m sglang.launch_server $(SERVE_ARGS) --device cpu --attention-backend torch_native \
-		--dtype float32 --max-total-tokens 16384 --sleep-on-idle
-endif
+serve: apply $(MODEL_PREREQ)
+	if $(HAS_GPU); then \
+		$(PY) -m sglang.launch_server $(SERVE_ARGS); \
+	else \
+		$(CPU_ENV) $(PY) -m sglang.launch_server $(SERVE_ARGS) $(CPU_SERVE_ARGS); \
+	fi
 
 # make serve-cluster: one Branchwise server per WORKER_PORTS behind an smg router on $(PORT) (README,
 # "Scale-out"); on a GPU machine worker i uses GPU i. Ctrl-C stops them all. ROUTER_ARGS are
@@ -72,18 +97,14 @@ WORKER_ARGS ?=
 ROUTER_METRICS_PORT ?= 29000
 ROUTER_ARGS := --policy prefix_hash --prefix-hash-load-factor 1000000 --disable-worker-overload-protection \
 	--disable-tokenizer-autoload --worker-startup-check-interval 1
-ifeq ($(GPU),1)
-WORKER_CMD := $(PY) -m sglang.launch_server
-else
-WORKER_CMD := $(CPU_ENV) OMP_NUM_THREADS=1 $(PY) -m sglang.launch_server --device cpu --attention-backend torch_native \
-	--dtype float32 --max-total-tokens 16384 --sleep-on-idle
-endif
 
-serve-cluster: apply tiny-model
+serve-cluster: apply $(MODEL_PREREQ)
 	@trap 'kill 0' EXIT; \
-	gpu=0; for port in $(WORKER_PORTS); do \
-		$(WORKER_CMD) --model-path $(MODEL) --host $(HOST) --port $$port --branch-policy $(POLICY) \
-			--enable-metrics $(if $(GPU),--base-gpu-id $$gpu) $(WORKER_ARGS) & gpu=$$((gpu + 1)); \
+	if $(HAS_GPU); then gpu=0; worker="$(PY) -m sglang.launch_server"; \
+	else gpu=; worker="env $(CPU_ENV) OMP_NUM_THREADS=1 $(PY) -m sglang.launch_server $(CPU_SERVE_ARGS)"; fi; \
+	for port in $(WORKER_PORTS); do \
+		$$worker --model-path $(MODEL) --host $(HOST) --port $$port --branch-policy $(POLICY) \
+			--enable-metrics $${gpu:+--base-gpu-id $$gpu} $(WORKER_ARGS) & gpu=$${gpu:+$$((gpu + 1))}; \
 	done; \
 	$(PY) -m smg launch --host $(HOST) --port $(PORT) --prometheus-host $(HOST) \
 		--prometheus-port $(ROUTER_METRICS_PORT) $(ROUTER_ARGS) \
