@@ -228,6 +228,18 @@ def latency_metrics(flat: _Flat, arrived: np.ndarray) -> dict[str, float | int |
     return out
 
 
+def request_samples(recs: Sequence[RequestRecord], slo_s: float, window: tuple[float, float],
+                    slo_ttft_s: float | None = None) -> dict[str, list]:
+    """Per arrival in the window, what bench.confidence resamples: its key (rid), whether it met the
+    SLO, whether it is decomposable, and its end to end (None: unfinished), by the definitions above."""
+    flat = _Flat.build(recs, slo_s, slo_ttft_s)
+    idx = np.flatnonzero((flat.arrival >= window[0]) & (flat.arrival < window[1]))
+    e2e = flat.last - flat.arrival
+    return {"key": [recs[i].rid for i in idx], "good": flat.good[idx].tolist(),
+            "decomp": flat.decomp[idx].tolist(),
+            "e2e_s": [round(float(e2e[i]), 4) if flat.finished[i] else None for i in idx]}
+
+
 def window_metrics(flat: _Flat, steps: dict[str, np.ndarray] | None, start_s: float,
                    end_s: float) -> dict:
     dur = max(end_s - start_s, 1e-9)

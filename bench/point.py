@@ -3,7 +3,8 @@
 What `python -m bench.sweep` (make bench, load sweeps) and `python -m bench.capacity --engine replay`
 run. A point is a stationary schedule of `rate` req/s for `duration_s` (bench.workload's
 `stationary_schedule`), composed into programs and replayed (bench.client) with `drain_s` after the
-last arrival. The server's radix cache is flushed before the point (no point inherits another's
+last arrival; its metrics carry `samples`, one entry per arrival (bench.confidence's intervals
+resample them). The server's radix cache is flushed before the point (no point inherits another's
 prefixes), and afterwards the point waits until the server has dropped the abandoned requests (their
 leftover work would slow whatever runs next). Tokens are streamed 8 per chunk, so the per-gap TPOT
 figure does not apply to live points and is left out.
@@ -15,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench.client import GenerateFn, Outcome, Run, Target, abort_all, execute, flush_cache
-from bench.metrics import load_point
+from bench.metrics import load_point, request_samples
 from bench.programs import Scaling, build_programs, mean_demand_tok_s
 from bench.results import summarize_run
 from bench.workload import RequestSpec, Schedule, stationary_schedule
@@ -73,8 +74,10 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
         abort_all(url)
     idle = flush_cache(url) if not run.interrupted else False  # waits until the server is idle
     res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
+    end = schedule.duration_s if run.t_stop is None else min(schedule.duration_s, run.t_stop)
+    samples = request_samples(run.records, setup.slo_tpot_ms / 1e3, (0.0, max(end, 1e-9)), setup.slo_ttft_s)
     metrics = (point_metrics(rate, res, specs, schedule.duration_s)
-               | {"cache_flushed": flushed, "left_idle": idle})
+               | {"cache_flushed": flushed, "left_idle": idle, "samples": samples})
     if setup.stream_interval > 1:  # a delivery carries n tokens: the per-gap reading does not apply
         metrics["slo_attainment_gap"] = metrics["max_gap_p99_ms"] = None
     return metrics, run
