@@ -12,7 +12,7 @@ TINY_MODEL := models/tiny
 MODEL ?= $(TINY_MODEL)
 HOST ?= 127.0.0.1
 PORT ?= 30000
-POLICY ?= taper
+POLICY ?= stock
 # GPU or CPU is decided when a recipe runs, never when make reads this file (a `docker build` sees no
 # GPU). CUDA 13 (torch 2.14.1, flashinfer cu13) needs NVIDIA driver >= MIN_DRIVER.
 HAS_GPU := nvidia-smi -L >/dev/null 2>&1
@@ -119,17 +119,17 @@ test: apply
 test-unit:
 	$(PY) -m pytest tests/unit -q
 
-# make bench: off/eager/taper at six loads from a probe of this machine (docs/benchmarks.md):
+# make bench: serial/eager/taper at six loads from a probe of this machine (docs/benchmarks.md):
 # loads 0.1-1.0 of the fluid bound at the probed SLO, every policy at every load, capacity, latency
 # and the two-axis verdict (~20 min on 2 cores). make bench-seeds: the same loads over seeds 0,1,2,
 # each seed's verdict and the verdict on the means (~1 h). BENCH_ARGS adds or overrides bench.sweep
 # flags, e.g. BENCH_ARGS="--slo-scale 0.7 --out runs/bench-slo0.7".
 bench: apply tiny-model
-	$(PY) -m bench.sweep --launch --model $(MODEL) --policies off,eager,taper --out runs/bench --no-progress \
+	$(PY) -m bench.sweep --launch --model $(MODEL) --policies serial,eager,taper --out runs/bench --no-progress \
 		$(BENCH_ARGS)
 
 bench-seeds: apply tiny-model
-	$(PY) -m bench.sweep --launch --model $(MODEL) --policies off,eager,taper --seeds 0,1,2 \
+	$(PY) -m bench.sweep --launch --model $(MODEL) --policies serial,eager,taper --seeds 0,1,2 \
 		--out runs/bench-seeds --no-progress $(BENCH_ARGS)
 
 lint:

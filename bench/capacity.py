@@ -1,6 +1,6 @@
 """SLO capacity and latency per policy over a grid of stationary loads, and taper's two-axis verdict.
 
-    python -m bench.capacity --trace CSV --policies off,cap:2,cap:5,eager,taper-paper,taper \
+    python -m bench.capacity --trace CSV --policies serial,cap:2,cap:5,eager,taper-paper,taper \
         --slo-tpot-ms 50 --seeds 0,1,2 --out DIR [--preset multiverse|sprint] [--max-running sglang|slo|N]
         [--slo-ttft-s S] [--rates R1,R2,...] [--engine sim|replay (--launch | --url URL)]
 
@@ -45,7 +45,7 @@ FRONTIER_SLACK = 1.05  # taper's decomposable P50 end to end may be this much ab
 LATENCY = "decomp_e2e_p50_s"  # the latency axis
 BISECT_STEPS = 3
 WARMUP_S, WINDOW_S, DRAIN_S = 180.0, 600.0, 300.0
-FIXED = ("off", "eager")  # with cap:K: the fixed-width policies taper is compared against
+FIXED = ("serial", "eager")  # with cap:K: the fixed-width policies taper is compared against
 
 DOC_KEYS = (*POINT_KEYS, "queue_growth")  # a capacity.json point (queue_growth: None on live points)
 
@@ -485,7 +485,7 @@ class CapacityOptions:
 
     trace: str
     out: str
-    policies: str = "off,cap:2,cap:5,eager,taper-paper,taper"  # comma-separated, as given
+    policies: str = "serial,cap:2,cap:5,eager,taper-paper,taper"  # comma-separated, as given
     slo_tpot_ms: float = 50.0
     slo_ttft_s: float | None = None
     seeds: str = "0,1,2"
@@ -519,7 +519,7 @@ def _rates(text: str) -> list[float]:
 def parse_args(argv: list[str] | None) -> CapacityOptions:
     parser = argparse.ArgumentParser(prog="python -m bench.capacity", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", required=True)
-    parser.add_argument("--policies", default="off,cap:2,cap:5,eager,taper-paper,taper")
+    parser.add_argument("--policies", default="serial,cap:2,cap:5,eager,taper-paper,taper")
     parser.add_argument("--slo-tpot-ms", type=float, default=None,
                         help="default: the regime's (50 ms by default)")
     parser.add_argument("--slo-ttft-s", type=float, default=None,

@@ -40,7 +40,7 @@ WARMUP = 16
 TOKENS = 3  # max new tokens per request, per step of a point
 
 
-def scheduler(model: str, max_total_tokens: int, policy: str = "off", **server_args: Any) -> Any:
+def scheduler(model: str, max_total_tokens: int, policy: str = "serial", **server_args: Any) -> Any:
     """A real SGLang Scheduler in this process, as a `--device cpu` server's scheduler process
     builds it (plugins loaded: Branchwise's hooks are on). Its outputs go nowhere. Drive it with
     `iterate`; a process holds one (SGLang's runtime context is process-wide)."""

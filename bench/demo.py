@@ -1,12 +1,12 @@
 """The main job on the embedded default: serve the tiny model with Branchwise, run fork/join programs.
 
-    python -m bench.demo [--model models/tiny] [--policies taper,off] [--programs 4] [--fanout 4]
+    python -m bench.demo [--model models/tiny] [--policies taper,serial] [--programs 4] [--fanout 4]
 
 For each policy it starts a real SGLang server (CPU settings when there is no GPU), sends the same
 serial -> fork(n) -> join -> serial programs at once (token ids, so a branch's shared prefix is
 exactly the KV in the radix cache), their branches carrying Branchwise phase stamps, and stops the
 server. It ends with the answer in small: under taper a phase's branches decode side by side and
-finish together, under off one at a time; per policy the wall time, the programs' latency, when
+finish together, under serial one at a time; per policy the wall time, the programs' latency, when
 each branch of program 0 finished after its fork, and the shared-prefix tokens the branches got
 from the radix cache instead of prefilling them again.
 """
@@ -19,6 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
+from bench.cli import policy_list
 from bench.programs import SEP_ID, branch_head, prompt_ids
 from branchwise.launch import LocalServer, branchwise_report, post_json
 from branchwise.request_meta import stamp
@@ -100,17 +101,17 @@ def summary(results: list[Result]) -> str:
     return "\n".join(lines)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/tiny")
-    parser.add_argument("--policies", default="taper,off", help="one server each, in this order")
+    parser.add_argument("--policies", type=policy_list, default="taper,serial", help="one server each, in this order")
     parser.add_argument("--programs", type=int, default=4)
     parser.add_argument("--fanout", type=int, default=4)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--url", help="use a running server (its own policy) instead of starting them")
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
     results = []
-    for policy in ([None] if args.url else args.policies.split(",")):
+    for policy in ([None] if args.url else args.policies):
         server = None if args.url else LocalServer(args.model, ["--branch-policy", policy]).start()
         url = args.url or server.url
         try:

@@ -295,7 +295,7 @@ class Simulator:
         self.policy = controller.policy
         self.driver = HookDriver(controller, cfg.slo_s)
         self.t_end = t_end
-        # off, cap:K, eager: the plan is a function of ready-row counts (and the model only fills
+        # serial, cap:K, eager: the plan is a function of ready-row counts (and the model only fills
         # predicted_s), so deliveries and latencies need not reach the controller
         self.static = self.policy.static
         self.provable = self.policy.name in _PROVABLE

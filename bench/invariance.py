@@ -1,6 +1,6 @@
 """Schedule invariance (TAPER Lemma 1): greedy outputs must not depend on the branch policy.
 
-    python -m bench.invariance --launch --programs 8 --policies off,cap:2,eager,taper
+    python -m bench.invariance --launch --programs 8 --policies serial,cap:2,eager,taper
     python -m bench.invariance --url http://127.0.0.1:30000 --programs 8
 
 Programs mix serial requests, client-side fork/join (frontends.fork_join: the SGLang frontend with
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import fork_oracle
-from bench.cli import add_server_source
+from bench.cli import add_server_source, policy_list
 from bench.structure_driver import request, spec
 from branchwise.launch import LocalServer, get_json, merged_state, post_json
 
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     add_server_source(parser, "a running server (with --enable-custom-logit-processor)",
                       "start a server per policy")
     parser.add_argument("--programs", type=int, default=8)
-    parser.add_argument("--policies", default="off,cap:2,eager,taper")
+    parser.add_argument("--policies", type=policy_list, default="serial,cap:2,eager,taper")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--no-oracle", action="store_true")
     args = parser.parse_args(argv)
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
                           for prog, res in zip(progs, runs["concurrent"], strict=True)]
     else:
         tok = AutoTokenizer.from_pretrained(args.model)
-        for i, pol in enumerate(args.policies.split(",")):
+        for i, pol in enumerate(args.policies):
             srv = LocalServer(args.model, ["--branch-policy", pol, "--enable-custom-logit-processor"]).start()
             try:
                 print(f"policy {pol}: {srv.url}", flush=True)

@@ -94,8 +94,8 @@ def probe_server(url: str) -> Probe:
 
 def calibration_policy(policies: list[str]) -> str:
     """The server the probe reads: the first policy that needs no T(S) (serial probe streams read the
-    same under every policy), else a temporary off server."""
-    return next((policy for policy in policies if not policy.startswith("taper")), "off")
+    same under every policy), else a temporary serial server."""
+    return next((policy for policy in policies if not policy.startswith("taper")), "serial")
 
 
 def live_bound_rps(probed: Probe, setup: PointSetup, seed: int = 0, duration_s: float = 2000.0) -> float:

@@ -31,7 +31,7 @@ except ImportError:  # run from a checkout without `pip install -e .`
 
 from bench.report import write_json  # noqa: E402
 
-POLICIES = ("eager", "off", "taper", "taper-paper", "taper-defer-cost")  # the last: taper with a price (an alias)
+POLICIES = ("eager", "serial", "taper", "taper-paper", "taper-defer-cost")  # the last: taper with a price (an alias)
 COEFS = (1.38e-3, 8.9e-5, 9.9e-8)  # the live box's probe: T = 1.38 ms + 0.089 ms/row + 0.099 us/token
 PRICE = (5e-4, 5e-5)  # a learned deferral price: per deferring step, per deferred row (seconds)
 SLO_S = 5.05e-3
@@ -86,6 +86,8 @@ def controller(pkg: str, policy: str, spec: list[tuple[str, int, int, bool]],
     pred = importlib.import_module(f"{pkg}.predictor")
     price = PRICE if policy == "taper-defer-cost" else (0.0, 0.0)
     model = pred.LinearLatencyModel(*COEFS, 0.0, *price)
+    if policy == "serial" and "serial" not in pol_mod.POLICY_NAMES:  # a revision from before the rename
+        policy = "off"
     ctl = ctl_mod.StepController(pol_mod.parse_policy(policy, model=model))
     phase = {key: in_phase for key, _, _, in_phase in spec}
     for key, (age, tokens, gap) in clock.items():

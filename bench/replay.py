@@ -1,7 +1,7 @@
 """Replay a trace schedule against live Branchwise servers: goodput and SLO attainment per policy.
 
     python -m bench.replay --url URL --schedule rate:6 --duration-s 60 --out DIR [--policy-label taper]
-    python -m bench.replay --launch --model models/tiny --compare --policies off,eager,taper --out runs/bench
+    python -m bench.replay --launch --model models/tiny --compare --policies serial,eager,taper --out runs/bench
 
 Every scheduled arrival becomes a client-side fork/join program (bench.programs), run on the server
 by bench.client at its arrival time; bench.metrics turns the token delivery times into goodput, SLO
@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from bench.cli import add_server_source
+from bench.cli import add_server_source, policy_list
 from bench.client import Outcome, Run, Target, execute, server_report
 from bench.live import ServerSettings
 from bench.metrics import RequestRecord, StepLog
@@ -45,7 +45,7 @@ class ReplayOptions:
     model: str = "models/tiny"
     # one run per policy; otherwise one run labelled policy_label (or the server's policy)
     compare: bool = False
-    policies: tuple[str, ...] = ("off", "eager", "taper")
+    policies: tuple[str, ...] = ("serial", "eager", "taper")
     policy_label: str | None = None
     trace: str = DEFAULT_TRACE
     drain_s: float = 30.0
@@ -99,7 +99,7 @@ def _parser() -> argparse.ArgumentParser:
     add_server_source(parser, "a running server (its --branch-policy is fixed)",
                       "start a server per policy (branchwise.launch)")
     parser.add_argument("--compare", action="store_true", help="run the schedule once per --policies")
-    parser.add_argument("--policies", default="off,eager,taper")
+    parser.add_argument("--policies", type=policy_list, default="serial,eager,taper")
     parser.add_argument("--policy-label",
                         help="name of a single --url run (default: the server's policy)")
     parser.add_argument("--trace", default=DEFAULT_TRACE)
@@ -147,7 +147,7 @@ def parse_args(argv: list[str] | None) -> ReplayOptions:
                           args.max_prompt_tokens, args.max_program_tokens)
     except ValueError as err:
         parser.error(str(err))
-    policies = tuple(name.strip() for name in args.policies.split(",") if name.strip())
+    policies = args.policies
     cal = Calibration(args.schedule, args.duration_s, args.preset, args.seed, args.slo_tpot_ms,
                       args.rate_scale, args.slo_rows, args.slo_context, args.slo_floor, args.load,
                       args.latency_model, args.launch)
@@ -331,12 +331,12 @@ def _policies(opts: ReplayOptions) -> list[str]:
 
 def _calibrate_first(bench: Bench, policies: list[str]) -> None:
     """The operating point before the first run, where it can be had (taper's server needs the T(S)
-    fit at start: calibrate on an off server first)."""
+    fit at start: calibrate on a serial server first)."""
     opts, cal = bench.opts, bench.opts.cal
     if not cal.needs_probe:
         bench.operating_point = cal.given()
     elif opts.launch and policies[0].startswith("taper"):
-        with _server(opts, "off", None) as srv:
+        with _server(opts, "serial", None) as srv:
             bench.point(probe_url(srv.url))
     elif opts.url:
         bench.point(probe_url(opts.url))

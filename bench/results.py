@@ -131,7 +131,7 @@ def _ratio_to(base: dict | None) -> Callable[[str, dict], str]:
 
 
 def comparison_table(results: dict[str, dict]) -> str:
-    """One row per policy: goodput (and its ratio to off and eager), the headline, TPOTs, admission."""
+    """One row per policy: goodput (and its ratio to serial and eager), the headline, TPOTs, admission."""
     def done(_name: str, row: dict) -> str:
         run = row.get("run", {})
         return f"{run.get('finished', 0)}/{run.get('started', 0)}"
@@ -139,7 +139,7 @@ def comparison_table(results: dict[str, dict]) -> str:
     def probe_ms(_name: str, row: dict) -> str:
         return fmt((row.get("run", {}).get("probe") or {}).get("at_slo_rows_ms"))
 
-    cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x off", 7, _ratio_to(results.get("off"))),
+    cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x serial", 9, _ratio_to(results.get("serial"))),
             Col("x eager", 8, _ratio_to(results.get("eager"))),
             Col("raw tok/s", 10, key("raw_throughput_tok_s")), *HEADLINE,
             Col("P99 ser", 8, key("p99_tpot_serial_ms")), Col("P99 par", 8, key("p99_tpot_parallel_ms")),

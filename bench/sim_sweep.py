@@ -1,6 +1,6 @@
 """`make bench`'s load sweep in the simulator: the live grid rule, a bench.regimes setting, several seeds.
 
-    python -m bench.sim_sweep --regime live-fast --policies off,eager,taper --seeds 0,1,2 \
+    python -m bench.sim_sweep --regime live-fast --policies serial,eager,taper --seeds 0,1,2 \
         [--loads 0.1,0.16,0.25,0.4,0.63,1.0] [--reference-rps R] [--without TERMS] [--out FILE]
 
 Load 1.0 is bench.sweep's grid rule (the live fluid bound of the regime's T(S) at its SLO,
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_sweep", description=__doc__.split("\n\n")[0])
     parser.add_argument("--regime", default="live-fast")
     parser.add_argument("--trace", default=DEFAULT_TRACE)
-    parser.add_argument("--policies", default="off,eager,taper")
+    parser.add_argument("--policies", default="serial,eager,taper")
     parser.add_argument("--seeds", default="0,1,2")
     parser.add_argument("--loads", default=",".join(map(str, LOADS)))
     parser.add_argument("--reference-rps", type=float, default=None,

@@ -1,6 +1,6 @@
 """The simulator's CLI: a trace schedule through `bench.engine` once per policy, then tables and results.json.
 
-    python -m bench.simulate --trace CSV --schedule paper-3regime --policies off,cap:2,cap:5,eager,taper \
+    python -m bench.simulate --trace CSV --schedule paper-3regime --policies serial,cap:2,cap:5,eager,taper \
         --slo-tpot-ms 50 --rho 0.8 --seed 0 --out DIR [--ablations] [--preset multiverse|sprint] \
         [--compress F] [--latency-model model.json] [--trace-outputs] [--max-running sglang|slo|N]
 
@@ -73,7 +73,7 @@ def job_list(policies: list[str], rho: float, ablations: bool, calibrated: bool 
 
 
 # ------------------------------------------------------------------------------------------ tables
-def comparison_table(results: dict[str, dict], baseline: str = "off") -> str:
+def comparison_table(results: dict[str, dict], baseline: str = "serial") -> str:
     """One row per policy: attainment over all arrivals, finished fraction and P99 TTFT first."""
     base = results.get(baseline, {}).get("goodput_tok_s")
 
@@ -83,7 +83,7 @@ def comparison_table(results: dict[str, dict], baseline: str = "off") -> str:
     def high(_name: str, row: dict) -> str:
         return fmt(row.get("per_regime", {}).get("high", {}).get("slo_attainment"), True)
 
-    cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x off", 7, ratio), *HEADLINE,
+    cols = [Col("goodput", 9, key("goodput_tok_s")), Col("x serial", 9, ratio), *HEADLINE,
             Col("att-high", 9, high), Col("att-gap", 8, key("slo_attainment_gap", True)),
             Col("raw tok/s", 10, key("raw_throughput_tok_s")),
             Col("P99 ser", 9, lambda _name, row: num(row["p99_tpot_serial_ms"])),
@@ -136,7 +136,7 @@ class SimOptions:
     trace: str
     out: str
     schedule: str = "paper-3regime"
-    policies: tuple[str, ...] = ("off", "cap:2", "cap:5", "eager", "taper")
+    policies: tuple[str, ...] = ("serial", "cap:2", "cap:5", "eager", "taper")
     slo_tpot_ms: float = 50.0
     slo_ttft_s: float | None = None
     rho: float = 0.8
@@ -158,7 +158,7 @@ def parse_args(argv: list[str] | None) -> SimOptions:
     parser = argparse.ArgumentParser(prog="python -m bench.simulate", description=__doc__.split("\n\n")[0])
     parser.add_argument("--trace", required=True)
     parser.add_argument("--schedule", default="paper-3regime", help="unscaled | rate:X | paper-3regime")
-    parser.add_argument("--policies", default="off,cap:2,cap:5,eager,taper")
+    parser.add_argument("--policies", default="serial,cap:2,cap:5,eager,taper")
     parser.add_argument("--slo-tpot-ms", type=float, default=50.0)
     parser.add_argument("--slo-ttft-s", type=float, default=None,
                         help="TTFT target that attainment and goodput also require (default: none)")

@@ -2,7 +2,7 @@
 the time lost to other processes, per policy, against the launch-to-launch step.
 
     BRANCHWISE_STEP_TIMER=1 BRANCHWISE_STEP_TIMER_FILE=DIR python -m bench.sweep --launch \\
-        --policies off,eager,taper --loads 0.4 --seed 3 --out DIR/sweep
+        --policies serial,eager,taper --loads 0.4 --seed 3 --out DIR/sweep
     python -m bench.step_account DIR [--out FILE] [--against eager]
 
 Reads each server's per-iteration records (branchwise/step_timer.py; its `.meta.json` names the

@@ -1,9 +1,9 @@
 """Live load sweep (`make bench`, `make bench-seeds`): every policy's SLO capacity and latency on the
 machine that runs it, in one run.
 
-    python -m bench.sweep --launch --model models/tiny --policies off,eager,taper --out runs/bench \
+    python -m bench.sweep --launch --model models/tiny --policies serial,eager,taper --out runs/bench \
         [--seeds 0,1,2] [--slo-scale F]
-    python -m bench.sweep --url off=URL1,eager=URL2,taper=URL3 --slo-tpot-ms 12 --out DIR
+    python -m bench.sweep --url serial=URL1,eager=URL2,taper=URL3 --slo-tpot-ms 12 --out DIR
 
 The operating points are fixed from a probe before anything is measured (bench.live.calibrate):
 SLO = max(T(32 rows of 256 KV tokens), 2.5 x T(1 row)) x --slo-scale unless --slo-tpot-ms is
@@ -23,6 +23,7 @@ from typing import Any
 
 from bench import live
 from bench.capacity import Engine, measure, plot, report, write
+from bench.cli import policy_list
 from bench.live import LivePoints, Servers, ServerSettings, calibrate, calibration_policy
 from bench.point import PointSetup
 from bench.programs import Scaling
@@ -85,7 +86,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     where.add_argument("--launch", action="store_true", help="start one server per policy")
     where.add_argument("--url", type=_urls, help="running servers, policy=URL,...")
     parser.add_argument("--model", default="models/tiny")
-    parser.add_argument("--policies", default="off,eager,taper", help="with --launch")
+    parser.add_argument("--policies", type=policy_list, default="serial,eager,taper", help="with --launch")
     parser.add_argument("--trace", default=DEFAULT_TRACE)
     parser.add_argument("--preset", default="multiverse", choices=sorted(PRESETS))
     parser.add_argument("--seeds", type=lambda text: _csv(int, text, "--seeds"), default=(0,),
@@ -145,7 +146,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     policies = (list(args.url) if args.url
-                else [name.strip() for name in args.policies.split(",") if name.strip()])
+                else list(args.policies))
     settings = ServerSettings(args.model, args.taper_rho, args.server_threads, args.max_total_tokens,
                               args.server_args)
     servers = Servers(urls=dict(args.url)) if args.url else Servers(settings, max_alive=len(policies) + 1)

@@ -207,7 +207,7 @@ def _pinned_cumulate(batch: ScheduleBatch) -> None:
 
 
 # Set on the scheduler's ReqToTokenPool by scheduler_hook.build when overlap is on and a step
-# controller runs (every policy defers branch rows; off runs one per phase per step). The hook
+# controller runs (every policy defers branch rows; serial runs one per phase per step). The hook
 # receives only the ScheduleBatch, and every batch of a scheduler shares that scheduler's pool.
 PIN_ATTR = "_branchwise_pin_penalty_tokens"
 

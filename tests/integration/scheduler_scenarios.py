@@ -28,10 +28,10 @@ def _prompt(seed: int, n: int = 24) -> list[int]:
 
 def admission(kept: bool) -> dict[str, Any]:
     """A running limit of 3 is full (a phase of 3 branches) and a serial request waits for a slot.
-    Policy off runs one branch per step; the first finishes while its siblings still defer, so it
+    Policy serial runs one branch per step; the first finishes while its siblings still defer, so it
     leaves the batch inside a deferring step. Reports the iterations from that branch's end to the
     waiting request's admission (SGLang admits it as soon as a slot is free)."""
-    s = scheduler(MODEL, 8192, "off", max_running_requests=3)
+    s = scheduler(MODEL, 8192, "serial", max_running_requests=3)
     branches = [add_request(s, f"ph/b{b}", _prompt(b), RequestMeta(phase="ph", branch=b, fanout=3),
                             max_new_tokens=24 if b == 0 else 400) for b in range(3)]
     for _ in range(4):  # the three prefill and decode: the phase fills the limit

@@ -11,7 +11,7 @@ from branchwise.launch import branchwise_report, get_json
 from frontends import fork_join, multiverse, sprint
 from frontends.common import prefix_hits, sgl
 
-POLICY = ("--branch-policy", "off")  # one shared server config for the whole suite
+POLICY = ("--branch-policy", "serial")  # one shared server config for the whole suite
 
 
 @pytest.fixture(scope="module")

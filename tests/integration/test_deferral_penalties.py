@@ -1,6 +1,6 @@
-"""Penalised branch rows that sit out steps under --branch-policy off equal serial runs.
+"""Penalised branch rows that sit out steps under --branch-policy serial equal runs alone.
 
-Under policy off a phase decodes one branch per step (width 1), so its other branches are deferred
+Under policy serial a phase decodes one branch per step (width 1), so its other branches are deferred
 while the first decodes and resume later. SGLang's overlap rule feeds the penalizers the newest
 processed token, which for a row that sat out the previous step is a token it already counted
 (deferral._pinned_cumulate). Each branch here, decoded with its siblings, must produce the tokens
@@ -39,12 +39,12 @@ def siblings(url: str) -> list[list[int]]:
 
 def deferred_rows(url: str) -> int:
     rep: dict[str, Any] = branchwise_report(url)
-    assert rep["config"]["branch_policy"] == "off"
+    assert rep["config"]["branch_policy"] == "serial"
     return rep["taper"]["rows_deferred"]
 
 
 def test_deferred_penalised_branches_equal_their_serial_runs(servers):
-    srv = servers.get("--branch-policy", "off")  # overlap scheduling on (the default); test_client_fork's server
+    srv = servers.get("--branch-policy", "serial")  # overlap scheduling on (the default); test_client_fork's server
     url = srv.url
     serial = [alone(url, b) for b in range(FANOUT)]
     before = deferred_rows(url)

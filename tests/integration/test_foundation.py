@@ -32,8 +32,11 @@ def test_help_lists_branchwise_flags():
 
 def test_bad_flag_values_fail_at_parse_time(tiny_model):
     env = os.environ | cpu_env()
-    for bad, needle in ((["--branch-policy", "bogus"], "valid: off, cap:K"),
-                        (["--branch-policy", "cap:0"], "valid: off, cap:K"),
+    for bad, needle in ((["--branch-policy", "bogus"], "valid: serial, cap:K"),
+                        (["--branch-policy", "cap:0"], "valid: serial, cap:K"),
+                        (["--branch-policy", "off"], "'off' is ambiguous and no longer accepted: use 'stock' for "
+                                                     "SGLang's own schedule (Branchwise's step controller off) or "
+                                                     "'serial' for one branch per phase per step"),
                         (["--taper-rho", "1.5"], "(0, 1]")):
         out = subprocess.run([sys.executable, "-m", "sglang.launch_server", "--model-path", tiny_model, *bad],
                              env=env, capture_output=True, text=True, timeout=120)
@@ -65,12 +68,12 @@ def test_an_upgraded_patch_series_replaces_the_applied_one(tmp_path):
     first = patcher.series(old)[0]
     text = first.read_text()
     assert '] = "stock"' in text
-    first.write_text(text.replace('] = "stock"', '] = "off"', 1))
+    first.write_text(text.replace('] = "stock"', '] = "serial"', 1))
     target = patcher.find_target()
     rel = patcher.touched_files(first)[0]
     try:
         assert "replacing" in patcher.apply(old)
-        assert '] = "off"' in (target.site / rel).read_text().split("branch_policy", 1)[1][:600]
+        assert '] = "serial"' in (target.site / rel).read_text().split("branch_policy", 1)[1][:600]
         assert "already applied" in patcher.apply(old)
     finally:
         assert "replacing" in patcher.apply()
@@ -79,21 +82,21 @@ def test_an_upgraded_patch_series_replaces_the_applied_one(tmp_path):
 
 
 def test_plugin_runs_inside_scheduler_process(servers):
-    srv = servers.get("--branch-policy", "off")
+    srv = servers.get("--branch-policy", "serial")
     rep = branchwise_report(srv.url)
     assert rep["proctitle"] == "sglang::scheduler"
     assert rep["pid"] != srv.proc.pid  # not the launcher/HTTP process
-    assert rep["config"]["branch_policy"] == "off"
+    assert rep["config"]["branch_policy"] == "serial"
     before = rep["counters"]
     greedy(srv.url, PROMPTS[0], 4)
     after = branchwise_report(srv.url)["counters"]
     assert after["requests_created"] == before.get("requests_created", 0) + 1
     assert after["batch_results"] > before.get("batch_results", 0)  # the hooks saw its steps
-    assert "Branchwise active: branch_policy=off" in srv.log_path.read_text()
+    assert "Branchwise active: branch_policy=serial" in srv.log_path.read_text()
 
 
-def test_policy_off_equals_plugin_disabled(servers):
-    on = servers.get("--branch-policy", "off")
+def test_policy_serial_equals_plugin_disabled(servers):
+    on = servers.get("--branch-policy", "serial")
     outputs_on = [greedy(on.url, p) for p in PROMPTS]
     off = servers.get(env={"SGLANG_PLUGINS": "none-but-branchwise-excluded"})
     assert not any("branchwise" in st for st in scheduler_states(off.url))  # the plugin really is disabled

@@ -33,14 +33,14 @@ def models(tmp_path_factory):
     return ms, extra
 
 
-@pytest.mark.parametrize("case", ["fanout", "tokens", "clients", "ms_off", "unknown_key_taper"])
+@pytest.mark.parametrize("case", ["fanout", "tokens", "clients", "ms_serial", "unknown_key_taper"])
 def test_bad_values_fail_at_parse_time(tiny_model, models, case):
     ms, extra = models
     args, needle = {
         "fanout": (["--branch-max-fanout", "0"], "--branch-max-fanout must be an integer >= 1"),
         "tokens": (["--branch-max-branch-tokens", "many"], "--branch-max-branch-tokens must be an integer"),
         "clients": (["--branch-grammar-clients", "some"], "invalid choice: 'some'"),
-        "ms_off": (["--branch-policy", "off", "--latency-model", str(ms)], '"units": "ms"'),
+        "ms_serial": (["--branch-policy", "serial", "--latency-model", str(ms)], '"units": "ms"'),
         "unknown_key_taper": (["--branch-policy", "taper", "--latency-model", str(extra)],
                               "unknown linear latency model keys ['intercept']"),
     }[case]

@@ -20,7 +20,7 @@ from bench.structure_driver import request, spec
 from branchwise.grammars import parse
 from branchwise.launch import get_json, merged_state, post_json
 
-ARGS = ("--branch-policy", "off", "--enable-custom-logit-processor")
+ARGS = ("--branch-policy", "serial", "--enable-custom-logit-processor")
 PROMPT = "the plan is"
 IDLE_DEADLINE_S = 60.0
 

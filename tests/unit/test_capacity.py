@@ -63,21 +63,21 @@ def test_a_growing_queue_ends_a_capacity_that_attainment_alone_would_not() -> No
 
 
 def test_a_simulated_point_reports_its_queue_growth() -> None:
-    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "off", "--slo-tpot-ms", "50",
+    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "serial", "--slo-tpot-ms", "50",
                            "--max-running", "4", "--out", "unused"])
     engine = cap.sim_engine(opts)
-    low, high = (engine.point("off", rate, 0) for rate in (0.02, 2.0))
+    low, high = (engine.point("serial", rate, 0) for rate in (0.02, 2.0))
     assert low["queue_growth"] == 0.0 and holds(low)
     assert high["queue_growth"] > 0.5 and not holds(high)  # four running, the rest queue
 
 
 def test_capacity_by_bisection_per_seed_and_the_exact_schema() -> None:
     calls: list = []
-    res = measure(_fake({"off": 0.62, "taper": 0.81}, calls), ["off", "taper"], [0, 1], log=lambda _: None)
+    res = measure(_fake({"serial": 0.62, "taper": 0.81}, calls), ["serial", "taper"], [0, 1], log=lambda _: None)
     doc = res["capacity"]
-    assert set(doc) == {"fluid_bound_rps", "policies"} and set(doc["policies"]) == {"off", "taper"}
+    assert set(doc) == {"fluid_bound_rps", "policies"} and set(doc["policies"]) == {"serial", "taper"}
     step = (cap.GRID[1] - cap.GRID[0]) / 2 ** cap.BISECT_STEPS  # bisection resolution at base 1.0
-    for pol, c in (("off", 0.62), ("taper", 0.81)):
+    for pol, c in (("serial", 0.62), ("taper", 0.81)):
         v = doc["policies"][pol]
         assert set(v) == {"capacity_rps", "capacity_spread", "capacity_of_bound", "points"}
         assert [p["rate"] for p in v["points"]] == grid(1.0)
@@ -92,19 +92,19 @@ def test_capacity_by_bisection_per_seed_and_the_exact_schema() -> None:
     assert len(calls) == 2 * 2 * len(cap.GRID) + 2 * 2 * cap.BISECT_STEPS
     grid_calls = calls[:2 * 2 * len(cap.GRID)]  # per seed, ascending rates, the policies' order rotated
     assert [c[2] for c in grid_calls] == sorted(c[2] for c in grid_calls)
-    assert [c[0] for c in grid_calls[:4]] == ["off", "taper", "taper", "off"]
+    assert [c[0] for c in grid_calls[:4]] == ["serial", "taper", "taper", "serial"]
 
 
 def test_given_rates_replace_the_grid_without_bisection() -> None:
     calls: list = []
-    res = measure(_fake({"off": 0.62}, calls), ["off"], [0], log=lambda _: None, rates=[0.3, 0.6, 0.9], bisect_steps=0)
-    assert [c[1] for c in calls] == [0.3, 0.6, 0.9] and res["capacity"]["policies"]["off"]["capacity_rps"] == 0.6
+    res = measure(_fake({"serial": 0.62}, calls), ["serial"], [0], log=lambda _: None, rates=[0.3, 0.6, 0.9], bisect_steps=0)
+    assert [c[1] for c in calls] == [0.3, 0.6, 0.9] and res["capacity"]["policies"]["serial"]["capacity_rps"] == 0.6
 
 
 def test_two_axis_verdict() -> None:
     """(a) taper's capacity >= every other; (b) wherever a fixed policy holds, taper holds and its
     decomposable P50 end to end is within 1.05x the lowest among the policies that hold."""
-    caps = {"off": 0.62, "eager": 0.5, "taper": 0.81}
+    caps = {"serial": 0.62, "eager": 0.5, "taper": 0.81}
 
     def judge(latency: dict[str, float], capacity: dict[str, float] = caps) -> cap.Verdict:
         doc = measure(_fake(capacity, latency=latency), list(capacity), [0], log=lambda _: None)["capacity"]
@@ -112,25 +112,25 @@ def test_two_axis_verdict() -> None:
         assert v is not None
         return v
 
-    v = judge({"off": 50.0, "eager": 35.0, "taper": 36.0})  # 1.03x eager's where eager holds
+    v = judge({"serial": 50.0, "eager": 35.0, "taper": 36.0})  # 1.03x eager's where eager holds
     assert v.passed and not v.above and [c.applies for c in v.latency] == [True] * 3 + [False] * 4
     assert [c.frontier for c in v.latency[:3]] == ["eager", "eager", "taper"]  # eager fails at 0.55
     assert "verdict" in v.lines(1.0)[-1] and "PASS" in v.lines(1.0)[-1]
-    v = judge({"off": 50.0, "eager": 35.0, "taper": 37.0})  # 1.06x: fails where eager holds, not above
+    v = judge({"serial": 50.0, "eager": 35.0, "taper": 37.0})  # 1.06x: fails where eager holds, not above
     assert not v.passed and [c.ok for c in v.latency] == [False] * 2 + [True] * 5
-    v = judge({"off": 50.0, "eager": 35.0, "taper": 36.0}, caps | {"off": 0.9})
-    assert not v.passed and v.above == ("off",)  # (a), and (b) at 0.85 where off holds and taper not
+    v = judge({"serial": 50.0, "eager": 35.0, "taper": 36.0}, caps | {"serial": 0.9})
+    assert not v.passed and v.above == ("serial",)  # (a), and (b) at 0.85 where serial holds and taper not
     assert not v.latency[4].ok and v.latency[4].mine_attainment == 0.5
     assert v.over_bound == () and v.spans
-    v = judge({"off": 50.0, "eager": 35.0, "taper": 36.0}, caps | {"off": 1.2})
-    assert v.over_bound == ("off",) and not v.spans  # holds at every rate: the bound cannot be right
+    v = judge({"serial": 50.0, "eager": 35.0, "taper": 36.0}, caps | {"serial": 1.2})
+    assert v.over_bound == ("serial",) and not v.spans  # holds at every rate: the bound cannot be right
 
 
-@pytest.mark.parametrize("policy", ["off", "eager"])
+@pytest.mark.parametrize("policy", ["serial", "eager"])
 def test_fluid_bound_is_the_simulators_own_step_work_summed(policy: str) -> None:
     """Brute force: run a composed workload through the simulator (no noise, nothing retracted) and
     sum what its steps cost beyond c0; the bound's per-request work must add up to exactly that, at
-    any width (eager runs the same tokens at other widths than off)."""
+    any width (eager runs the same tokens at other widths than serial)."""
     m = default_model()
     trace = load_trace(AZURE)
     specs = compose(trace, stationary_schedule(trace, 0.05, 1500.0, 3), "multiverse", 3)
@@ -159,7 +159,7 @@ def test_cli_rejects_what_no_engine_can_run(tmp_path: Path, capsys) -> None:
     assert "one policy" in capsys.readouterr().err  # a running server has one policy
     assert cap.main(["--trace", str(AZURE), "--engine", "replay", "--out", str(tmp_path)]) == 2
     assert "needs --launch or --url" in capsys.readouterr().err
-    assert cap.main(["--trace", str(AZURE), "--policies", "off,wide", "--out", str(tmp_path)]) == 2
+    assert cap.main(["--trace", str(AZURE), "--policies", "serial,wide", "--out", str(tmp_path)]) == 2
 
 
 def test_cli_on_the_simulator(tmp_path: Path, monkeypatch, capsys) -> None:
@@ -168,11 +168,11 @@ def test_cli_on_the_simulator(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.setattr(cap, "WARMUP_S", 30.0)
     monkeypatch.setattr(cap, "WINDOW_S", 60.0)
     monkeypatch.setattr(cap, "DRAIN_S", 60.0)
-    rc = cap.main(["--trace", str(AZURE), "--policies", "off,eager,taper", "--seeds", "0", "--jobs", "1",
+    rc = cap.main(["--trace", str(AZURE), "--policies", "serial,eager,taper", "--seeds", "0", "--jobs", "1",
                    "--out", str(tmp_path)])
     assert rc == 0
     doc = json.loads((tmp_path / "capacity.json").read_text())
-    assert list(doc) == ["fluid_bound_rps", "policies"] and list(doc["policies"]) == ["off", "eager", "taper"]
+    assert list(doc) == ["fluid_bound_rps", "policies"] and list(doc["policies"]) == ["serial", "eager", "taper"]
     for v in doc["policies"].values():
         lo, hi = (p["attainment"] for p in v["points"])
         assert lo > hi and hi < 0.95  # 1.3x the fluid bound overloads every policy
@@ -188,7 +188,7 @@ def test_cli_on_the_simulator(tmp_path: Path, monkeypatch, capsys) -> None:
 def test_each_seed_is_judged_against_the_bound_of_its_own_window() -> None:
     """A seed's window is its own place in the trace: its requests' fluid bound differs from the
     grid's (built on the whole workload) and from another seed's."""
-    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "off", "--slo-tpot-ms", "50",
+    opts = cap.parse_args(["--trace", str(AZURE), "--policies", "serial", "--slo-tpot-ms", "50",
                            "--seeds", "0,1", "--out", "unused"])
     engine = cap.sim_engine(opts)
     bounds = engine.config["window_bounds_rps"]

@@ -64,13 +64,13 @@ def test_weights_are_bounded_in_rows():
 
 
 def test_client_phase_named_like_another_rid_does_not_group_with_it():
-    """Phase rows first: were they one group with the serial request `victim`, policy off would
+    """Phase rows first: were they one group with the serial request `victim`, policy serial would
     run only the lowest-ordered row of the group and defer the victim's only row."""
     hostile = [req(f"h/{b}", "victim", b) for b in range(3)]
     reqs = [*hostile, req("victim")]
     rows = [sh._row(r, CFG) for r in reqs]
     assert rows[-1].key == "rid:victim" and rows[0].key == "phase:victim"
-    active = StepController(parse_policy("off", model=MODEL)).select(rows, 0.0)
+    active = StepController(parse_policy("serial", model=MODEL)).select(rows, 0.0)
     assert len(reqs) - 1 in active  # the victim's row runs
     assert active == [0, 3]
 
@@ -80,7 +80,7 @@ def test_client_phase_named_like_a_server_fork_phase_does_not_group_with_it():
     client = [req(f"c/{b}", "p/p0", b, fanout=2) for b in range(2)]
     keys = {sh._key(r) for r in server} | {sh._key(r) for r in client}
     assert keys == {"fork:p/p0", "phase:p/p0"}
-    assert widths([*client, *server], policy="off") == {"fork:p/p0": 1, "phase:p/p0": 1}
+    assert widths([*client, *server], policy="serial") == {"fork:p/p0": 1, "phase:p/p0": 1}
 
 
 def test_deliveries_use_the_same_keys_and_bounds():

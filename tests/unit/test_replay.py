@@ -208,8 +208,8 @@ def test_results_have_the_simulator_shape(tmp_path):
     doc = json.loads(path.read_text())
     assert set(doc) == {"policies", "config", "partial", "wall_s"} and set(doc["policies"]) == {"eager", "taper"}
     assert SIM_KEYS <= set(doc["policies"]["taper"])
-    table = results.comparison_table({"off": res, "eager": res, "taper": res})
-    assert "x off" in table and "x eager" in table and table.count("1.00") >= 6
+    table = results.comparison_table({"serial": res, "eager": res, "taper": res})
+    assert "x serial" in table and "x eager" in table and table.count("1.00") >= 6
 
 
 def test_a_rejected_request_fails_its_program_only():
@@ -336,9 +336,9 @@ def test_notes_flag_a_drifting_box_and_a_starved_client():
     def res(probe_ms, stall_ms):
         return {"run": {"probe": {"at_slo_rows_ms": probe_ms}, "client_stalls": {"max_ms": stall_ms, "over_100ms": 1}}}
 
-    calm = {"off": res(20.0, 50.0), "taper": res(22.0, 80.0)}
+    calm = {"serial": res(20.0, 50.0), "taper": res(22.0, 80.0)}
     assert results.drift_note(calm) is None and results.stall_note(calm) is None
-    rough = {"off": res(20.0, 50.0), "taper": res(30.0, 900.0)}
+    rough = {"serial": res(20.0, 50.0), "taper": res(30.0, 900.0)}
     assert "taper 30.0 ms" in results.drift_note(rough) and "taper" in results.stall_note(rough)
     lags = [(0.0, 0.01), (1.0, 0.3), (2.0, 0.15)]
     assert results.client_stalls(lags) == {"max_ms": pytest.approx(300.0), "over_100ms": 2,
@@ -369,7 +369,7 @@ def test_run_point_counts_every_arrival_and_a_stuck_program_is_a_miss():
 
     setup = point.PointSetup(trace, 40.0, Scaling(output_scale=0.01, max_stage_tokens=4), duration_s=1.0,
                               drain_s=0.5, poll_s=0, generate=FakeGenerate(hook))
-    m, run = point.run_point(DEAD, "off", 6.0, 0, setup)
+    m, run = point.run_point(DEAD, "serial", 6.0, 0, setup)
     n = len(run.outcomes)
     assert n >= 2 and m["requests"] == n and m["rate"] == 6.0 and m["cache_flushed"] is False
     assert m["finished_frac"] == pytest.approx((n - 1) / n) and m["attainment"] == pytest.approx((n - 1) / n)
@@ -404,7 +404,7 @@ def test_operating_point_follows_the_probe(monkeypatch, tmp_path):
     for name, model, kw in (("slow", slow, {}), ("fast", fast, {}), ("scaled", slow, {"slo_scale": 0.7}),
                             ("given", slow, {"slo_ms": 20.0})):
         _fake_live(monkeypatch, model, [])
-        got[name] = live.calibrate(live.Servers(urls={"taper": "http://t", "off": "http://o"}), ["taper", "off"],
+        got[name] = live.calibrate(live.Servers(urls={"taper": "http://t", "serial": "http://o"}), ["taper", "serial"],
                                    base, tmp_path, **kw)
     t32 = slow.predict(32, 32 * 256)
     assert got["slow"].setup.slo_tpot_ms == pytest.approx(1e3 * t32) == got["slow"].probed_slo_ms
@@ -420,20 +420,20 @@ def test_sweep_runs_every_seed_at_every_load_and_judges_each(monkeypatch, tmp_pa
     from branchwise.taper.predictor import LinearLatencyModel
 
     ran: list = []
-    holds_below = {"off": 0.3, "eager": 0.2, "taper": 0.6}  # x the bound; the first point runs at 0.1 x it
+    holds_below = {"serial": 0.3, "eager": 0.2, "taper": 0.6}  # x the bound; the first point runs at 0.1 x it
     _fake_live(monkeypatch, LinearLatencyModel(0.003, 0.0002, 1e-6), ran,
                attainment=lambda pol, rate: 1.0 if rate < holds_below[pol] * 10 * ran[0][2] else 0.5)
-    rc = sweep.main(["--url", "off=http://a,eager=http://b,taper=http://c", "--seeds", "0,1",
+    rc = sweep.main(["--url", "serial=http://a,eager=http://b,taper=http://c", "--seeds", "0,1",
                      "--loads", "0.1,0.25,0.5,1.0", "--out", str(tmp_path)])
     assert rc == 0
     doc = json.loads((tmp_path / "capacity.json").read_text())
     bound = doc["fluid_bound_rps"]
     rates = [x * bound for x in (0.1, 0.25, 0.5, 1.0)]
     assert [r[2] for r in ran] == pytest.approx([r for _ in range(2) for r in rates for _ in range(3)])
-    assert [r[1] for r in ran[:6]] == ["off", "eager", "taper", "eager", "taper", "off"]  # rotated per load
+    assert [r[1] for r in ran[:6]] == ["serial", "eager", "taper", "eager", "taper", "serial"]  # rotated per load
     assert [r[3] for r in ran] == [0] * 12 + [1] * 12
     assert doc["policies"]["taper"]["capacity_rps"] == pytest.approx(rates[2])
-    assert doc["policies"]["off"]["capacity_of_bound"] == pytest.approx(0.25)
+    assert doc["policies"]["serial"]["capacity_of_bound"] == pytest.approx(0.25)
     sw = json.loads((tmp_path / "sweep.json").read_text())
     assert sw["grid"]["rates"] == pytest.approx(rates) and len(sw["points"]) == 24 and set(sw["per_seed"]) == {"0", "1"}
     out = capsys.readouterr().out
@@ -457,7 +457,7 @@ def test_capacity_replay_engine_runs_live_points(monkeypatch, tmp_path):
     assert ran == [("http://srv", "taper", 1.5, 2, 12.0)]
     eng.close()
     with pytest.raises(ValueError, match="one policy"):
-        capacity.replay_engine(dataclasses.replace(a, policies="off,taper"))
+        capacity.replay_engine(dataclasses.replace(a, policies="serial,taper"))
 
 
 def test_flush_cache_waits_while_the_server_is_busy():

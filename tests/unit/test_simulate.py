@@ -22,7 +22,7 @@ from bench.workload import RequestSpec, build_schedule, compose, load_trace, syn
 from branchwise.taper import LinearLatencyModel, default_model
 
 AZURE = Path(__file__).resolve().parents[2] / "bench" / "data" / "AzureLLMInferenceTrace_conv.csv"
-POLICIES = ("off", "cap:2", "eager", "taper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
+POLICIES = ("serial", "cap:2", "eager", "taper", "taper-no-slack", "taper-no-replan", "taper-const-predictor")
 
 
 @pytest.fixture(scope="module")
@@ -38,9 +38,9 @@ def _run(specs, policy: str, t_end: float = 1e9, **cfg):
     return sim, sim.run()
 
 
-def test_eager_admits_every_branch_and_off_none(small) -> None:
+def test_eager_admits_every_branch_and_serial_none(small) -> None:
     _, specs = small
-    for policy, want in (("eager", 1.0), ("off", 0.0)):
+    for policy, want in (("eager", 1.0), ("serial", 0.0)):
         _, res = _run(specs, policy)
         steps = res.steps.arrays()
         assert steps["eligible"].sum() > 0
@@ -61,7 +61,7 @@ def test_tokens_conserved_and_resources_released(small, policy: str) -> None:
 
 
 @pytest.mark.parametrize("noise", [0.0, 0.05])
-@pytest.mark.parametrize("policy", ["off", "eager", "taper", "taper-paper"])
+@pytest.mark.parametrize("policy", ["serial", "eager", "taper", "taper-paper"])
 def test_multi_step_windows_are_exact(small, policy: str, noise: float) -> None:
     """Running provably identical steps in one go gives the same deliveries as stepping one by one,
     with step noise too: the k-th step draws the k-th noise however the steps are grouped."""
@@ -80,7 +80,7 @@ def test_max_gap_is_the_longest_step_a_request_waited() -> None:
     no smaller than any serial stage's mean TPOT, and it sees the prefill-heavy step that admitted
     a newcomer while it was decoding."""
     specs = [RequestSpec("a", 0.0, 10, (40,)), RequestSpec("b", 0.2, 8000, (5,))]
-    _, res = _run(specs, "off", noise=0.0, macro_steps=False)
+    _, res = _run(specs, "serial", noise=0.0, macro_steps=False)
     a = res.records[0]
     m = default_model()
     assert a.max_gap_s == pytest.approx(m.predict(1, a.stages[0].tokens) + m.c_tok * 8000, rel=0.05)
@@ -92,10 +92,10 @@ def test_taper_keeps_attainment_under_overload() -> None:
     sched = build_schedule(trace, "rate:1.5", compress=60)  # 1.5 req/s for ~6 min: overload
     specs = compose(trace, sched, "multiverse", seed=2)
     window = (0.0, sched.duration_s)
-    got = {p: summarize(_run(specs, p, max_running=96)[1].records, 0.05, window) for p in ("off", "eager", "taper")}
-    assert got["taper"]["slo_attainment"] >= got["off"]["slo_attainment"] - 0.02
+    got = {p: summarize(_run(specs, p, max_running=96)[1].records, 0.05, window) for p in ("serial", "eager", "taper")}
+    assert got["taper"]["slo_attainment"] >= got["serial"]["slo_attainment"] - 0.02
     assert got["taper"]["slo_attainment"] > got["eager"]["slo_attainment"] + 0.2
-    assert got["taper"]["goodput_tok_s"] >= got["off"]["goodput_tok_s"] * 0.98
+    assert got["taper"]["goodput_tok_s"] >= got["serial"]["goodput_tok_s"] * 0.98
 
 
 def test_sglang_default_running_limit() -> None:
@@ -135,10 +135,10 @@ def test_cli_writes_results_and_plots(tmp_path: Path, capsys) -> None:
     csv = tmp_path / "syn.csv"
     write_trace(csv, synthetic_trace(duration_s=900, rate=3.0, seed=5))  # a trace nothing was tuned on
     rc = main(["--trace", str(csv), "--schedule", "paper-3regime", "--compress", "240", "--policies",
-               "off,cap:2,eager,taper", "--seed", "1", "--out", str(tmp_path / "out"), "--jobs", "1"])
+               "serial,cap:2,eager,taper", "--seed", "1", "--out", str(tmp_path / "out"), "--jobs", "1"])
     assert rc == 0
     doc = json.loads((tmp_path / "out" / "results.json").read_text())
-    assert list(doc["policies"]) == ["off", "cap:2", "eager", "taper"]
+    assert list(doc["policies"]) == ["serial", "cap:2", "eager", "taper"]
     for res in doc["policies"].values():
         for key in ("goodput_tok_s", "raw_throughput_tok_s", "slo_attainment", "p99_tpot_serial_ms",
                     "p99_tpot_parallel_ms", "admission_rate"):
@@ -154,7 +154,7 @@ def test_cli_rejects_bad_input(tmp_path: Path, capsys) -> None:
     bad.write_text("time,tokens\n1,2\n")
     assert main(["--trace", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "missing column" in capsys.readouterr().err
-    assert main(["--trace", str(AZURE), "--policies", "off,wide", "--out", str(tmp_path / "o")]) == 2
+    assert main(["--trace", str(AZURE), "--policies", "serial,wide", "--out", str(tmp_path / "o")]) == 2
 
 
 def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
@@ -237,7 +237,7 @@ def _live_specs(n: int = 60, seed: int = 3):
     return regime_specs(load_trace(AZURE), 3.0, n / 3.0, seed, "multiverse", LIVE_SCALING)
 
 
-@pytest.mark.parametrize("policy", ["off", "eager", "taper"])
+@pytest.mark.parametrize("policy", ["serial", "eager", "taper"])
 def test_client_programs_conserve_tokens_and_release_resources(policy: str) -> None:
     """Client-side fork/join with prefill forwards and host costs: every request finishes with its
     tokens, and slots and KV come back to zero (a tight pool forces retractions too)."""
@@ -255,7 +255,7 @@ def test_client_programs_conserve_tokens_and_release_resources(policy: str) -> N
     assert sim.retractions > 0
 
 
-@pytest.mark.parametrize("policy", ["off", "eager", "taper"])
+@pytest.mark.parametrize("policy", ["serial", "eager", "taper"])
 def test_live_regime_windows_are_exact(policy: str) -> None:
     """The live regime (host costs, a first step that pays for a changed subset, prefill forwards,
     client-side programs) with step noise: windows give the deliveries of stepping one by one."""
@@ -292,7 +292,7 @@ def test_client_phase_opens_at_the_delivery_before_it() -> None:
 
 @pytest.mark.parametrize("macro", [True, False])
 def test_host_costs_charge_the_steps_that_defer(macro: bool) -> None:
-    """off runs one of a phase's two branches at a time: each of the first branch's steps defers one
+    """serial runs one of a phase's two branches at a time: each of the first branch's steps defers one
     row and pays same_subset, the first of them subset instead (its active set changed)."""
     from bench.engine import Cost, HostCosts
 
@@ -301,7 +301,7 @@ def test_host_costs_charge_the_steps_that_defer(macro: bool) -> None:
     runs = []
     for h in (HostCosts(), host):
         cfg = EngineConfig(noise=0.0, macro_steps=macro, host=h)
-        runs.append(Simulator(spec, build_controller("off", default_model()), default_model(), cfg, 1e9).run())
+        runs.append(Simulator(spec, build_controller("serial", default_model()), default_model(), cfg, 1e9).run())
     wall = [r.records[0].stages[0].end_s - r.records[0].stages[0].start_s for r in runs]  # the phase
     assert wall[1] - wall[0] == pytest.approx(29 * 1.5e-3 + 2.5e-3, abs=1e-9)
     assert runs[1].stats["subset_steps"] == 30 and runs[1].stats["changed_subsets"] == 1

@@ -16,7 +16,7 @@ from branchwise.taper.policies import Policy, StepBudget, parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
 
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
-POLICIES = ["off", "cap:2", "eager", "taper", "taper-paper", "taper-no-slack", "taper-no-replan",
+POLICIES = ["serial", "cap:2", "eager", "taper", "taper-paper", "taper-no-slack", "taper-no-replan",
             "taper-const-predictor"]
 SLO = 0.02
 

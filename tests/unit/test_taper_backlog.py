@@ -170,7 +170,7 @@ def test_stage_mean_slack_banks_a_fast_stage():
     assert paper.trackers["s"].slack(0.1) == pytest.approx(SLO)
 
 
-@pytest.mark.parametrize("policy", ["eager", "taper", "taper-no-replan", "off"])
+@pytest.mark.parametrize("policy", ["eager", "taper", "taper-no-replan", "serial"])
 def test_keys_leave_with_their_last_row(policy):
     """10,000 short phases (two branches, two steps each) beside a serial request: the hook reports
     each key whose last row finished, and the controller's dicts return to empty."""

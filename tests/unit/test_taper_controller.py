@@ -21,18 +21,18 @@ def keys(rs: list[Row], active: list[int]) -> dict[str, int]:
     return out
 
 
-def test_off_runs_one_row_per_request_and_eager_runs_all():
+def test_serial_runs_one_row_per_request_and_eager_runs_all():
     rs = rows()
-    off = StepController(parse_policy("off", model=MODEL)).select(rs, 0.0)
-    assert keys(rs, off) == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
-    assert [rs[i].order for i in off if rs[i].phase] == [0, 0]  # lowest branch index first
+    serial = StepController(parse_policy("serial", model=MODEL)).select(rs, 0.0)
+    assert keys(rs, serial) == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
+    assert [rs[i].order for i in serial if rs[i].phase] == [0, 0]  # lowest branch index first
     assert StepController(parse_policy("eager", model=MODEL)).select(rs, 0.0) == list(range(len(rs)))
 
 
 def test_forced_rows_always_run():
     rs = rows(phases=1, serial=0)
     rs[3] = Row(key="ph0", order=3, ctx=100, slo_s=0.05, phase=True, forced=True)  # abort pending
-    active = StepController(parse_policy("off", model=MODEL)).select(rs, 0.0)
+    active = StepController(parse_policy("serial", model=MODEL)).select(rs, 0.0)
     assert active == [0, 3]
 
 
@@ -61,7 +61,7 @@ def test_pipeline_bubble_reserves_the_next_protected_step():
 
 
 def test_no_planning_when_every_request_has_one_row():
-    ctl = StepController(parse_policy("off", model=MODEL))
+    ctl = StepController(parse_policy("serial", model=MODEL))
     rs = rows(phases=0, serial=5)
     assert ctl.select(rs, 0.0) == list(range(5)) and ctl.stats.planned_steps == 0
 

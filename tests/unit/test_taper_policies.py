@@ -1,4 +1,4 @@
-"""Policy parsing and the behaviour of off / cap:K / eager / taper and the ablations."""
+"""Policy parsing and the behaviour of serial / cap:K / eager / taper and the ablations."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def ready(a: ArrayBatch) -> dict[str, int]:
     return dict(zip(a.rids, a.ready.tolist(), strict=True))
 
 
-@pytest.mark.parametrize("name", ["stock", "off", "eager", "taper", "taper-no-slack", "taper-no-replan",
+@pytest.mark.parametrize("name", ["stock", "serial", "eager", "taper", "taper-no-slack", "taper-no-replan",
                                   "taper-const-predictor", "cap:1", "cap:3", " TAPER ", "cap:007"])
 def test_parse_valid_names(name):
     policy = parse_policy(name)
@@ -51,12 +51,12 @@ def test_parse_valid_names(name):
 @pytest.mark.parametrize("name", ["", "cap:0", "cap:x", "cap:", "cap:-1", "cap:2.5", "capped:2", "greedy",
                                   "taper-no", "cap:K"])
 def test_parse_invalid_names_say_what_is_valid(name):
-    with pytest.raises(ValueError, match=r"valid: off, cap:K .*taper-const-predictor"):
+    with pytest.raises(ValueError, match=r"valid: serial, cap:K .*taper-const-predictor"):
         parse_policy(name)
 
 
 def test_policy_names_cover_the_cli_values():
-    assert POLICY_NAMES == ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
+    assert POLICY_NAMES == ("serial", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload",
                             "taper-no-backlog", "taper-no-defer-cost", "taper-paper", "taper-no-slack",
                             "taper-no-replan", "taper-const-predictor", "stock")
 
@@ -73,20 +73,20 @@ def test_bad_rho_and_utility_are_rejected():
 
 @settings(max_examples=30, deadline=None)
 @given(batches, st.integers(1, 9))
-def test_off_eager_and_caps(batch, k):
-    off = widths(parse_policy("off"), batch)
+def test_serial_eager_and_caps(batch, k):
+    serial = widths(parse_policy("serial"), batch)
     eager = widths(parse_policy("eager"), batch)
     stock = widths(parse_policy("stock"), batch)
     cap = widths(parse_policy(f"cap:{k}"), batch)
     for rid, n in ready(batch).items():
-        assert off[rid] == 1
+        assert serial[rid] == 1
         assert eager[rid] == stock[rid] == n
         assert cap[rid] == min(n, k)
 
 
 @settings(max_examples=30, deadline=None)
 @given(batches, st.floats(0.1, 1.0))
-def test_taper_between_off_and_eager_and_protected_when_late(batch, rho):
+def test_taper_between_serial_and_eager_and_protected_when_late(batch, rho):
     plan = Policy("taper", MODEL, rho=rho).plan(batch)  # the budget rule without taper's terms
     assert ((1 <= plan.widths) & (plan.widths <= batch.ready)).all()
     if len(batch.rids):
@@ -164,7 +164,7 @@ def test_const_predictor_ablation():
 
 def test_default_model_is_used_without_one():
     assert parse_policy("taper").model == default_model()
-    assert parse_policy("off").model is None
+    assert parse_policy("serial").model is None
 
 
 def test_a_policy_is_frozen_data():

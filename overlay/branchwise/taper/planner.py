@@ -6,7 +6,7 @@ each request offering only its next ready row. It takes one sort, one cumulative
 search per step (no per-candidate objects), and stops at the first row that does not fit, which
 keeps the plan monotone in the budget (`fill=True`: Algorithm 1's pruning rule exactly). Its
 options are the policies' extras: pinned widths (taper-no-replan), row floors and a deferral price
-(taper's terms, policies.py). The static policies (off, cap:K, eager) plan with `plan_capped`: a
+(taper's terms, policies.py). The static policies (serial, cap:K, eager) plan with `plan_capped`: a
 fixed width per request. Why the sort gives the greedy order and how the stopping rule compares
 with Algorithm 1's: docs/design/taper-planner.md.
 """
@@ -117,7 +117,7 @@ def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> S
     if model is not None and len(a.rids):
         if cap is None:  # every row (eager)
             rows, ctx = len(a.ctx), int(a.ctx.sum())
-        elif cap == 1:  # the protected rows (off)
+        elif cap == 1:  # the protected rows (serial)
             rows, ctx = len(a.rids), a.protected_ctx
         else:
             keep = np.arange(len(a.ctx)) < (a.starts + w).repeat(a.ready)

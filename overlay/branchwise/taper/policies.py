@@ -1,7 +1,7 @@
 """Branch admission policies as data: `parse_policy(name) -> Policy`, and the rules a Policy names.
 
 A policy decides, for one decode step, how many ready rows of each request run (`Policy.plan`):
-* Static rule (off = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows per request, no clock.
+* Static rule (serial = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows per request, no clock.
 * Budget rule (the taper family): every request's protected row runs, then opportunistic rows are
   admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
   is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
@@ -29,10 +29,10 @@ from branchwise.taper.planner import ArrayBatch, StepPlan, floor_cost, plan_capp
 from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
-POLICY_NAMES = ("off", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
+POLICY_NAMES = ("serial", "cap:K", "eager", "taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog",
                 "taper-no-defer-cost", "taper-paper", "taper-no-slack", "taper-no-replan",
                 "taper-const-predictor", "stock")
-VALID_POLICIES = "off, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
+VALID_POLICIES = "serial, cap:K (integer K >= 1), eager, taper, taper-no-mean, taper-no-overload, " \
                  "taper-no-backlog, taper-no-defer-cost, taper-paper, taper-no-slack, taper-no-replan, " \
                  "taper-const-predictor, stock"
 # taper-const-predictor built from a linear model: its value at a mid-load step (64 rows x 2k ctx).
@@ -73,6 +73,10 @@ _TERMS = MappingProxyType({"taper": Terms(True, True, True, True),
                           "taper-no-defer-cost": Terms(True, True, True)})
 # earlier names that commands and results files still use
 _ALIASES = MappingProxyType({"taper-defer-cost": "taper"})
+# earlier names that no longer parse, with what to write instead
+_RETIRED = MappingProxyType({
+    "off": "branch policy 'off' is ambiguous and no longer accepted: use 'stock' for SGLang's own schedule "
+           "(Branchwise's step controller off) or 'serial' for one branch per phase per step"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +108,7 @@ class Policy:
 
     @property
     def static(self) -> bool:
-        """The plan is a function of the ready-row counts alone (off, cap:K, eager)."""
+        """The plan is a function of the ready-row counts alone (serial, cap:K, eager, stock)."""
         return self.rho is None
 
     def plan(self, a: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
@@ -282,6 +286,8 @@ def parse_policy_name(name: str) -> str:
     """Canonical policy name; ValueError naming the valid values."""
     s = str(name).strip().lower()
     s = _ALIASES.get(s, s)
+    if s in _RETIRED:
+        raise ValueError(_RETIRED[s])
     if s in POLICY_NAMES and s != "cap:K":
         return s
     m = _CAP.fullmatch(s)
@@ -297,7 +303,7 @@ def parse_policy(name: str, *, model: LatencyModel | None = None, rho: float = 0
     None); const_s fixes taper-const-predictor's value."""
     s = parse_policy_name(name)
     u = parse_utility(utility)
-    if s == "off":
+    if s == "serial":  # one branch per phase per step (the TAPER paper's IRP-Off)
         return Policy(s, model, cap=1)
     if s in ("eager", "stock"):  # stock: every ready row, as eager (the server runs no controller for it)
         return Policy(s, model)
