@@ -9,8 +9,10 @@ bench.metrics over every request that arrived in the measured window. The grid i
 (bench.bound) times GRID; a seed's capacity is the lower end of its hold/fail bracket after
 BISECT_STEPS halvings. `verdict`: (a) taper's capacity >= every other policy's; (b) wherever a
 fixed-width policy holds TARGET, taper holds and is within FRONTIER_SLACK of the latency frontier.
-Engines: `sim` (bench.engine's simulator, default) and `replay` (live servers, bench.live). The
-rules in full: docs/benchmarks.md ("SLO capacity").
+Engines: `sim` (bench.engine's simulator, default) and `replay` (live servers, bench.live). Live
+points carry their requests: each gets bootstrap intervals (bench.confidence), and each part of the
+verdict is PASS or FAIL where the intervals decide it and UNDECIDED where one straddles its bound
+(the verdict lists those apart). The rules in full: docs/benchmarks.md ("SLO capacity").
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from bench import confidence
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
@@ -63,9 +66,12 @@ class Engine:
     workers: int = 1  # points it may run at once (the simulator: processes; live servers: 1)
     config: dict = field(default_factory=dict)
     on_close: Callable[[], None] | None = None
+    batch: Callable[[Sequence[Job]], list[dict]] | None = None  # runs jobs itself (live repeats)
     _pool: ProcessPoolExecutor | None = None
 
     def run(self, jobs: Sequence[Job]) -> list[dict]:
+        if self.batch is not None:
+            return self.batch(jobs)
         if self.workers <= 1 or len(jobs) <= 1:
             return [self.point(*job) for job in jobs]
         if self._pool is None:
@@ -298,8 +304,47 @@ def measure(engine: Engine, policies: list[str], seeds: list[int], log: Callable
                        "holds_whole_grid": [brackets[(policy, seed)][1] is None for seed in seeds],
                        "points": [got[job] | {"seed": job[2]} for job in sorted(got) if job[0] == policy]}
               for policy in policies}
-    return {"capacity": _document(bound, policies, rates, caps, got, seeds), "per_seed": per_seed,
-            "detail": detail, "wall_s": time.perf_counter() - start}
+    capacity = _document(bound, policies, rates, caps, got, seeds)
+    _intervals(capacity, per_seed, got, seeds, rates)
+    return {"capacity": capacity, "per_seed": per_seed, "detail": detail, "wall_s": time.perf_counter() - start}
+
+
+def _intervals(doc: dict, per_seed: dict[int, dict], got: dict[Job, dict], seeds: list[int],
+               rates: list[float]) -> None:
+    """Live points' intervals (bench.confidence.annotate) on every document and, without bisection
+    points, each policy's `capacity_range_rps` (`capacity_range`; on the means, the means of the
+    seeds' ends). Simulated points carry no requests and get neither."""
+    if not all([confidence.annotate(seed_doc, got, [seed]) for seed, seed_doc in per_seed.items()]):
+        return
+    confidence.annotate(doc, got, seeds)
+    if any(job[1] not in rates for job in got):
+        return
+    for seed_doc in per_seed.values():
+        for entry in seed_doc["policies"].values():
+            entry["capacity_range_rps"] = capacity_range(entry["points"])
+    for policy, entry in doc["policies"].items():
+        ends = np.array([per_seed[seed]["policies"][policy]["capacity_range_rps"] for seed in seeds])
+        entry["capacity_range_rps"] = [float(value) for value in ends.mean(axis=0)]
+
+
+def hold_outcome(point: Mapping[str, Any]) -> str:
+    """`holds` read with the point's attainment interval where it has one: PASS when the interval's
+    lower end reaches TARGET, FAIL when its upper end is below, UNDECIDED when it straddles. A load
+    not sustained fails."""
+    att = point.get("attainment")
+    if att is None or not sustained(point):
+        return confidence.FAIL
+    lo, hi = point.get("attainment_ci") or (att, att)
+    return confidence.decide(lo, hi, TARGET, above_ok=True)
+
+
+def capacity_range(points: Sequence[Mapping[str, Any]]) -> list[float]:
+    """[lower, upper] capacity over grid points: the bracket's lower end counting only the holds
+    the intervals decide, and counting every hold they do not rule out."""
+    rates = [point["rate"] for point in points]
+    outcomes = [hold_outcome(point) for point in points]
+    return [bracket(rates, [out == confidence.PASS for out in outcomes])[0],
+            bracket(rates, [out != confidence.FAIL for out in outcomes])[0]]
 
 
 # ------------------------------------------------------------------------------------- the verdict
@@ -309,40 +354,73 @@ def is_fixed(policy: str) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class LatencyCheck:
-    """Check (b) at one rate: the frontier, and whether taper holds and stays within FRONTIER_SLACK."""
+    """Check (b) at one rate: the frontier, and whether taper holds and stays within FRONTIER_SLACK,
+    as the points' intervals decide (`outcome`; point values where a point has no interval)."""
 
     rate: float
     frontier: str | None  # the policy with the lowest decomposable P50 end to end among those holding
     frontier_s: float | None
     mine_s: float | None
     mine_attainment: float | None
-    applies: bool  # some fixed-width policy holds here
-    ok: bool
+    applies: bool  # some fixed-width policy holds here, or may (its interval straddles TARGET)
+    ok: bool  # outcome is PASS
+    outcome: str = confidence.PASS  # PASS, FAIL or UNDECIDED
+    versus: str | None = None  # the policy `ratio` is against: the comparison that decides the outcome
+    ratio: tuple[float, float, float] | None = None  # mine / versus's P50: value, interval lo, hi
+    mine_attainment_ci: tuple[float, float] | None = None
 
     def line(self, focus: str) -> str:
         head = f"rate {self.rate:.3f}: "
         if not self.applies:
             return head + "no fixed-width policy holds 95% (n/a)"
-        ratio = self.mine_s / self.frontier_s if self.mine_s is not None and self.frontier_s else None
-        return (head + f"{focus} {fmt(self.mine_attainment, True)} att, decomposable P50 e2e "
-                f"{fmt(self.mine_s, nd=1)} s vs frontier {self.frontier} {fmt(self.frontier_s, nd=1)} s "
-                f"({fmt(ratio, nd=2)}x) {'PASS' if self.ok else 'FAIL'}")
+        att = fmt(self.mine_attainment, True) + (f" [{confidence.span(self.mine_attainment_ci, pct=True)}]"
+                                                 if self.mine_attainment_ci else "")
+        ratio = ("" if self.ratio is None else f"; {self.ratio[0]:.2f}x {self.versus}"
+                 + ("" if self.ratio[1] == self.ratio[2] else f" [{self.ratio[1]:.2f}-{self.ratio[2]:.2f}]"))
+        return (head + f"{focus} {att} att, decomposable P50 e2e {fmt(self.mine_s, nd=1)} s vs frontier "
+                f"{self.frontier} {fmt(self.frontier_s, nd=1)} s{ratio} {self.outcome}")
+
+
+def _within(own: Mapping[str, Any], other: str, point: Mapping[str, Any]) -> tuple[str, tuple | None]:
+    """Whether own's LATENCY is within FRONTIER_SLACK of `other`'s, by the paired ratio interval
+    (bench.confidence.p50_ratio) where the points carry one, else by the point values."""
+    mine, theirs = own[LATENCY], point[LATENCY]
+    found = (own.get("p50_ratio") or {}).get(other)
+    ratio = tuple(found) if found else (mine / theirs,) * 3 if theirs > 0 else None
+    if ratio is None:
+        return confidence.PASS if mine <= FRONTIER_SLACK * theirs + 1e-12 else confidence.FAIL, None
+    return confidence.decide(ratio[1], ratio[2], FRONTIER_SLACK, above_ok=False), ratio
 
 
 def latency_check(rate: float, points: Mapping[str, Mapping[str, Any]], focus: str = "taper") -> LatencyCheck:
     """(b) over {policy: point} at one rate: the frontier is the lowest LATENCY among the policies
     holding TARGET; where a fixed-width policy holds, `focus` must hold too and be within
-    FRONTIER_SLACK of the frontier."""
+    FRONTIER_SLACK of every policy that holds (so of the frontier). Each part is three-valued
+    (`hold_outcome`, `_within`) and they combine as Kleene logic: a part no interval decides leaves
+    the check UNDECIDED unless another part decides it."""
     holding = {policy: point[LATENCY] for policy, point in points.items()
                if holds(point) and point.get(LATENCY) is not None}
     frontier = min(holding, key=lambda policy: holding[policy], default=None)
     own = points.get(focus, {})
-    applies = any(is_fixed(policy) and holds(point) for policy, point in points.items())
     mine = own.get(LATENCY)
-    passes = (not applies) or (holds(own) and mine is not None and frontier is not None
-                               and mine <= FRONTIER_SLACK * holding[frontier] + 1e-12)
+    held = {policy: hold_outcome(point) for policy, point in points.items()}
+    applies = confidence.any_of(held[policy] for policy in points if is_fixed(policy))
+    parts = [held.get(focus, confidence.FAIL), confidence.PASS if mine is not None else confidence.FAIL]
+    compared: dict[str, tuple[str, tuple | None]] = {}
+    for policy, point in points.items():
+        if policy != focus and mine is not None and point.get(LATENCY) is not None:
+            within, ratio = _within(own, policy, point)
+            parts.append(confidence.any_of([confidence.negate(held[policy]), within]))
+            if held[policy] != confidence.FAIL:
+                compared[policy] = (parts[-1], ratio)
+    outcome = confidence.any_of([confidence.negate(applies), confidence.all_of(parts)])
+    rank = {confidence.FAIL: 0, confidence.UNDECIDED: 1, confidence.PASS: 2}
+    versus = min(compared, key=lambda policy: (rank[compared[policy][0]], points[policy][LATENCY]),
+                 default=None)
     return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine,
-                        own.get("attainment"), applies, passes)
+                        own.get("attainment"), applies != confidence.FAIL, outcome == confidence.PASS,
+                        outcome, versus, compared[versus][1] if versus else None,
+                        tuple(own["attainment_ci"]) if own.get("attainment_ci") else None)
 
 
 @dataclass(frozen=True, slots=True)
@@ -353,30 +431,72 @@ class Verdict:
     latency: tuple[LatencyCheck, ...]  # (b) per grid rate
     over_bound: tuple[str, ...]  # policies whose capacity exceeds the fluid bound (the bound is wrong)
     spans: bool  # the grid runs from a rate every policy holds to one none holds
+    # (a) against each other policy as the capacity ranges decide (point capacities where none)
+    capacity_vs: tuple[tuple[str, str], ...] = ()
+    capacity_range: tuple[float, float] | None = None  # focus's `capacity_range`, where it has one
+
+    @property
+    def capacity_outcome(self) -> str:
+        return confidence.all_of(outcome for _, outcome in self.capacity_vs)
+
+    @property
+    def outcome(self) -> str:
+        """FAIL where an interval shows a rule broken, else UNDECIDED where one cannot tell, else PASS."""
+        return confidence.all_of([self.capacity_outcome, *(check.outcome for check in self.latency)])
 
     @property
     def passed(self) -> bool:
-        return not self.above and all(check.ok for check in self.latency)
+        return self.outcome == confidence.PASS
+
+    @property
+    def undecided(self) -> list[str]:
+        """What one run cannot decide: the capacity comparison and the rates of latency checks."""
+        return ((["capacity"] if self.capacity_outcome == confidence.UNDECIDED else [])
+                + [f"latency at {check.rate:.3f}" for check in self.latency
+                   if check.outcome == confidence.UNDECIDED])
+
+    def failed(self) -> list[str]:
+        below = [policy for policy, outcome in self.capacity_vs if outcome == confidence.FAIL]
+        return (([f"capacity below {', '.join(below)}"] if below else [])
+                + [f"latency at {check.rate:.3f}" for check in self.latency if check.outcome == confidence.FAIL])
 
     def lines(self, bound: float) -> list[str]:
         focus = self.focus
         of_bound = fmt(self.capacity_rps / bound if bound else None, nd=3)
-        out = [f"(a) capacity: {focus} {self.capacity_rps:.3f} req/s ({of_bound} of the fluid bound "
-               f"{bound:.3f}) "
-               + ("PASS (>= every other)" if not self.above else f"FAIL (below {', '.join(self.above)})")]
+        rng = ("" if self.capacity_range is None
+               else f" [{self.capacity_range[0]:.3f}-{self.capacity_range[1]:.3f}]")
+        which = {outcome: [policy for policy, got in self.capacity_vs if got == outcome]
+                 for outcome in (confidence.FAIL, confidence.UNDECIDED)}
+        why = {confidence.PASS: "(>= every other)", confidence.FAIL: f"(below {', '.join(which['FAIL'])})",
+               confidence.UNDECIDED: f"(the ranges overlap {', '.join(which['UNDECIDED'])})"}
+        out = [f"(a) capacity: {focus} {self.capacity_rps:.3f} req/s{rng} ({of_bound} of the fluid bound "
+               f"{bound:.3f}) {self.capacity_outcome} {why[self.capacity_outcome]}"]
         out += [f"(b) {check.line(focus)}" for check in self.latency]
         if self.over_bound:
             out.append(f"note: capacity above the fluid bound: {', '.join(self.over_bound)}")
         if not self.spans:
             out.append("note: the grid does not run from a rate every policy holds to one none holds")
+        undecided = self.undecided
         out.append(f"verdict ({focus}: capacity highest, and at every rate a fixed policy holds, holding and "
-                   f"within {FRONTIER_SLACK:g}x the latency frontier): {'PASS' if self.passed else 'FAIL'}")
+                   f"within {FRONTIER_SLACK:g}x the latency frontier): {self.outcome}"
+                   + (f" (undecided: {'; '.join(undecided)})" if undecided else ""))
         return out
 
     def as_dict(self) -> dict[str, Any]:
-        return {"passed": self.passed, "capacity_highest": not self.above, "above": list(self.above),
+        return {"passed": self.passed, "outcome": self.outcome, "undecided": self.undecided,
+                "capacity_outcome": self.capacity_outcome, "capacity_vs": dict(self.capacity_vs),
+                "capacity_range_rps": self.capacity_range,
+                "capacity_highest": not self.above, "above": list(self.above),
                 "latency": [asdict(check) for check in self.latency], "over_bound": list(self.over_bound),
                 "grid_spans_hold_to_fail": self.spans}
+
+
+def _not_below(mine: Sequence[float], theirs: Sequence[float]) -> str:
+    """Capacity range `mine` >= `theirs`: PASS when its lower end reaches their upper end, FAIL when
+    its upper end is below their lower end, else UNDECIDED."""
+    if mine[0] >= theirs[1] - 1e-12:
+        return confidence.PASS
+    return confidence.FAIL if mine[1] < theirs[0] - 1e-12 else confidence.UNDECIDED
 
 
 def verdict(doc: dict, focus: str = "taper") -> Verdict | None:
@@ -397,7 +517,12 @@ def verdict(doc: dict, focus: str = "taper") -> Verdict | None:
     first = [entry["points"][0] for entry in pols.values()]
     last = [entry["points"][-1] for entry in pols.values()]
     spans = all(holds(point) for point in first) and not any(holds(point) for point in last)
-    return Verdict(focus, own_capacity, above, checks, over, spans)
+    ranges = {policy: entry.get("capacity_range_rps") or [entry["capacity_rps"]] * 2
+              for policy, entry in pols.items()}
+    versus = tuple((policy, _not_below(ranges[focus], ranges[policy])) for policy in pols if policy != focus)
+    own_range = pols[focus].get("capacity_range_rps")
+    return Verdict(focus, own_capacity, above, checks, over, spans, versus,
+                   tuple(own_range) if own_range else None)
 
 
 # ------------------------------------------------------------------------------------------ output
@@ -409,31 +534,42 @@ def _rate_cols(rates: list[float], cell: Callable[[dict], str], sub: str, width:
 def tables(doc: dict) -> str:
     """Two tables, policy by rate: the SLO axis (attainment, finished, goodput) with each capacity
     (also as a fraction of the fluid bound), and the latency axis (decomposable P50 / P99 end to end
-    and finished share, serial P50 end to end; seconds)."""
+    and finished share, serial P50 end to end; seconds). Live points show their attainment and
+    decomposable P50 with its 95% bootstrap interval in brackets (bench.confidence)."""
     pols = doc["policies"]
     rates = [point["rate"] for point in next(iter(pols.values()))["points"]]
+    ci = any("attainment_ci" in point for entry in pols.values() for point in entry["points"])
+
+    def bracketed(point: dict, name: str, pct: bool) -> str:
+        return f" [{confidence.span(point.get(name), pct=pct)}]" if ci else ""
 
     def slo(point: dict) -> str:
-        return (f"{fmt(point['attainment'], True, 0)} {fmt(point['finished_frac'], True, 0)} "
+        return (f"{fmt(point['attainment'], True, 0)}{bracketed(point, 'attainment_ci', True)} "
+                f"{fmt(point['finished_frac'], True, 0)} "
                 f"{fmt(point['goodput_tok_s'], nd=0)}" + ("" if sustained(point) else "*"))
 
     def lat(point: dict) -> str:
-        return (f"{fmt(point['decomp_e2e_p50_s'], nd=1)} {num(point['decomp_e2e_p99_s'])} "
+        return (f"{fmt(point['decomp_e2e_p50_s'], nd=1)}{bracketed(point, 'decomp_e2e_p50_s_ci', False)} "
+                f"{num(point['decomp_e2e_p99_s'])} "
                 f"{fmt(point['decomp_finished_frac'], True, 0)} {fmt(point['serial_e2e_p50_s'], nd=1)}")
 
     caps = [Col("capacity", 10, lambda _name, entry: f"{entry['capacity_rps']:.3f}", sub="req/s"),
             Col("x bound", 8, lambda _name, entry: fmt(entry.get("capacity_of_bound"), nd=3)),
             Col("spread", 8, lambda _name, entry: fmt(entry["capacity_spread"], nd=3)), blank(2)]
+    if ci:  # the capacity the intervals decide, and the one they do not rule out
+        caps.insert(1, Col("range", 13, lambda _name, entry: confidence.span(entry.get("capacity_range_rps"),
+                                                                            nd=3), sub="req/s"))
+    note = "; [lo-hi]: 95% bootstrap interval over the point's requests" if ci else ""
     return "\n\n".join([
         "SLO axis: attainment, finished, goodput (tok/s) per offered rate (req/s)" + (
             "; *: not sustained (the admission queue grew by more than 5% of the window's arrivals)"
             if any(point.get("queue_growth") is not None
                    for entry in pols.values() for point in entry["points"])
-            else ""),
-        render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 17)], name_width=14),
+            else "") + note,
+        render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 27 if ci else 17)], name_width=14),
         "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, "
-        "serial P50 end to end (s)",
-        render(pols, _rate_cols(rates, lat, "dP50 dP99 dfin sP50", 22), name_width=14)])
+        "serial P50 end to end (s)" + note,
+        render(pols, _rate_cols(rates, lat, "dP50 dP99 dfin sP50", 34 if ci else 22), name_width=14)])
 
 
 def report(res: dict, focus: str = "taper") -> str:
@@ -454,9 +590,9 @@ def _seed_line(seed: int, doc: dict, focus: str) -> str:
     result = verdict(doc, focus)
     assert result is not None
     caps = ", ".join(f"{policy} {entry['capacity_rps']:.3f}" for policy, entry in doc["policies"].items())
-    why = [] if not result.above else [f"capacity below {', '.join(result.above)}"]
-    why += [f"latency at {check.rate:.3f}" for check in result.latency if not check.ok]
-    return f"seed {seed}: {caps} -> {'PASS' if result.passed else 'FAIL (' + '; '.join(why) + ')'}"
+    why = [] if not result.failed() else ["fails: " + "; ".join(result.failed())]
+    why += [] if not result.undecided else ["undecided: " + "; ".join(result.undecided)]
+    return f"seed {seed}: {caps} -> {result.outcome}" + (f" ({', '.join(why)})" if why else "")
 
 
 def plot(doc: dict, out: Path, title: str) -> Path:
