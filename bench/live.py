@@ -12,12 +12,15 @@ from __future__ import annotations
 
 import asyncio
 import shlex
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from bench.bound import LIVE_CLIENT, fluid_bound_rps
+from bench.confidence import point_line, pool
 from bench.point import PointSetup, run_point
 from bench.probe import Probe, probe
 from bench.report import fmt
@@ -132,11 +135,16 @@ def calibrate(servers: Servers, policies: list[str], base: PointSetup, out: Path
     return OperatingPoint(probed, setup, auto_ms, live_bound_rps(probed, setup), model)
 
 
+Job = tuple[str, float, int]  # (policy, rate, seed)
+
+
 @dataclass(slots=True)
 class LivePoints:
     """A capacity engine's point function on live servers: bench.point.run_point per (policy, rate,
-    seed), records per point under `out`, every finished point kept in `done` (an interrupted run
-    keeps them)."""
+    seed), `repeats` runs of it (plus `extra[(rate, seed)]` more) pooled into one point
+    (bench.confidence.pool), records per run under `out`, every finished run kept in `runs` and
+    `done` (an interrupted sweep keeps them). A run is never repeated: a later call runs only the
+    repeats it lacks."""
 
     servers: Servers
     setup: PointSetup
@@ -144,21 +152,56 @@ class LivePoints:
     out: Path | None = None
     progress: bool = False
     done: list[dict[str, Any]] = field(default_factory=list)
+    repeats: int = 1
+    extra: dict[tuple[float, int], int] = field(default_factory=dict)
+    runs: dict[Job, list[dict[str, Any]]] = field(default_factory=dict)
+    walls: dict[Job, list[float]] = field(default_factory=dict)  # seconds per run
+
+    def wanted(self, rate: float, seed: int) -> int:
+        return self.repeats + self.extra.get((rate, seed), 0)
 
     def __call__(self, policy: str, rate: float, seed: int) -> dict[str, Any]:
+        job = (policy, rate, seed)
+        while len(self.runs.get(job, [])) < self.wanted(rate, seed):
+            self._run(job)
+        return pool(self.runs[job])
+
+    def batch(self, jobs: Sequence[Job]) -> list[dict[str, Any]]:
+        """Every job's runs, each (rate, seed)'s repeats interleaved: repeat k runs the policies in
+        the jobs' order rotated by k, so a drift of the machine does not always hit the same one."""
+        groups: dict[tuple[float, int], list[str]] = {}
+        for policy, rate, seed in jobs:
+            groups.setdefault((rate, seed), []).append(policy)
+        for (rate, seed), policies in groups.items():
+            for k in range(self.wanted(rate, seed)):
+                shift = k % len(policies)
+                for policy in policies[shift:] + policies[:shift]:
+                    if len(self.runs.get((policy, rate, seed), [])) == k:
+                        self._run((policy, rate, seed))
+        return [self(*job) for job in jobs]
+
+    def _run(self, job: Job) -> None:
+        policy, rate, seed = job
+        repeat = len(self.runs.get(job, []))
+        start = time.perf_counter()
         metrics, run = run_point(self.servers.url(policy), policy, rate, seed, self.setup,
                                  progress=self.progress)
         load = rate / self.fluid_bound_rps if self.fluid_bound_rps > 0 else None
-        metrics |= {"load": load, "policy": policy, "seed": seed}
+        metrics |= {"load": load, "policy": policy, "seed": seed, "repeat": repeat}
         self.done.append(metrics)
+        self.runs.setdefault(job, []).append(metrics)
+        self.walls.setdefault(job, []).append(time.perf_counter() - start)
         if self.out is not None:
-            write_records(self.out / "records" / f"seed{seed}_rate{rate:.4g}_{policy}", {policy: run})
-        print(f"seed {seed} rate {rate:.3f} ({fmt(load, nd=2)} x bound) {policy:>11}: attainment "
+            name = f"seed{seed}_rate{rate:.4g}_{policy}" + (f"_repeat{repeat}" if repeat else "")
+            write_records(self.out / "records" / name, {policy: run})
+        sure = point_line(metrics)
+        print(f"seed {seed} rate {rate:.3f} ({fmt(load, nd=2)} x bound) {policy:>11}"
+              + (f" repeat {repeat}" if repeat else "") + ": attainment "
               f"{fmt(metrics['attainment'], True)}, finished {fmt(metrics['finished_frac'], True)}, "
               f"decomposable P50 e2e {fmt(metrics['decomp_e2e_p50_s'], nd=2)} s, "
               f"goodput {fmt(metrics['goodput_tok_s'], nd=0)} tok/s"
+              + (f"; 95%: {sure}" if sure else "")
               + (f"  [{metrics['error']}]" if metrics.get("error") else ""), flush=True)
         if run.interrupted:
             raise KeyboardInterrupt
-        return metrics
 

@@ -9,21 +9,28 @@ The operating points are fixed from a probe before anything is measured (bench.l
 SLO = max(T(32 rows of 256 KV tokens), 2.5 x T(1 row)) x --slo-scale unless --slo-tpot-ms is
 given, load 1.0 = the fluid bound at that SLO, and the loads are LOADS x that. It is
 bench.capacity's instrument at these loads without bisection (the same capacity rule, verdicts
-and capacity.json); DIR also gets sweep.json (grid, probes, every point), capacity.png and records
-per point. The rule and the run order in full: docs/design/bench-micro.md.
+and capacity.json); DIR also gets sweep.json (grid, probes, every run), capacity.png and records
+per run. `--repeats R` runs every point R times (the same programs) and pools their requests; then
+up to --refine-rounds rounds run every (load, seed) the verdict's intervals cannot decide once
+more, lightest first, while their estimated time fits --refine-budget x the sweep's own. The
+rule and the run order in full: docs/design/bench-micro.md.
 """
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from bench import live
-from bench.capacity import Engine, measure, plot, report, write
+from bench.capacity import Engine, hold_outcome, measure, plot, report, verdict, write
 from bench.cli import policy_list
+from bench.confidence import UNDECIDED
 from bench.live import LivePoints, Servers, ServerSettings, calibrate, calibration_policy
 from bench.point import PointSetup
 from bench.programs import Scaling
@@ -32,6 +39,7 @@ from bench.workload import DEFAULT_TRACE, PRESETS, TraceError, load_trace
 from branchwise.launch import ServerError
 
 LOADS = (0.1, 0.16, 0.25, 0.4, 0.63, 1.0)
+REFINE_ROUNDS, REFINE_BUDGET = 2, 0.3  # at most 1.3x the sweep's time, spent where it cannot decide
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,17 +115,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--server-threads", type=int, default=1,
                         help="OMP threads of --launch servers; 0: torch's")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="runs of every point (the same programs), their requests pooled")
+    parser.add_argument("--refine-rounds", type=int, default=REFINE_ROUNDS,
+                        help="rounds of one more run of each point the verdict cannot decide")
+    parser.add_argument("--refine-budget", type=float, default=REFINE_BUDGET,
+                        help="those runs' estimated time at most this x the sweep's own")
     parser.add_argument("--out", required=True)
     parser.add_argument("--no-progress", action="store_true")
     args = parser.parse_args(argv)
     if not args.slo_scale > 0:
         parser.error("--slo-scale must be > 0")
+    if args.repeats < 1 or args.refine_rounds < 0 or not args.refine_budget >= 0:
+        parser.error("--repeats must be >= 1, --refine-rounds and --refine-budget >= 0")
     return args
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
     flags = {name: value for name, value in vars(args).items() if name != "url"}
     return flags | {"servers": "launch" if args.launch else dict(args.url)}
+
+
+def undecided(res: dict, focus: str = "taper") -> list[tuple[float, int]]:
+    """(rate, seed) of each point a seed's verdict cannot decide, ascending rates: a latency check
+    UNDECIDED there, or, with the capacity comparison UNDECIDED, some policy's hold."""
+    out: set[tuple[float, int]] = set()
+    for seed, seed_doc in res["per_seed"].items():
+        result = verdict(seed_doc, focus)
+        if result is None:
+            continue
+        out |= {(check.rate, seed) for check in result.latency if check.outcome == UNDECIDED}
+        if result.capacity_outcome == UNDECIDED:
+            out |= {(point["rate"], seed) for entry in seed_doc["policies"].values()
+                    for point in entry["points"] if hold_outcome(point) == UNDECIDED}
+    return sorted(out)
+
+
+def refine_plan(res: dict, points: LivePoints, policies: list[str],
+                budget_s: float) -> list[tuple[tuple[float, int], float]]:
+    """The undecided (rate, seed)s to run once more (every policy), lightest first, while their
+    estimated time (each policy's mean run there so far) fits `budget_s`; with that estimate."""
+    plan, left = [], budget_s
+    for rate, seed in undecided(res):
+        cost = sum(float(np.mean(points.walls.get((policy, rate, seed)) or [0.0])) for policy in policies)
+        if cost <= left:
+            plan.append(((rate, seed), cost))
+            left -= cost
+    return plan
 
 
 def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers: Servers,
@@ -129,9 +173,25 @@ def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers
     grid = Grid(operating.setup.slo_tpot_ms, operating.probed_slo_ms, args.slo_scale, bound, args.loads)
     doc["grid"], doc["probes"]["start"] = asdict(grid) | {"rates": grid.rates}, operating.probe.as_dict()
     print(grid.line(), flush=True)
-    points = doc["points"] = LivePoints(servers, operating.setup, bound, out, progress=not args.no_progress)
-    engine = Engine("replay", points, bound, 1, {"fluid_bound_rps": bound})
+    points = doc["points"] = LivePoints(servers, operating.setup, bound, out, progress=not args.no_progress,
+                                        repeats=args.repeats)
+    engine = Engine("replay", points, bound, 1, {"fluid_bound_rps": bound}, batch=points.batch)
+    start = time.perf_counter()
     res = measure(engine, policies, list(args.seeds), rates=grid.rates, bisect_steps=0)
+    budget_s = args.refine_budget * (time.perf_counter() - start)
+    for round_idx in range(args.refine_rounds):
+        todo = refine_plan(res, points, policies, budget_s)
+        if not todo:
+            break
+        budget_s -= sum(cost for _, cost in todo)
+        doc["refined"].append([list(key) for key, _ in todo])
+        print(f"refine {round_idx + 1}/{args.refine_rounds}: one more run at "
+              + ", ".join(f"{rate:.3f} req/s seed {seed}" for (rate, seed), _ in todo)
+              + " (the verdict cannot decide there)", flush=True)
+        for key, _ in todo:
+            points.extra[key] = points.extra.get(key, 0) + 1
+        res = measure(engine, policies, list(args.seeds), rates=grid.rates, bisect_steps=0)
+    res["wall_s"] = time.perf_counter() - start
     end = calibration_policy(policies) if calibration_policy(policies) in policies else policies[0]
     doc["probes"]["end"] = live.probe_server(servers.url(end)).as_dict()
     return res
@@ -152,7 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     servers = Servers(urls=dict(args.url)) if args.url else Servers(settings, max_alive=len(policies) + 1)
     base = PointSetup(trace, 1.0, scaling, args.duration_s, args.drain_s, args.preset, args.slo_ttft_s)
     out = Path(args.out)
-    doc: dict[str, Any] = {"config": _config(args), "probes": {}, "grid": None}
+    doc: dict[str, Any] = {"config": _config(args), "probes": {}, "grid": None, "refined": []}
     res, exit_code = None, 0
     try:
         res = run(args, policies, base, servers, doc)
