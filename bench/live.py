@@ -183,9 +183,9 @@ class LivePoints:
     def _run(self, job: Job) -> None:
         policy, rate, seed = job
         repeat = len(self.runs.get(job, []))
+        url = self.servers.url(policy)  # may start the server: not part of the run's time
         start = time.perf_counter()
-        metrics, run = run_point(self.servers.url(policy), policy, rate, seed, self.setup,
-                                 progress=self.progress)
+        metrics, run = run_point(url, policy, rate, seed, self.setup, progress=self.progress)
         load = rate / self.fluid_bound_rps if self.fluid_bound_rps > 0 else None
         metrics |= {"load": load, "policy": policy, "seed": seed, "repeat": repeat}
         self.done.append(metrics)
