@@ -368,6 +368,7 @@ class LatencyCheck:
     versus: str | None = None  # the policy `ratio` is against: the comparison that decides the outcome
     ratio: tuple[float, float, float] | None = None  # mine / versus's P50: value, interval lo, hi
     mine_attainment_ci: tuple[float, float] | None = None
+    unsure: tuple[str, ...] = ()  # the policies whose runs leave a part UNDECIDED (more runs may decide)
 
     def line(self, focus: str) -> str:
         head = f"rate {self.rate:.3f}: "
@@ -420,7 +421,16 @@ def latency_check(rate: float, points: Mapping[str, Mapping[str, Any]], focus: s
     return LatencyCheck(rate, frontier, holding.get(frontier) if frontier else None, mine,
                         own.get("attainment"), applies != confidence.FAIL, outcome == confidence.PASS,
                         outcome, versus, compared[versus][1] if versus else None,
-                        tuple(own["attainment_ci"]) if own.get("attainment_ci") else None)
+                        tuple(own["attainment_ci"]) if own.get("attainment_ci") else None,
+                        _unsure(focus, held, compared) if outcome == confidence.UNDECIDED else ())
+
+
+def _unsure(focus: str, held: Mapping[str, str], compared: Mapping[str, tuple[str, Any]]) -> tuple[str, ...]:
+    """Whose runs an UNDECIDED check waits on: `focus`, each policy whose hold is undecided and each
+    one the focus's comparison with is."""
+    return tuple(policy for policy in held
+                 if policy == focus or held[policy] == confidence.UNDECIDED
+                 or compared.get(policy, (None,))[0] == confidence.UNDECIDED)
 
 
 @dataclass(frozen=True, slots=True)

@@ -141,7 +141,7 @@ Job = tuple[str, float, int]  # (policy, rate, seed)
 @dataclass(slots=True)
 class LivePoints:
     """A capacity engine's point function on live servers: bench.point.run_point per (policy, rate,
-    seed), `repeats` runs of it (plus `extra[(rate, seed)]` more) pooled into one point
+    seed), `repeats` runs of it (plus `extra[(policy, rate, seed)]` more) pooled into one point
     (bench.confidence.pool), records per run under `out`, every finished run kept in `runs` and
     `done` (an interrupted sweep keeps them). A run is never repeated: a later call runs only the
     repeats it lacks."""
@@ -153,16 +153,16 @@ class LivePoints:
     progress: bool = False
     done: list[dict[str, Any]] = field(default_factory=list)
     repeats: int = 1
-    extra: dict[tuple[float, int], int] = field(default_factory=dict)
+    extra: dict[Job, int] = field(default_factory=dict)
     runs: dict[Job, list[dict[str, Any]]] = field(default_factory=dict)
     walls: dict[Job, list[float]] = field(default_factory=dict)  # seconds per run
 
-    def wanted(self, rate: float, seed: int) -> int:
-        return self.repeats + self.extra.get((rate, seed), 0)
+    def wanted(self, job: Job) -> int:
+        return self.repeats + self.extra.get(job, 0)
 
     def __call__(self, policy: str, rate: float, seed: int) -> dict[str, Any]:
         job = (policy, rate, seed)
-        while len(self.runs.get(job, [])) < self.wanted(rate, seed):
+        while len(self.runs.get(job, [])) < self.wanted(job):
             self._run(job)
         return pool(self.runs[job])
 
@@ -173,11 +173,12 @@ class LivePoints:
         for policy, rate, seed in jobs:
             groups.setdefault((rate, seed), []).append(policy)
         for (rate, seed), policies in groups.items():
-            for k in range(self.wanted(rate, seed)):
+            for k in range(max(self.wanted((policy, rate, seed)) for policy in policies)):
                 shift = k % len(policies)
                 for policy in policies[shift:] + policies[:shift]:
-                    if len(self.runs.get((policy, rate, seed), [])) == k:
-                        self._run((policy, rate, seed))
+                    job = (policy, rate, seed)
+                    if len(self.runs.get(job, [])) == k < self.wanted(job):
+                        self._run(job)
         return [self(*job) for job in jobs]
 
     def _run(self, job: Job) -> None:

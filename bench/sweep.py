@@ -11,8 +11,8 @@ given, load 1.0 = the fluid bound at that SLO, and the loads are LOADS x that. I
 bench.capacity's instrument at these loads without bisection (the same capacity rule, verdicts
 and capacity.json); DIR also gets sweep.json (grid, probes, every run), capacity.png and records
 per run. `--repeats R` runs every point R times (the same programs) and pools their requests; then
-up to --refine-rounds rounds run every (load, seed) the verdict's intervals cannot decide once
-more, lightest first, while their estimated time fits --refine-budget x the sweep's own. The
+up to --refine-rounds rounds run once more the policies whose runs leave a (load, seed)
+undecided in the verdict, lightest first, while their estimated time fits --refine-budget x the sweep's own. The
 rule and the run order in full: docs/design/bench-micro.md.
 """
 
@@ -136,30 +136,35 @@ def _config(args: argparse.Namespace) -> dict[str, Any]:
     return flags | {"servers": "launch" if args.launch else dict(args.url)}
 
 
-def undecided(res: dict, focus: str = "taper") -> list[tuple[float, int]]:
-    """(rate, seed) of each point a seed's verdict cannot decide, ascending rates: a latency check
-    UNDECIDED there, or, with the capacity comparison UNDECIDED, some policy's hold."""
-    out: set[tuple[float, int]] = set()
+def undecided(res: dict, focus: str = "taper") -> dict[tuple[float, int], list[str]]:
+    """Per (rate, seed) a seed's verdict cannot decide, ascending rates, the policies whose runs it
+    waits on: those of an UNDECIDED latency check there (LatencyCheck.unsure) and, with the capacity
+    comparison UNDECIDED, each policy whose hold is."""
+    out: dict[tuple[float, int], set[str]] = {}
     for seed, seed_doc in res["per_seed"].items():
         result = verdict(seed_doc, focus)
         if result is None:
             continue
-        out |= {(check.rate, seed) for check in result.latency if check.outcome == UNDECIDED}
+        for check in result.latency:
+            out.setdefault((check.rate, seed), set()).update(check.unsure)
         if result.capacity_outcome == UNDECIDED:
-            out |= {(point["rate"], seed) for entry in seed_doc["policies"].values()
-                    for point in entry["points"] if hold_outcome(point) == UNDECIDED}
-    return sorted(out)
+            for policy, entry in seed_doc["policies"].items():
+                for point in entry["points"]:
+                    if hold_outcome(point) == UNDECIDED:
+                        out.setdefault((point["rate"], seed), set()).add(policy)
+    order = list(res["capacity"]["policies"])
+    return {key: sorted(out[key], key=order.index) for key in sorted(out) if out[key]}
 
 
-def refine_plan(res: dict, points: LivePoints, policies: list[str],
-                budget_s: float) -> list[tuple[tuple[float, int], float]]:
-    """The undecided (rate, seed)s to run once more (every policy), lightest first, while their
-    estimated time (each policy's mean run there so far) fits `budget_s`; with that estimate."""
+def refine_plan(res: dict, walls: dict[tuple[str, float, int], list[float]],
+                budget_s: float) -> list[tuple[tuple[float, int], list[str], float]]:
+    """The undecided points to run once more ((rate, seed), policies), lightest first, while their
+    estimated time (each policy's mean run there so far, `walls`) fits `budget_s`; with that estimate."""
     plan, left = [], budget_s
-    for rate, seed in undecided(res):
-        cost = sum(float(np.mean(points.walls.get((policy, rate, seed)) or [0.0])) for policy in policies)
+    for (rate, seed), policies in undecided(res).items():
+        cost = sum(float(np.mean(walls.get((policy, rate, seed)) or [0.0])) for policy in policies)
         if cost <= left:
-            plan.append(((rate, seed), cost))
+            plan.append(((rate, seed), policies, cost))
             left -= cost
     return plan
 
@@ -180,16 +185,17 @@ def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers
     res = measure(engine, policies, list(args.seeds), rates=grid.rates, bisect_steps=0)
     budget_s = args.refine_budget * (time.perf_counter() - start)
     for round_idx in range(args.refine_rounds):
-        todo = refine_plan(res, points, policies, budget_s)
+        todo = refine_plan(res, points.walls, budget_s)
         if not todo:
             break
-        budget_s -= sum(cost for _, cost in todo)
-        doc["refined"].append([list(key) for key, _ in todo])
+        budget_s -= sum(cost for _, _, cost in todo)
+        doc["refined"].append([[rate, seed, names] for (rate, seed), names, _ in todo])
         print(f"refine {round_idx + 1}/{args.refine_rounds}: one more run at "
-              + ", ".join(f"{rate:.3f} req/s seed {seed}" for (rate, seed), _ in todo)
+              + "; ".join(f"{rate:.3f} req/s seed {seed} ({', '.join(names)})" for (rate, seed), names, _ in todo)
               + " (the verdict cannot decide there)", flush=True)
-        for key, _ in todo:
-            points.extra[key] = points.extra.get(key, 0) + 1
+        for (rate, seed), names, _ in todo:
+            for policy in names:
+                points.extra[(policy, rate, seed)] = points.extra.get((policy, rate, seed), 0) + 1
         res = measure(engine, policies, list(args.seeds), rates=grid.rates, bisect_steps=0)
     res["wall_s"] = time.perf_counter() - start
     end = calibration_policy(policies) if calibration_policy(policies) in policies else policies[0]

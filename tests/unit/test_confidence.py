@@ -167,13 +167,12 @@ def test_the_sweep_runs_again_only_the_points_it_cannot_decide_within_its_budget
     by_rate = {0.2: light, 0.4: clear, 0.8: light}
     engine = Engine("fake", lambda policy, rate, seed: by_rate[rate][policy] | {"rate": rate}, 1.0)
     res = measure(engine, list(light), [0, 1], log=lambda _: None, rates=list(by_rate), bisect_steps=0)
-    assert sweep.undecided(res) == [(0.2, 0), (0.2, 1), (0.8, 0), (0.8, 1)]
-
-    class Walls:
-        walls = {(policy, rate, seed): [10.0 * rate] for policy in light for rate in by_rate for seed in (0, 1)}
-
-    plan = sweep.refine_plan(res, Walls(), list(light), budget_s=15.0)  # 6 s per light (rate, seed)
-    assert plan == [((0.2, 0), pytest.approx(6.0)), ((0.2, 1), pytest.approx(6.0))]
+    # taper against eager is what one run cannot decide at the light points; against serial it can
+    assert sweep.undecided(res) == {(rate, seed): ["eager", "taper"] for rate in (0.2, 0.8) for seed in (0, 1)}
+    walls = {(policy, rate, seed): [10.0 * rate] for policy in light for rate in by_rate for seed in (0, 1)}
+    plan = sweep.refine_plan(res, walls, budget_s=9.0)  # 4 s per (rate, seed) at 0.2, 16 s at 0.8
+    assert plan == [((0.2, 0), ["eager", "taper"], pytest.approx(4.0)),
+                    ((0.2, 1), ["eager", "taper"], pytest.approx(4.0))]
 
 
 def test_a_points_samples_give_back_its_own_figures():
@@ -194,3 +193,25 @@ def test_a_points_samples_give_back_its_own_figures():
     for name, src in (("attainment", "slo_attainment"), ("decomp_e2e_p50_s", "decomp_e2e_p50_s"),
                       ("decomp_finished_frac", "decomp_finished_frac"), ("serial_e2e_p50_s", "serial_e2e_p50_s")):
         assert got[name] == pytest.approx(want[src]), name
+
+
+def test_live_points_interleave_repeats_and_run_only_the_missing_ones(monkeypatch):
+    from bench import live
+    from bench.client import Run
+
+    ran: list = []
+
+    def run_point(url, policy, rate, seed, setup, progress=False):
+        ran.append((policy, rate))
+        return _point([4.0 + len(ran), 5.0], SERIAL) | {"rate": rate}, Run(policy, [])
+
+    monkeypatch.setattr(live, "run_point", run_point)
+    points = live.LivePoints(live.Servers(urls={"serial": "a", "eager": "b", "taper": "c"}), None, 1.0, repeats=2)
+    jobs = [("serial", 0.1, 0), ("eager", 0.1, 0), ("taper", 0.1, 0)]
+    got = points.batch(jobs)
+    assert [policy for policy, _ in ran] == ["serial", "eager", "taper", "eager", "taper", "serial"]
+    assert all(point["repeats"] == 2 for point in got) and len(points.done) == 6
+    points.extra[("taper", 0.1, 0)] = 1
+    again = points.batch(jobs)
+    assert [policy for policy, _ in ran[6:]] == ["taper"]  # only the repeat it lacks
+    assert [point["repeats"] for point in again] == [2, 2, 3] and len(points.walls[("taper", 0.1, 0)]) == 3
