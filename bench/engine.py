@@ -183,11 +183,10 @@ class HookDriver:
     decode steps only, SGLang's default runs prefill in steps of its own); there is no overlap
     scheduling, so `select` never reserves a pipeline bubble."""
 
-    __slots__ = ("ctl", "slo_s", "quiet_ts", "selects", "subset_steps")
+    __slots__ = ("ctl", "slo_s", "selects", "subset_steps")
 
     def __init__(self, ctl: StepController, slo_s: float) -> None:
         self.ctl, self.slo_s = ctl, slo_s
-        self.quiet_ts: float | None = None  # the hook's quiet_ts: last step without phase rows
         self.selects = self.subset_steps = 0
 
     def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
@@ -202,11 +201,7 @@ class HookDriver:
         """around_update_running_batch + _decide: active row indices (the caller checked that some
         key has two rows); `waiting`: requests queued for admission."""
         ctl = self.ctl
-        if self.quiet_ts is not None:  # _resume_serial_clocks
-            fresh = {row.key: Delivery(0, row.slo_s, False) for row in rows
-                     if not row.phase and row.key not in ctl.trackers}
-            ctl.on_step_done(fresh, self.quiet_ts, 0)
-            self.quiet_ts = None
+        ctl.resume_serial_clocks(rows)
         self.selects += 1
         active = ctl.select(rows, now, waiting=waiting)
         self.subset_steps += len(active) < len(rows)
@@ -240,13 +235,9 @@ class HookDriver:
             else:
                 deliveries.update((req.phase_key, Delivery(width * n_steps, slo, True))
                                   for req, width in zip(par, widths, strict=True))
-            ctl.on_step_done(deliveries, end_s, n_rows * n_steps)
-            self.quiet_ts = None
+            ctl.on_phase_step(deliveries, end_s, n_rows * n_steps)
         else:
-            ctl.on_step_done({}, end_s, n_rows * n_steps)
-            if self.quiet_ts is None:  # serial clocks go stale while no phase row runs
-                ctl.forget({key for key, tracker in ctl.trackers.items() if tracker.in_phase})
-            self.quiet_ts = end_s
+            ctl.on_quiet_step(end_s, n_rows * n_steps)
 
 
 @dataclass(slots=True)

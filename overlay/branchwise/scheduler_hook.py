@@ -83,9 +83,6 @@ class BranchwiseState:
     # False until this scheduler creates its first phase (branch) request: until then no batch
     # can defer a row or need per-row bookkeeping, and the per-step hooks exit in O(1).
     phases_seen: bool = False
-    # Time of the last decode step whose batch had no phase rows (per-row bookkeeping skipped);
-    # None while steps with phase rows keep the serial rows' delivery clocks current.
-    quiet_ts: float | None = None
     kept: deferral.KeptSubset = field(default_factory=deferral.KeptSubset)  # the last step's sub-batch
     # forward_iter -> the deferring step launched as it, until its result comes back (rank 0; at
     # most the step in flight and the one being planned under overlap)
@@ -273,8 +270,7 @@ def _decide(taper: BranchwiseState, self: Scheduler, rows: list[Row]) -> list[in
     active: list[int] = []
     if taper.tp_rank == 0:
         try:
-            if taper.quiet_ts is not None:
-                _resume_serial_clocks(taper, rows)
+            taper.controller.resume_serial_clocks(rows)
             active = taper.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
                                              waiting=len(getattr(self, "waiting_queue", ())))
         except Exception:  # noqa: BLE001 - the other ranks wait in the broadcast below
@@ -393,19 +389,6 @@ def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[R
     ctl.on_finished(keys - left)
 
 
-def _resume_serial_clocks(taper: BranchwiseState, rows: list[Row]) -> None:
-    """First plan after steps without phase rows, whose bookkeeping was skipped: every serial row
-    of those steps delivered a token at the last of them (`quiet_ts`), which is what per-step
-    bookkeeping would have recorded. A serial row that joined later (prefill) gets that time too,
-    which understates its slack by at most that prefill step (conservative: defers more)."""
-    ctl = taper.controller
-    assert ctl is not None and taper.quiet_ts is not None
-    fresh = {row.key: Delivery(tokens=0, slo_s=row.slo_s, in_phase=False)
-             for row in rows if not row.phase and row.key not in ctl.trackers}
-    ctl.on_step_done(fresh, taper.quiet_ts, 0)
-    taper.quiet_ts = None
-
-
 def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
                                *args: Any, **kwargs: Any) -> object:
     taper = state_of(self)
@@ -458,14 +441,10 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     reqs = batch.reqs
     if _has_phase_rows(taper, reqs):
         delivered, ctx = _deliveries(taper, reqs)
-        ctl.on_step_done(delivered, now, len(reqs))
-        taper.quiet_ts = None
+        ctl.on_phase_step(delivered, now, len(reqs))
         _release_finished(taper, scheduler, reqs)  # quiet steps: serial clocks go below, no phase row left
-    else:  # serial rows only: their clocks matter only once a phase row joins (_resume_serial_clocks)
-        ctl.on_step_done({}, now, len(reqs))
-        if taper.quiet_ts is None:  # serial clocks go stale
-            ctl.forget({key for key, tracker in ctl.trackers.items() if tracker.in_phase})
-        taper.quiet_ts = now
+    else:  # serial rows only: their clocks matter only once a phase row joins (resume_serial_clocks)
+        ctl.on_quiet_step(now, len(reqs))
         ctx = sum(map(_KV_LEN, reqs))
     prev = taper.last_step
     forward_iter, launch_ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)

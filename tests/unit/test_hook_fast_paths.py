@@ -75,15 +75,15 @@ def test_phase_rows_restart_bookkeeping_and_serial_clocks_resume_at_the_last_qui
     assert set(ctl.trackers) == {"rid:a", "phase:ph"} and ctl.trackers["phase:ph"].phase_tokens == 2
     # the phase leaves the batch: serial clocks would go stale, so they are dropped; the phase's kept
     sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], 1))
-    assert set(ctl.trackers) == {"phase:ph"} and st.quiet_ts is not None
-    quiet = st.quiet_ts
+    assert set(ctl.trackers) == {"phase:ph"} and ctl.quiet_ts is not None
+    quiet = ctl.quiet_ts
     sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], 2))
-    assert st.quiet_ts > quiet
-    quiet = st.quiet_ts
+    assert ctl.quiet_ts > quiet
+    quiet = ctl.quiet_ts
     # a phase rejoins: the plan sees the serial rows as delivered at the last quiet step
     rows = [sh._row(r, st.config) for r in [req("a"), req("q/0", "q", 0), req("q/1", "q", 1)]]
     active = sh._decide(st, None, rows)
-    assert ctl.trackers["rid:a"].last_token_s == quiet and st.quiet_ts is None
+    assert ctl.trackers["rid:a"].last_token_s == quiet and ctl.quiet_ts is None
     assert 0 in active  # the serial row is protected
 
 

@@ -77,12 +77,12 @@ def test_queue_length_reaches_the_controller():
 def test_a_failure_on_rank0_runs_every_row_and_counts_it(caplog):
     s = scheduler("taper")
     st = s.branchwise.taper
-    st.quiet_ts = 1.0
+    st.controller.quiet_ts = 1.0
 
     def broken(*args, **kwargs):
         raise RuntimeError("clock bug")
 
-    st.controller.on_step_done = broken  # _resume_serial_clocks raises before select
+    st.controller.on_step_done = broken  # resume_serial_clocks raises before select
     rows = [sh._row(r, st.config) for r in (req("a/0", "ph", 0), req("a/1", "ph", 1), req("s"))]
     with caplog.at_level("ERROR", logger="branchwise"):
         assert sh._decide(st, s, rows) == [0, 1, 2]

@@ -129,6 +129,9 @@ class StepController:
     trackers: dict[str, SlackTracker] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
     stats: StepStats = field(default_factory=StepStats)
+    # End of the last step without phase rows, while such steps run: serial rows' clocks are not
+    # kept then (no step can defer), and resume_serial_clocks restores them at the next plan.
+    quiet_ts: float | None = None
 
     def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
         """Indices of the rows to run this step (every key gets at least one).
@@ -298,6 +301,31 @@ class StepController:
         self.stats.rows_run += n_rows
         for key, d in delivered.items():
             self._tracker(key, d.slo_s, d.in_phase, now).on_tokens(now, d.tokens)
+
+    def on_phase_step(self, delivered: dict[str, Delivery], now: float, n_rows: int) -> None:
+        """A step with phase rows: every key's deliveries are booked (serial clocks kept current)."""
+        self.on_step_done(delivered, now, n_rows)
+        self.quiet_ts = None
+
+    def on_quiet_step(self, now: float, n_rows: int) -> None:
+        """A step without phase rows: no per-key bookkeeping, the in-phase clocks go (their phases
+        ended) and the serial clocks go stale until resume_serial_clocks."""
+        self.on_step_done({}, now, n_rows)
+        if self.quiet_ts is None:
+            self.forget({key for key, tracker in self.trackers.items() if tracker.in_phase})
+        self.quiet_ts = now
+
+    def resume_serial_clocks(self, rows: list[Row]) -> None:
+        """Before the first plan after quiet steps: every serial row of those steps delivered a
+        token at the last of them (`quiet_ts`), which is what per-step bookkeeping would have
+        recorded. A serial row that joined later (prefill) gets that time too, which understates its
+        slack by at most that prefill step (conservative: defers more)."""
+        if self.quiet_ts is None:
+            return
+        fresh = {row.key: Delivery(0, row.slo_s, False) for row in rows
+                 if not row.phase and row.key not in self.trackers}
+        self.on_step_done(fresh, self.quiet_ts, 0)
+        self.quiet_ts = None
 
     def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float, deferred: int = 0) -> None:
         """A realized pure-decode step latency (and the rows it deferred); feeds the rolling refit."""
