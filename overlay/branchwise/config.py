@@ -9,10 +9,11 @@ from __future__ import annotations
 import argparse
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from branchwise.device_model import DeviceSpecError, parse_spec
 from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
 from branchwise.taper.predictor import load_model
@@ -22,6 +23,7 @@ if TYPE_CHECKING:  # a type only: the module imports no SGLang
     from sglang.srt.server_args import ServerArgs
 
 GRAMMAR_CLIENTS = ("allow", "deny")
+PLUGIN_NAME = "branchwise"  # the sglang.srt.plugins entry point (pyproject.toml)
 # The default policy: SGLang's own schedule (every ready row every step, no step controller), with
 # branch requests and phases still counted; every other policy is one a user asks for by name.
 STOCK = "stock"

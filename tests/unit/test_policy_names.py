@@ -80,3 +80,14 @@ def test_make_serve_defaults_to_the_servers_policy():
     assert f'] = "{config.STOCK}"' in patch.split("branch_policy: A[", 1)[1][:1200]
     for line in re.findall(r"--policies (\S+)", makefile):
         assert "off" not in line.split(","), line
+
+
+def test_a_step_controller_is_refused_where_sglang_plugins_leaves_branchwise_out(monkeypatch):
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else")
+    with pytest.raises(argparse.ArgumentTypeError, match="add branchwise to SGLANG_PLUGINS"):
+        config.policy_arg("taper")
+    assert config.policy_arg("stock") == "stock"  # stock needs no hook
+    monkeypatch.setenv("SGLANG_PLUGINS", "someone_else, branchwise")
+    assert config.policy_arg("taper") == "taper"
+    monkeypatch.setenv("SGLANG_PLUGINS", "")  # SGLang loads every plugin for an empty value
+    assert config.policy_arg("taper") == "taper"
