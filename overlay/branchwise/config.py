@@ -13,7 +13,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise.device_model import DeviceSpecError, parse_spec
 from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
 from branchwise.taper.predictor import load_model
@@ -93,7 +92,25 @@ def _argparse_type(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     return wrapped
 
 
-policy_arg = _argparse_type(parse_policy_name)
+def plugin_switched_off(env: Mapping[str, str] = os.environ) -> bool:
+    """Whether SGLang will skip the Branchwise plugin: `SGLANG_PLUGINS` set to a list without
+    `branchwise` (SGLang's rule: an empty value loads every plugin)."""
+    allowed = {name.strip() for name in env.get("SGLANG_PLUGINS", "").split(",") if name.strip()}
+    return bool(allowed) and PLUGIN_NAME not in allowed
+
+
+def parse_policy_flag(value: str) -> str:
+    """--branch-policy: a valid name, and no step controller asked of a server whose plugin is
+    off (its hooks would not load and SGLang would serve its own schedule in silence)."""
+    name = parse_policy_name(value)
+    if name != STOCK and plugin_switched_off():
+        raise ValueError(f"--branch-policy {name} needs the Branchwise plugin, which SGLANG_PLUGINS="
+                         f"{os.environ['SGLANG_PLUGINS']!r} leaves out: add {PLUGIN_NAME} to SGLANG_PLUGINS, "
+                         "or use --branch-policy stock")
+    return name
+
+
+policy_arg = _argparse_type(parse_policy_flag)
 rho_arg = _argparse_type(parse_rho)
 slo_arg = _argparse_type(parse_positive_ms)
 fanout_arg = _argparse_type(parse_max_fanout)
