@@ -13,6 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Any
 
+from branchwise.device_model import DeviceSpecError, parse_spec
 from branchwise.request_meta import GRAMMARS
 from branchwise.taper.policies import parse_policy_name
 from branchwise.taper.predictor import load_model
@@ -79,6 +80,16 @@ def parse_latency_model(path: str) -> str:
     return path
 
 
+def parse_emulate_device(spec: str) -> str:
+    """The --emulate-device value (a preset name or JSON file, optionally @xS), after reading and
+    checking the preset (device_model.parse_spec)."""
+    try:
+        parse_spec(spec)
+    except DeviceSpecError as err:
+        raise ValueError(str(err)) from None
+    return str(spec).strip()
+
+
 def _argparse_type(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Wrap a parser so argparse prints our message (it hides messages of plain ValueErrors)."""
 
@@ -116,6 +127,7 @@ slo_arg = _argparse_type(parse_positive_ms)
 fanout_arg = _argparse_type(parse_max_fanout)
 branch_tokens_arg = _argparse_type(parse_max_branch_tokens)
 latency_model_arg = _argparse_type(parse_latency_model)
+emulate_device_arg = _argparse_type(parse_emulate_device)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +144,7 @@ class BranchwiseConfig:
     branch_max_branch_tokens: int | None = None  # None: the KV pool size (ForkManager resolves it)
     async_output: bool = False
     parallel_sampling: bool = False
+    emulate_device: str | None = None  # a device preset spec (device_model.py); None: the real device
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> BranchwiseConfig:
@@ -152,6 +165,8 @@ class BranchwiseConfig:
         parse_max_fanout(self.branch_max_fanout)
         parse_max_branch_tokens(self.branch_max_branch_tokens)
         parse_grammar_clients(self.branch_grammar_clients)
+        if self.emulate_device is not None:
+            parse_emulate_device(self.emulate_device)
         if self.taper_utility not in UTILITIES:
             raise ValueError(f"invalid --taper-utility {self.taper_utility!r}; valid: {', '.join(UTILITIES)}")
         if self.branch_grammar not in GRAMMARS:
