@@ -52,6 +52,7 @@ def hook_table(HookType: type[HookKind],
     Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
     from branchwise import deferral, fork, runtime
     from branchwise import dp_dispatch as dp
+    from branchwise import emulated_device as ed
     from branchwise import n_sampling as ns
     from branchwise import scheduler_hook as sh
     from branchwise import step_timer as t
@@ -65,10 +66,11 @@ def hook_table(HookType: type[HookKind],
     timer = timer_mode is not None
     async_out = albireo and _flag_declared("async_output")  # the forward thread runs under it too
     sampling = albireo and _flag_declared("parallel_sampling")
+    emulate = _flag_declared("emulate_device")  # in every mode: the step timer's measure on it too
     table = [
         # runtime.py: builds and reports scheduler.branchwise; request creation runs taper, fork, dp in order
         (True, f"{SCHEDULER}.__init__", runtime.after_scheduler_init),
-        (albireo, f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state),
+        (albireo or emulate, f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state),
         (serving, f"{SCHEDULER}._create_generation_req", runtime.after_create_generation_req),
         # taper: per-step branch admission (scheduler_hook.py); which token a deferred row's penalties
         # cumulate (deferral.py; SGLang calls it only for batches with penalties)
@@ -109,6 +111,8 @@ def hook_table(HookType: type[HookKind],
         (async_out, f"{RADIX_CACHE}.checkpoint", ft.around_checkpoint),
         (async_out, f"{UNIFIED_RADIX_CACHE}.checkpoint", ft.around_checkpoint),
         (async_out, f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask),
+        # emulated_device.py (--emulate-device): a forward's result is seen at its modeled device time
+        (emulate, f"{SCHEDULER}.run_batch", ed.around_run_batch),
         # albireo/sp_sampler_hook.py (--parallel-sampling): sequence-parallel sampling
         (sampling, f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch),
         (sampling, f"{MODEL_RUNNER}.sample", sp.around_sample),

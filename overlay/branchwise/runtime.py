@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import dp_dispatch, fork, scheduler_hook, step_timer
+from branchwise import dp_dispatch, emulated_device, fork, scheduler_hook, step_timer
 from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
 
@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from branchwise.albireo.async_output import AsyncOutput
     from branchwise.albireo.forward_thread import ForwardExecutor
     from branchwise.albireo.sp_sampler_hook import SPState
+    from branchwise.device_model import DeviceStream
     from branchwise.dp_dispatch import SchedulerDp
     from branchwise.fork_state import ForkManager
     from branchwise.scheduler_hook import BranchwiseState
@@ -46,6 +47,7 @@ class Branchwise:
     forward: ForwardExecutor | None = None  # Albireo: forwards on a worker thread (CPU)
     sampler: SPState | None = None  # Albireo: sequence-parallel sampling
     timer: StepTimer | None = None  # bench instrument: per-iteration time split
+    device: DeviceStream | None = None  # --emulate-device: forwards complete at a modeled GPU's time
 
     def report(self) -> dict[str, Any]:
         """/server_info's internal_state entries, under the keys each component has always used."""
@@ -56,7 +58,7 @@ class Branchwise:
                 rep["branchwise"].update(self.dp.report())
         for key, part in (("branchwise_fork", self.fork), ("branchwise_async_output", self.async_output),
                           ("branchwise_forward_thread", self.forward),
-                          ("branchwise_parallel_sampling", self.sampler)):
+                          ("branchwise_parallel_sampling", self.sampler), ("emulated_device", self.device)):
             if part is not None:
                 rep[key] = part.report()
         return rep
@@ -71,6 +73,7 @@ def build(scheduler: Scheduler) -> Branchwise:
     mode = step_timer.enabled()
     bw = Branchwise(config=BranchwiseConfig.from_server_args(scheduler.server_args))
     scheduler.branchwise = bw  # first: a component may read the ones built before it there
+    bw.device = emulated_device.build(scheduler, bw.config)  # in every mode: the device under them all
     if mode not in ("stock", "albireo"):
         bw.taper = scheduler_hook.build(scheduler, bw.config)
         bw.fork = fork.build(scheduler, bw.config)

@@ -1,0 +1,138 @@
+"""--emulate-device: SGLang's forwards complete at a modeled GPU's time (the model: device_model.py).
+
+Tokens come from the real model's forward, run inline on the scheduler thread inside
+`Scheduler.run_batch`, as SGLang runs it on CPU; nothing else changes what is computed, so outputs
+are those of a server without the flag. `around_run_batch` (the only hook):
+1. reads the batch's composition (decode rows and their KV lengths, prefill rows and their new
+   tokens; idle and prebuilt batches are no forward) and launches it on the `DeviceStream` at
+   run_batch's entry: it starts at max(that launch, the previous forward's modeled completion) and
+   completes T_device later (one in-order stream);
+2. runs SGLang's run_batch, whose forward is the real computation; when it (or, for a grammar
+   batch, its delayed sampling) returns, the computation has ended: an end past the modeled
+   completion is an overrun (counted; the result is then seen when it exists, late);
+3. gives the result a `copy_done` (`device_model.DeviceEvent`) that wraps SGLang's own event and is
+   done at the modeled completion. SGLang's result processing synchronizes on `copy_done` before it
+   reads a token (`SchedulerBatchResultProcessor.process_batch_result_*`; under the overlap loop
+   that is after the next batch was launched, as on a GPU), so the scheduler sees the result exactly
+   then, through its own waiting point. Without overlap the same wait comes right after run_batch.
+
+Inline computation means the real forward's CPU time is spent on the scheduler thread at launch,
+like a (long) kernel launch. It hides behind the device while it fits in the previous forward's
+modeled time; a preset's `time_scale` (or `@xS` on the flag) stretches modeled time until it does,
+and `compute_ms_max` in the report says how long the longest one took. Not with the Albireo CPU
+forward thread (env BRANCHWISE_FORWARD_THREAD=1), speculative decoding, pipeline parallelism or
+PD disaggregation: the server refuses to start (`unsupported`). Docs: docs/design/emulated-device.md.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from branchwise.device_model import Composition, DeviceEvent, DeviceStream, Forward, parse_spec
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+
+    from branchwise.config import BranchwiseConfig
+
+Hook = Callable[..., Any]
+logger = logging.getLogger("branchwise")
+
+
+def composition(batch: ScheduleBatch) -> tuple[Composition, str] | None:
+    """The forward `batch` launches, by kind (decode / extend / mixed); None where it runs no forward."""
+    mode = batch.forward_mode
+    if mode.is_decode():
+        rows = batch.batch_size()
+        lens = batch.seq_lens_cpu
+        if lens is not None:
+            ctx = int(lens[:rows].sum())
+        else:
+            ctx = sum(len(r.origin_input_ids) + len(r.output_ids) for r in batch.reqs)
+        return Composition(decode_rows=rows, context_tokens=ctx), "decode"
+    if not mode.is_extend():
+        return None
+    prefix, extend = batch.prefix_lens or [], batch.extend_lens or []
+    tail = _running_rows(batch) if mode.is_mixed() else 0  # mix_with_running appends the decode rows
+    split = len(extend) - tail
+    comp = Composition(decode_rows=tail, context_tokens=sum(p + e for p, e in zip(prefix[split:], extend[split:],
+                                                                                  strict=True)),
+                       prefill_rows=split, prefill_tokens=sum(extend[:split]))
+    return comp, "mixed" if mode.is_mixed() else "extend"
+
+
+def _running_rows(batch: ScheduleBatch) -> int:
+    for name in ("mix_running_indices_cpu", "mix_running_indices"):
+        value = getattr(batch, name, None)
+        if value is not None:
+            return len(value)
+    return 0
+
+
+def unsupported(scheduler: Scheduler, config: BranchwiseConfig) -> str | None:
+    """Why --emulate-device cannot run on this server, or None."""
+    args = scheduler.server_args
+    checks = [
+        (config.async_output and os.environ.get("BRANCHWISE_FORWARD_THREAD", "").strip() == "1",
+         "the Albireo CPU forward thread (env BRANCHWISE_FORWARD_THREAD=1): unset it"),
+        (getattr(args, "speculative_algorithm", None) is not None,
+         "speculative decoding (its verify forwards are not modeled): drop --speculative-algorithm"),
+        (getattr(args, "pp_size", 1) > 1, "pipeline parallelism: use --pp-size 1"),
+        (getattr(args, "disaggregation_mode", "null") not in (None, "null"),
+         "PD disaggregation: drop --disaggregation-mode"),
+    ]
+    return next((why for bad, why in checks if bad), None)
+
+
+def build(scheduler: Scheduler, config: BranchwiseConfig) -> DeviceStream | None:
+    """The scheduler's emulated device (None without --emulate-device). Raises where the server runs
+    a mode the emulation does not model, so the launch fails with what to change."""
+    if not config.emulate_device:
+        return None
+    why = unsupported(scheduler, config)
+    if why is not None:
+        raise ValueError(f"--emulate-device does not run with {why}")
+    stream = DeviceStream(parse_spec(config.emulate_device))
+    preset = stream.preset
+    logger.info("Branchwise emulated device %s: floor %.3f ms, %.4f ms/row, %.4f us/context token, "
+                "%.3f us/prefill token, %d graph sizes, time scale %g", preset.name, 1e3 * preset.floor_s,
+                1e3 * preset.row_s, 1e6 * preset.context_token_s, 1e6 * preset.prefill_token_s,
+                len(preset.graph_batch_sizes), preset.time_scale)
+    return stream
+
+
+# ---------------------------------------------------------------- hook body (target in plugin.py)
+def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
+    bw = getattr(self, "branchwise", None)
+    stream = bw.device if bw is not None else None
+    found = composition(batch) if stream is not None else None
+    if found is None:
+        return orig(self, batch, *args, **kwargs)
+    comp, kind = found
+    fwd = stream.launch(comp, time.perf_counter(), kind)
+    result = orig(self, batch, *args, **kwargs)
+    if not hasattr(result, "copy_done"):  # not a forward result SGLang waits on: wait here
+        stream.computed(fwd)
+        stream.wait(fwd)
+        return result
+    sample = getattr(result, "delay_sample_func", None)
+    if sample is not None:  # grammar: the computation ends with the sampling SGLang launches later
+        result.delay_sample_func = _sampled_then_done(stream, fwd, sample)
+    else:
+        stream.computed(fwd)
+    result.copy_done = DeviceEvent(stream, fwd, result.copy_done)
+    return result
+
+
+def _sampled_then_done(stream: DeviceStream, fwd: Forward, sample: Callable[[], Any]) -> Callable[[], Any]:
+    def run() -> Any:
+        out = sample()
+        stream.computed(fwd)
+        return out
+
+    return run
