@@ -35,7 +35,9 @@ PENALIZER_ACCUMULATORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 
 def why_unsupported(scheduler: Scheduler) -> str | None:
-    """Modes in which returning a sub-batch from update_running_batch is unsafe."""
+    """Modes in which returning a sub-batch from update_running_batch is unsafe or unaccounted.
+    Refused at argument resolution (support.py); support.guard_scheduler stops a scheduler that
+    gets here with one anyway."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_parallel
 
@@ -47,8 +49,10 @@ def why_unsupported(scheduler: Scheduler) -> str | None:
         return "pipeline parallelism"
     if not scheduler.spec_algorithm.is_none():
         return "speculative decoding"
-    if getattr(scheduler.server_args, "enable_dp_attention", False):
-        return "DP attention"
+    if scheduler.require_mlp_sync:  # attention DP (--attn-dp-size), MoE all-to-all, dense-TP MLP
+        return "attention DP or batches synced across ranks"
+    if scheduler.is_mixed_chunk:  # mixed steps prepare the running batch themselves: every row runs
+        return "mixed chunked prefill"
     return None
 
 

@@ -172,6 +172,19 @@ def _note_once(line: str) -> None:
         print(f"WARNING {line}", file=sys.stderr, flush=True)
 
 
+def _register_support_check() -> None:
+    """The launcher loads plugins before it resolves the arguments: modes Branchwise does not run
+    with fail the launch at resolution, before a model loads (support.py). Once per process (a
+    second register() in one process, as in tests, adds no second check)."""
+    from sglang.srt.arg_groups import resolution_hooks
+
+    from branchwise import support
+
+    step, check = support.LAST_RESOLUTION_STEP, support.around_last_resolution_step
+    if check not in getattr(resolution_hooks, "_HOOKS", {}).get(step, ()):
+        resolution_hooks.register_resolution_hook(step)(check)
+
+
 def register() -> None:
     if (why := _version_mismatch()) is not None:
         _note_once(why)
@@ -180,5 +193,6 @@ def register() -> None:
 
     from branchwise import step_timer
 
+    _register_support_check()
     for target, fn, kind in hook_table(HookType, step_timer.enabled()):
         HookRegistry.register(target, fn, kind)

@@ -16,7 +16,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import dp_dispatch, emulated_device, fork, scheduler_hook, step_timer
+from branchwise import dp_dispatch, emulated_device, fork, scheduler_hook, step_timer, support
 from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
 
@@ -75,6 +75,7 @@ def build(scheduler: Scheduler) -> Branchwise:
     scheduler.branchwise = bw  # first: a component may read the ones built before it there
     bw.device = emulated_device.build(scheduler, bw.config)  # in every mode: the device under them all
     if mode not in ("stock", "albireo"):
+        support.guard_scheduler(scheduler, bw.config)  # refused modes fail at start (support.py)
         bw.taper = scheduler_hook.build(scheduler, bw.config)
         bw.fork = fork.build(scheduler, bw.config)
         bw.dp = dp_dispatch.build(scheduler, bw.config)

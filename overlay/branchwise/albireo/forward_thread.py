@@ -309,7 +309,7 @@ def static_reason(scheduler: Scheduler) -> str | None:
         (not scheduler.enable_overlap, "overlap schedule disabled"),
         (par.pp_size != 1, "pp > 1"),
         # ranks would plan different batches (idle, grammar) and gather on the forward's group
-        (getattr(scheduler.server_args, "enable_dp_attention", False), "DP attention"),
+        (scheduler.require_mlp_sync, "attention DP or batches synced across ranks"),
         # the prefill delayer's all-gather would run on the forward's device_group from this thread
         (par.tp_size > 1 and envs.SGLANG_NCCL_ALL_GATHER_IN_OVERLAP_SCHEDULER_SYNC_BATCH.get(),
          "SGLANG_NCCL_ALL_GATHER_IN_OVERLAP_SCHEDULER_SYNC_BATCH"),

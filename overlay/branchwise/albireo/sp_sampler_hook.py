@@ -117,14 +117,28 @@ def _attach_model(state: SPState, model: torch.nn.Module) -> None:
 
 
 def _unsupported_mode(scheduler: Scheduler) -> str | None:
+    """Modes SP does not cover; refused at argument resolution (support.SAMPLING_MODES), so this
+    is a guard: build stops a scheduler that gets here with one."""
     if not scheduler.spec_algorithm.is_none():
         return "speculative decoding"
-    if getattr(scheduler.server_args, "enable_dp_attention", False):
-        return "DP attention"
+    if scheduler.require_mlp_sync:  # attention DP (--attn-dp-size), MoE all-to-all, dense-TP MLP
+        return "attention DP or batches synced across ranks"
     if getattr(scheduler.server_args, "rl_on_policy_target", None):
         return "RL on-policy sampling"
     if getattr(scheduler.server_args, "sampling_backend", None) == "ascend":
         return "the ascend sampling backend"
+    return _graph_reason(str(scheduler.device))
+
+
+def _graph_reason(device: str) -> str | None:
+    """Decode batches replayed from CUDA graphs keep SGLang's captured logits all-gather."""
+    from sglang.srt.model_executor.cuda_graph_config import Backend
+    from sglang.srt.runtime_context import get_exec, get_parallel
+
+    graphs = get_exec().graph.cuda_graph_config
+    if (device.startswith("cuda") and get_parallel().tp_size > 1 and graphs is not None
+            and graphs.decode.backend != Backend.DISABLED):
+        return "decode CUDA graphs at TP > 1 (add --cuda-graph-backend-decode=disabled)"
     return None
 
 
@@ -260,14 +274,14 @@ def shared_nonce(random_seed: int | None, tp_size: int, tp_group: GroupCoordinat
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> SPState | None:
-    """The scheduler's --parallel-sampling component (None when off or unsupported here)."""
+    """The scheduler's --parallel-sampling component (None when off); a mode it does not cover stops
+    the scheduler (support.py refuses those at argument resolution already)."""
     from sglang.srt.runtime_context import get_parallel
 
     if not config.parallel_sampling:
         return None
     if (why := _unsupported_mode(scheduler)) is not None:
-        logger.warning("Branchwise parallel sampling off: not supported with %s", why)
-        return None
+        raise RuntimeError(f"Branchwise: --parallel-sampling does not run with {why}; drop --parallel-sampling")
     par = get_parallel()
     args = scheduler.server_args
     deterministic = bool(getattr(args, "enable_deterministic_inference", False))
@@ -277,10 +291,6 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> SPState | None:
     logger.info("Branchwise parallel sampling on: %d rank(s), per-request seeds%s%s",
                 par.tp_size, " (unseeded: from the rid)" if state.inject_seeds else " from SGLang",
                 ", decode logits exchanged with an all-to-all" if par.tp_size > 1 else "")
-    if par.tp_size > 1 and args.device == "cuda" and not getattr(args, "disable_cuda_graph", False):
-        logger.warning("Branchwise parallel sampling: decode batches replayed from CUDA graphs keep "
-                       "SGLang's captured logits all-gather (rows still sampled in parallel); the "
-                       "all-to-all runs only for eager decode batches (--disable-cuda-graph for all)")
     runner = scheduler.tp_worker.model_runner
     setattr(runner, ATTR, state)
     setattr(scheduler.tree_cache, ATTR, state)
