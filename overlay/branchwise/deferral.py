@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from branchwise.hostcopy import to_device
+
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
@@ -120,7 +122,7 @@ def run_subset(scheduler: Scheduler, batch: ScheduleBatch, active: set[Req], fin
     else:
         sub = _cut(batch, idx, penalties)
         kept.batch, kept.idx, kept.sub = batch, idx, sub
-        kept.rows = torch.tensor(idx, dtype=torch.int64, device=batch.seq_lens.device)
+        kept.rows = to_device(idx, torch.int64, batch.seq_lens.device)
         kept.pool_indices = batch.req_pool_indices
     sub.input_ids = None  # decode inputs come from the FutureMap slot of each row
     sub.prepare_for_decode()
@@ -206,7 +208,7 @@ def _pinned_cumulate(batch: ScheduleBatch) -> None:
         produced = req.kv.kv_committed_len - len(req.origin_input_ids) + 1  # tokens sampled so far
         pos = -1 if len(out) < produced else -2  # shorter: the newest is still in flight
         tokens.append(out[pos] if len(out) >= -pos else req.origin_input_ids[-1])
-    ids = torch.tensor(tokens, dtype=torch.int64, device=batch.device)
+    ids = to_device(tokens, torch.int64, batch.device)  # as SGLang's own cumulate: pinned, non-blocking
     batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
 
 

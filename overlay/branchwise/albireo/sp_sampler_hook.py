@@ -36,6 +36,7 @@ from branchwise.albireo.parallel_sampler import (
     sp_sample_full,
     transform_own_rows,
 )
+from branchwise.hostcopy import to_device
 
 if TYPE_CHECKING:
     from sglang.srt.distributed.parallel_state import GroupCoordinator
@@ -306,7 +307,7 @@ def after_from_schedule_batch(info: SamplingBatchInfo, cls: type[SamplingBatchIn
     if state is not None and state.inject_seeds and info.sampling_seed is None:
         seeds = [seed if (seed := req.sampling_params.sampling_seed) is not None
                  else request_seed(state.nonce, req.rid) for req in batch.reqs]
-        info.sampling_seed = torch.tensor(seeds, dtype=torch.int64).to(info.temperatures.device)
+        info.sampling_seed = to_device(seeds, torch.int64, info.temperatures.device)
     return info
 
 
