@@ -13,6 +13,27 @@ from branchwise.taper.policies import CONST_REF, POLICY_NAMES, Policy, parse_pol
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import CONCAVE
 
+
+class AlwaysPlanned(Policy):
+    """The policy whose budget decision (Policy.decide) leaves every step to the plan, but for the
+    steps no deferral could pay even one step's price (held to the plan by PricedEachStep's test):
+    the reference the budget's shortcuts ("fit", "price") are held to."""
+
+    def decide(self, view):
+        never = super().decide(view)
+        return never if never is not None and never.runs_all == "never" else None
+
+
+class PricedEachStep(Policy):
+    """The policy without its cheapest shortcut (no deferral could pay even one step's price)."""
+
+    def _never_defers(self, extra_rows, extra_ctx):
+        return False
+
+
+def _as(cls: type[Policy], policy: Policy) -> Policy:
+    return cls(**{name: getattr(policy, name) for name in Policy.__dataclass_fields__})
+
 MODEL = LinearLatencyModel(c0=10e-3, c_seq=2e-4, c_ctx=1e-7)
 
 
@@ -309,8 +330,8 @@ def test_an_unpriced_step_runs_what_the_plan_would(seed, per_step, per_row, wait
     slo = 0.02
     model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=per_row)
     rows, clock = _clocked_rows(rng, slo)
-    fast, full = StepController(parse_policy("taper", model=model)), StepController(parse_policy("taper", model=model))
-    object.__setattr__(full, "_never_defers", lambda *args: False)
+    fast = StepController(parse_policy("taper", model=model))
+    full = StepController(_as(PricedEachStep, parse_policy("taper", model=model)))
     for ctl in (fast, full):
         for key, (age, tokens) in clock.items():
             in_phase = any(r.phase for r in rows if r.key == key)
@@ -360,8 +381,8 @@ def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting
     slo = 0.02
     model = LinearLatencyModel(4e-3, 2e-4, 1e-7, c_defer=per_step, c_deferred=0.1 * per_step)
     rows, clock = _clocked_rows(rng, slo)
-    fast, full = (StepController(parse_policy(name, model=model)) for _ in range(2))
-    object.__setattr__(full, "_step_budget", lambda *args: None)
+    fast = StepController(parse_policy(name, model=model))
+    full = StepController(_as(AlwaysPlanned, parse_policy(name, model=model)))
     for ctl in (fast, full):
         _clocked(ctl, rows, clock, slo)
     for step in range(2):  # the second step sees the first one's pins (taper-no-replan)
@@ -386,9 +407,8 @@ def test_a_step_whose_deferral_cannot_pay_its_held_price_is_not_planned():
     rows = [Row(key="p", order=j, ctx=0, slo_s=0.05, phase=True) for j in range(8)]
     rows.append(Row(key="s", ctx=0, slo_s=0.02))
     for skip, planned in ((False, 0), (True, 1)):
-        ctl = StepController(parse_policy("taper", model=model))
-        if skip:
-            object.__setattr__(ctl, "_step_budget", lambda *args: None)
+        policy = parse_policy("taper", model=model)
+        ctl = StepController(_as(AlwaysPlanned, policy) if skip else policy)
         ctl.on_step_done({"s": Delivery(1, 0.02, False)}, 0.0, 1)
         assert len(ctl.select(rows, 0.034)) == 9
         assert (ctl.stats.planned_steps, ctl.stats.unpriced_steps) == (planned, 1 - planned)

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from branchwise.taper.planner import ArrayBatch, StepPlan
-from branchwise.taper.policies import Policy, StepBudget
+from branchwise.taper.policies import KeyClock, Policy, StepBudget, StepView
 from branchwise.taper.predictor import OnlineRefit
 
 logger = logging.getLogger("branchwise")
@@ -161,16 +161,14 @@ class StepController:
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
         heads = [rows[idx[0]] for idx in groups.values()]
-        static = self.policy.static  # a width from the ready counts alone: no context sums needed
-        ctx = 0 if static else sum(r.ctx for r in rows)
-        head_ctx = 0 if static else sum(h.ctx for h in heads)
-        if self.policy.prices_deferral and self._never_defers(rows, heads, ctx - head_ctx, now):
-            return list(range(len(rows)))
         slack, gap = self._clocks(heads, now, bubble)
-        rule = None if static else self._step_budget(rows, groups, heads, ctx, head_ctx, slack, gap, waiting)
-        if rule is not None and rule.runs_all:
-            self._unplanned(rule, len(rows) - len(heads), self.policy.model.predict(len(rows), ctx))
-            return list(range(len(rows)))
+        rule = None
+        if not self.policy.static:  # a static width reads the ready counts alone: no context sums
+            view = self._view(rows, groups, heads, slack, gap, waiting)
+            rule = self.policy.decide(view)
+            if rule is not None and rule.runs_all:
+                self._unplanned(rule, len(rows) - len(heads), view.t_all)
+                return list(range(len(rows)))
         batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
         t0 = time.perf_counter()
         plan = self.policy.plan(batch, rule)
@@ -188,18 +186,6 @@ class StepController:
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _never_defers(self, rows: list[Row], heads: list[Row], extra_ctx: int, now: float) -> bool:
-        """Every row runs because no deferral can pay (Policy.never_defers; extra_ctx: the context
-        tokens of the rows beyond each key's first): the plan's answer without the snapshot or the
-        plan. New keys' clocks start now, as a plan would start them."""
-        if not self.policy.never_defers(len(rows) - len(heads), extra_ctx):
-            return False
-        for h in heads:
-            self._tracker(h.key, h.slo_s, h.phase, now)
-        self.stats.unpriced_steps += 1
-        self._all_admitted(len(rows) - len(heads))
-        return True
-
     def _clocks(self, heads: list[Row], now: float, bubble: bool) -> tuple[list[float], list[float] | None]:
         """Each key's slack, and its per-gap slack where the rule reads it (terms.mean); a key seen
         for the first time starts its clock now. After a prefill bubble the next step's protected
@@ -216,13 +202,13 @@ class StepController:
             self.stats.bubble_steps += 1
         return slack, gap
 
-    def _step_budget(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], ctx: int,
-                     head_ctx: int, slack: list[float], gap: list[float] | None, waiting: int) -> StepBudget | None:
-        """The budget rule straight from the rows and clocks (Policy.step_budget; ctx, head_ctx: the
-        context tokens of every row and of each key's first), without the snapshot's arrays."""
+    def _view(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
+              gap: list[float] | None, waiting: int) -> StepView:
+        """The budget rule's input straight from the rows and clocks, without the snapshot's arrays."""
         model = self.policy.model
-        if model is None:
-            return None
+        head_ctx = sum(h.ctx for h in heads)
+        extra_ctx = sum(r.ctx for r in rows) - head_ctx
+        t_protected = model.predict(len(heads), head_ctx)
 
         def floor_cost(lo: list[int] | None) -> float:
             if lo is None:
@@ -230,10 +216,11 @@ class StepController:
             kept = sum(rows[i].ctx for n, idx in zip(lo, groups.values(), strict=True) for i in idx[:n])
             return model.predict(sum(lo), kept)
 
-        t_protected = model.predict(len(heads), head_ctx)
-        return self.policy.step_budget(
-            model.predict(len(rows), ctx), t_protected, slack, gap, [h.slo_s for h in heads],
-            [len(idx) - 1 for idx in groups.values()], [h.phase for h in heads], max(int(waiting), 0), floor_cost)
+        gaps = gap if gap is not None else [None] * len(heads)
+        keys = [KeyClock(own, per_gap, head.slo_s, len(idx) - 1, head.phase)
+                for own, per_gap, head, idx in zip(slack, gaps, heads, groups.values(), strict=True)]
+        t_all = model.predict(len(rows), head_ctx + extra_ctx)
+        return StepView(t_all, t_protected, extra_ctx, keys, max(int(waiting), 0), floor_cost)
 
     def _unplanned(self, rule: StepBudget, extra: int, t_all: float) -> None:
         """A step whose plan would run every row, run without it: counted as the plan would count
@@ -245,8 +232,9 @@ class StepController:
         else:
             st.unpriced_steps += 1
         self._all_admitted(extra)
-        st.last_budget_s, st.last_predicted_s = rule.budget_s, t_all
-        self._count_terms(rule.notes)
+        if rule.runs_all != "never":  # "never": no budget was worked out
+            st.last_budget_s, st.last_predicted_s = rule.budget_s, t_all
+            self._count_terms(rule.notes)
 
     def _all_admitted(self, extra: int) -> None:
         """A step that ran all `extra` opportunistic rows without a plan."""

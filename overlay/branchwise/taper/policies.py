@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 from types import MappingProxyType
@@ -59,13 +59,40 @@ PAPER = Terms()
 
 
 @dataclass(frozen=True, slots=True)
+class KeyClock:
+    """One request's (one key's) inputs to the budget rule this step."""
+
+    slack_s: float  # slack against its TPOT SLO (SlackTracker.slack)
+    gap_s: float | None  # its per-gap slack (terms.mean only)
+    slo_s: float
+    extra: int  # ready rows beyond its first
+    in_phase: bool
+
+
+@dataclass(frozen=True, slots=True)
+class StepView:
+    """What the budget rule reads of one step: the predicted times of its compositions, and one
+    KeyClock per request. floor_cost(lo): T of each request's first lo[i] rows (None: one each)."""
+
+    t_all: float  # T of every ready row
+    t_protected: float  # T of each request's first row
+    extra_ctx: int  # context tokens of the rows beyond each request's first
+    keys: list[KeyClock]
+    waiting: int  # requests queued for admission
+    floor_cost: Callable[[list[int] | None], float]
+
+
+@dataclass(frozen=True, slots=True)
 class StepBudget:
-    """The budget rule's answer for one step, from the requests' clocks (Policy.step_budget)."""
+    """The budget rule's one answer for a step (Policy.decide): its budget and row floors, and
+    whether the plan would run every row, so that it need not be made."""
 
     budget_s: float
     floor: list[int] | None  # rows per request that run whatever the budget; None: one each
     notes: dict[str, float]  # the terms that applied
-    runs_all: str | None = None  # the plan would run every row: "fit" (within budget), "priced"; None: plan it
+    # the plan would run every ready row: "fit" (they fit the budget), "price" (no deferral pays its
+    # held price), "never" (none pays even one step's price: budget_s not worked out); None: plan it
+    runs_all: str | None = None
 _TERMS = MappingProxyType({"taper": Terms(True, True, True, True),
                           "taper-no-mean": Terms(False, True, True, True),
                           "taper-no-overload": Terms(True, False, True, True),
@@ -140,12 +167,34 @@ class Policy:
         """The rule prices deferral and the model holds a price (a plan may then run every row)."""
         return self.terms.defer_cost and any(self.deferral_price())
 
-    def never_defers(self, extra_rows: int, extra_ctx: int) -> bool:
-        """No plan can defer this step: deferring all `extra_rows` opportunistic rows (beyond one per
-        request; `extra_ctx` their context tokens) saves no more than the deferral price held for
-        one step, its least. plan_step would run every row then (its `cost.sum() <= per_step`
-        test, which that bound implies), so the controller skips the snapshot and the plan.
-        Only for a linear T whose row slope is above the per-row price (every row saves >= 0)."""
+    def decide(self, view: StepView) -> StepBudget | None:
+        """The budget rule's answer for this step (None: the plan works it out, as for the static
+        and pin rules, a non-linear T and a NaN clock, which the plan reads as no room)."""
+        if self.rho is None:
+            return None
+        if self._never_defers(sum(key.extra for key in view.keys), view.extra_ctx):
+            return StepBudget(math.nan, None, {}, "never")
+        if (not self.replan or not isinstance(self.model, LinearLatencyModel) or not view.keys
+                or any(math.isnan(key.slack_s) or (key.gap_s is not None and math.isnan(key.gap_s))
+                       for key in view.keys)):
+            return None
+        if not self.slack:
+            return StepBudget(math.inf, None, {}, "fit")
+        if self.terms.any():
+            budget, floor, notes = self.weighed_budget(view)
+        else:  # the paper's rule
+            budget, floor, notes = self.rho * min(key.slack_s for key in view.keys), None, {}
+        if view.t_all * (1 + _FIT_TOL) <= budget:
+            return StepBudget(budget, floor, notes, "fit")
+        if self.prices_deferral and self._price_beats_saving(view, budget, floor):
+            return StepBudget(budget, floor, notes, "price")
+        return StepBudget(budget, floor, notes)
+
+    def _never_defers(self, extra_rows: int, extra_ctx: int) -> bool:
+        """Deferring all `extra_rows` opportunistic rows (`extra_ctx` their context tokens) saves no
+        more than the deferral price held for one step, its least, so plan_step would run every row
+        (its `cost.sum() <= per_step` test, which that bound implies). Only for a linear T whose
+        row slope is above the per-row price (every row saves >= 0)."""
         model = self.model
         if not self.prices_deferral or not isinstance(model, LinearLatencyModel):
             return False
@@ -154,43 +203,24 @@ class Policy:
             return False
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
-    def step_budget(self, t_all: float, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
-                    slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
-                    floor_cost: Callable[[list[int] | None], float]) -> StepBudget | None:
-        """The budget rule on the requests' clocks, and whether the plan would run every ready row:
-        `runs_all` "fit" when T(every ready row) is within the budget; "priced" when a believed
-        deferral price, held for as many steps as `held_price` counts, is no less than what
-        deferring every row above the floors would save (plan_step's first test on the price, here
-        on an upper bound of that saving). t_all, t_protected: T of every ready row and of the
-        protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one each).
-        A relative margin of _FIT_TOL keeps the plan's own sums on the same side. None (the plan
-        works it out) for the pin rule, a non-linear T and a NaN clock (the plan reads it as no room)."""
-        if (self.rho is None or not self.replan or not isinstance(self.model, LinearLatencyModel) or not slack
-                or any(map(math.isnan, slack)) or (gap is not None and any(map(math.isnan, gap)))):
-            return None
-        if not self.slack:
-            return StepBudget(math.inf, None, {}, "fit")
-        if self.terms.any():
-            budget, floor, notes = self.weighed_budget(t_protected, slack, gap, slo, extra, phase, waiting, floor_cost,
-                                                       t_all)
-        else:  # the paper's rule
-            budget, floor, notes = self.rho * min(slack), None, {}
-        if t_all * (1 + _FIT_TOL) <= budget:
-            return StepBudget(budget, floor, notes, "fit")
-        if not self.prices_deferral:
-            return StepBudget(budget, floor, notes)
+    def _price_beats_saving(self, view: StepView, budget: float, floor: list[int] | None) -> bool:
+        """A believed deferral price, held for as many steps as `held_price` counts, is no less than
+        what deferring every row above the floors would save (plan_step's first test on the price,
+        here on an upper bound of that saving). A relative margin of _FIT_TOL keeps the plan's own
+        sums on the same side."""
         model = self.model
-        t_floor = floor_cost(floor)
+        t_floor = view.floor_cost(floor)
         room = budget - t_floor
-        held = max(1.0, (t_all - t_protected) / room) if room > 0 else _HELD_FOREVER
+        held = max(1.0, (view.t_all - view.t_protected) / room) if room > 0 else _HELD_FOREVER
         per_step, per_row = (price * held for price in self.deferral_price())
-        above = sum(extra) + len(extra) - (sum(floor) if floor is not None else len(extra))  # rows above the floors
-        cost_s = t_all - t_floor  # their T; deferring row i saves max(c_seq + c_ctx * ctx_i - per_row, 0)
+        extra = sum(key.extra for key in view.keys)
+        above = extra + len(view.keys) - (sum(floor) if floor is not None else len(view.keys))
+        cost_s = view.t_all - t_floor  # their T; deferring row i saves max(c_seq + c_ctx * ctx_i - per_row, 0)
         if model.c_seq >= per_row:
             saving = cost_s - per_row * above
         else:  # with x_i = c_ctx * ctx_i >= 0 and k > 0: sum(max(x_i - k, 0)) <= max(sum(x_i) - k, 0)
             saving = max(cost_s - model.c_seq * (above - 1) - per_row, 0.0) if above else 0.0
-        return StepBudget(budget, floor, notes, "priced" if saving + _FIT_TOL * (cost_s + per_step) <= per_step else None)
+        return saving + _FIT_TOL * (cost_s + per_step) <= per_step
 
     def held_price(self, a: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
@@ -215,39 +245,38 @@ class Policy:
         if not (self.terms.any() and self.replan and a.slo_s is not None):
             return self.rho * float(a.slack_s.min()), None, {}
         model = self.model
-        phase = a.phase if a.phase is not None else np.zeros(len(a.rids), bool)
-        gap = None if a.gap_slack_s is None else a.gap_slack_s.tolist()
-        budget, floor, notes = self.weighed_budget(
-            floor_cost(a, model, None), a.slack_s.tolist(), gap, a.slo_s.tolist(), (a.ready - 1).tolist(),
-            phase.tolist(), a.waiting, lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)),
-            model.predict(len(a.ctx), int(a.ctx.sum()), a.extra_tokens))
+        phase = a.phase.tolist() if a.phase is not None else [False] * len(a.rids)
+        gap = [None] * len(a.rids) if a.gap_slack_s is None else a.gap_slack_s.tolist()
+        keys = [KeyClock(*clock) for clock in
+                zip(a.slack_s.tolist(), gap, a.slo_s.tolist(), (a.ready - 1).tolist(), phase, strict=True)]
+        view = StepView(t_all=model.predict(len(a.ctx), int(a.ctx.sum()), a.extra_tokens),
+                        t_protected=floor_cost(a, model, None), extra_ctx=0, keys=keys, waiting=a.waiting,
+                        floor_cost=lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)))
+        budget, floor, notes = self.weighed_budget(view)
         return budget, None if floor is None else np.array(floor, dtype=np.int64), notes
 
-    def weighed_budget(self, t_protected: float, slack: Sequence[float], gap: Sequence[float] | None,
-                       slo: Sequence[float], extra: Sequence[int], phase: Sequence[bool], waiting: int,
-                       floor_cost: Callable[[list[int] | None], float],
-                       t_all: float = math.inf) -> tuple[float, list[int] | None, dict]:
+    def weighed_budget(self, view: StepView) -> tuple[float, list[int] | None, dict]:
         """taper's budget and per-request row floor (docs/design/taper-rule.md), and notes saying
-        which terms applied ("per_gap", "overload", "backlog": 1.0), per request from its slack,
-        per-gap slack (None unless terms.mean), SLO, extra ready rows and phase flag; t_protected: T
-        of the protected rows; floor_cost(lo): T of each request's first lo[i] rows (None: one
-        each); t_all: T of every ready row. Where t_all is within the first bound every row runs:
-        no floor is needed (None) and the overload term cannot apply (the forced rows fit too), so
-        the rule stops there but for the backlog term, which only raises the budget. Lists, not arrays: a few dozen requests cost less in Python than in numpy calls, and
-        the controller answers most steps from this alone (`step_budget`). A NaN clock gives a NaN
-        budget, which the plan reads as no room. The overload term makes the plan non-monotone in
-        row cost: longer contexts can switch it on and widen."""
-        rho, terms = self.rho, self.terms
+        which terms applied ("per_gap", "overload", "backlog": 1.0). Where every ready row is within
+        the first bound every row runs: no floor is needed (None) and the overload term cannot apply
+        (the forced rows fit too), so the rule stops there but for the backlog term, which only
+        raises the budget. A NaN clock gives a NaN budget, which the plan reads as no room. The
+        overload term makes the plan non-monotone in row cost: longer contexts can switch it on and
+        widen. Hot path: plain lists over a few dozen requests, no numpy."""
+        rho, terms, keys = self.rho, self.terms, view.keys
         assert rho is not None
         notes: dict[str, float] = {}
-        if gap is not None and (waiting > 0 or t_protected > rho * min(slo)):
-            slack, notes["per_gap"] = gap, 1.0  # saturated (a queue, or protected rows over the pace): a margin
+        slack = [key.slack_s for key in keys]
+        if keys[0].gap_s is not None and (view.waiting > 0 or view.t_protected > rho * min(key.slo_s for key in keys)):
+            # saturated (a queue, or protected rows over the pace): a margin
+            slack, notes["per_gap"] = [key.gap_s for key in keys], 1.0
         if any(map(math.isnan, slack)):
             return math.nan, None, notes
         mean = terms.mean
         # each request's bound on T at full width (a phase credited with its own rows)
-        bound = [rho * (s + (o * e if mean and p else 0.0)) for s, o, e, p in zip(slack, slo, extra, phase, strict=True)]
-        floors = mean and any(phase)
+        bound = [rho * (own + (key.slo_s * key.extra if mean and key.in_phase else 0.0))
+                 for own, key in zip(slack, keys, strict=True)]
+        floors = mean and any(key.in_phase for key in keys)
 
         def floor_at(budget: float) -> list[int] | None:
             """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo),
@@ -255,27 +284,28 @@ class Policy:
             if not floors or not math.isfinite(budget):
                 return None
             need = []
-            for s, o, e, p in zip(slack, slo, extra, phase, strict=True):
-                x = (budget / rho - s) / max(o, 1e-9)
-                need.append(0 if not (p and x > 0) else e if x >= e else math.ceil(x))
+            for own, key in zip(slack, keys, strict=True):
+                rows = (budget / rho - own) / max(key.slo_s, 1e-9)
+                need.append(0 if not (key.in_phase and rows > 0) else key.extra if rows >= key.extra
+                            else math.ceil(rows))
             return [n + 1 for n in need] if any(need) else None
 
         def pace() -> list[float]:
             """The SLO pace: a step this long keeps a request on target (a phase at full width gets
             `ready` tokens from it)."""
-            return [rho * o * (e + 1 if mean else 1) for o, e in zip(slo, extra, strict=True)]
+            return [rho * key.slo_s * (key.extra + 1 if mean else 1) for key in keys]
 
         budget = first = min(bound)
-        fits = t_all * (1 + _FIT_TOL) <= first
+        fits = view.t_all * (1 + _FIT_TOL) <= first
         floor = None if fits else floor_at(budget)
         if terms.overload and not fits:
-            forced_s = floor_cost(floor)
+            forced_s = view.floor_cost(floor)
             if forced_s > budget:  # a request bound below forced_s: no deferral keeps it in budget this step
                 on_time = [b for b in bound if not b < forced_s]
                 budget = min(min(on_time, default=math.inf),
                              min(p for p, b in zip(pace(), bound, strict=True) if b < forced_s))
                 notes["overload"] = 1.0
-        if terms.backlog and waiting > 0 and (pace_s := min(pace())) > budget:
+        if terms.backlog and view.waiting > 0 and (pace_s := min(pace())) > budget:
             budget, notes["backlog"] = pace_s, 1.0
         if fits or budget == first:
             return budget, floor, notes
