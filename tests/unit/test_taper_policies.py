@@ -324,7 +324,7 @@ def _clocked_rows(rng: np.random.Generator, slo: float) -> tuple[list[Row], dict
 @settings(max_examples=300, deadline=None)
 @given(st.integers(0, 2**32 - 1), st.floats(0.0, 3e-3), st.floats(0.0, 3e-4), st.integers(0, 3))
 def test_an_unpriced_step_runs_what_the_plan_would(seed, per_step, per_row, waiting):
-    """Where no deferral can pay (Policy.never_defers) the controller runs every row without a
+    """Where no deferral can pay (Policy.decide's `never`) the controller runs every row without a
     plan; the plan, made anyway, runs every row too, so both controllers choose alike every step."""
     rng = np.random.default_rng(seed)
     slo = 0.02
@@ -373,7 +373,7 @@ def _clocked(ctl: StepController, rows: list[Row], clock: dict[str, tuple[float,
 @given(st.integers(0, 2**32 - 1), st.sampled_from(BUDGET_RULES), st.floats(0.0, 2e-3), st.integers(0, 3),
        st.booleans())
 def test_a_step_that_fits_runs_what_the_plan_would(seed, name, per_step, waiting, bubble):
-    """Where the plan would run every ready row (Policy.unplanned: they all fit the budget, or no
+    """Where the plan would run every ready row (Policy.decide: they all fit the budget, or no
     deferral pays its held price) the controller runs them all without the arrays or the plan; the
     plan, made anyway, runs every row within the same budget and counts the same terms, so both
     controllers choose and count alike every step."""

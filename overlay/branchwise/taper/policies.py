@@ -39,7 +39,7 @@ VALID_POLICIES = "serial, cap:K (integer K >= 1), eager, taper, taper-no-mean, t
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
 _HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
-_FIT_TOL = 1e-9  # step_budget's relative margin: sums of the same row costs in another order agree far closer
+_FIT_TOL = 1e-9  # decide's relative margin: sums of the same row costs in another order agree far closer
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,7 +140,7 @@ class Policy:
 
     def plan(self, a: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
         """Widths for one step: min(ready, cap) (static), or the greedy plan within the budget
-        (`given`: the rule's answer on these clocks, already worked out by step_budget)."""
+        (`given`: the rule's answer on these clocks, already worked out by decide)."""
         if self.rho is None:
             return plan_capped(a, self.cap, self.model)
         assert self.model is not None
