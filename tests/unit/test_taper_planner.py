@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.planner import ArrayBatch, StepPlan, plan_step
+from branchwise.taper.planner import ArrayBatch, StepPlan, greedy_order, plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel
 from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, Utility
 
@@ -221,3 +221,24 @@ def test_batches_past_the_row_index_table_plan_alike_and_leave_it_unchanged():
     cheapest = [i for i, c in enumerate(lens) if c[1] == 200][:100]  # equal costs: earlier rows first
     assert plan.rows == n + 100 and np.flatnonzero(plan.widths == 2).tolist() == cheapest
     assert np.array_equal(planner._ROWS, table)
+
+
+def greedy_order_reference(price: list[float], seg: list[int]) -> list[int]:
+    """greedy_order in plain Python: each row keyed by the running max of its request's quantized
+    prices (a price's float bits without the low 20, as the planner ties them), then its index."""
+    keys, running = [], {}
+    for row, (cost, req) in enumerate(zip(price, seg, strict=True)):
+        quantized = int(np.float64(cost).view(np.int64)) >> 20
+        running[req] = max(running.get(req, quantized), quantized)
+        keys.append((running[req], row))
+    return [row for _, row in sorted(keys)]
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.lists(st.floats(0.0, 1e-2) | st.sampled_from([0.0, 1e-4, 1e-4 * (1 + 1e-12)]),
+                         min_size=1, max_size=9), min_size=1, max_size=12))
+def test_the_packed_greedy_order_is_the_plain_sort(requests):
+    price = [p for rows in requests for p in rows]
+    seg = [i for i, rows in enumerate(requests) for _ in rows]
+    got = greedy_order(np.array(price, dtype=np.float64), np.array(seg, dtype=np.int64))
+    assert got.tolist() == greedy_order_reference(price, seg)

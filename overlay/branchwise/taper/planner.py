@@ -205,17 +205,7 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
         if utility.weighted and a.weight is not None:
             gain *= a.weight[seg]
         price = cost / np.maximum(gain, _TINY)
-    key = price.view(np.int64) >> _Q_SHIFT
-    # a request's row waits for its predecessors: running max of price along each request's rows,
-    # in one 1-D pass by lifting every request above the previous one
-    lift = seg << _Q_BITS
-    key += lift
-    np.maximum.accumulate(key, out=key)
-    key -= lift
-    key <<= _ROW_BITS
-    key |= _arange(total)
-    key.sort()
-    order = key & _ROW_MASK
+    order = greedy_order(price, seg)
     cum = cost[order].cumsum()
     room = budget_s - base
     k = int(cum.searchsorted(room, side="right"))
@@ -231,6 +221,23 @@ def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Util
                         considered=considered, notes=notes)
     return StepPlan(rids, width, predicted_s=base + used, budget_s=budget_s,
                     considered=considered, notes=notes)
+
+
+def greedy_order(price: np.ndarray, seg: np.ndarray) -> np.ndarray:
+    """Rows in greedy admission order: by price (float64 >= 0), a request's row never before its
+    predecessors (it takes the running max of its request's prices), ties by row index. `seg`:
+    each row's request index, non-decreasing (rows request-major). One sort of packed int64 keys
+    (the module's constants); tests hold it to a plain sorted() over (running max, row)."""
+    key = price.view(np.int64) >> _Q_SHIFT
+    # running max along each request's rows, in one 1-D pass by lifting every request above the last
+    lift = seg << _Q_BITS
+    key += lift
+    np.maximum.accumulate(key, out=key)
+    key -= lift
+    key <<= _ROW_BITS
+    key |= _arange(len(price))
+    key.sort()
+    return key & _ROW_MASK
 
 
 def _fill(rest: np.ndarray, cost: np.ndarray, seg: np.ndarray, pos: np.ndarray, width: np.ndarray,
