@@ -48,7 +48,7 @@ _LIVE = EngineConfig(kv_tokens=65536, context_len=2048, prefill_steps=True, clie
                      drain_s=20.0)
 # What a loaded live step costs beyond the probe's T(S), from the step accounting of one make-bench
 # load (bench.step_account, load 0.4, serial / eager / taper servers on a quiet 2-core box whose probe
-# read T = 1.38 ms + 0.089 ms/row + 0.099 us/token; docs/benchmarks.md). Prefill forwards: ~1.5 ms
+# read T = 1.38 ms + 0.089 ms/row + 0.099 us/token; docs/design/benchmark-methods.md). Prefill forwards: ~1.5 ms
 # per request plus ~25 us per new token on top of c0 (an arrival's 44-token prompt ~4 ms, a join's
 # ~400 tokens ~13 ms, a fork of n branches ~2 + 1.8 n ms). Decode: eager's steps ran 0.50 ms +
 # 0.02 ms/row above the probe's T (0.25 ms of it lost to the other processes, eager's mean run-queue

@@ -16,7 +16,7 @@ from frontends.common import prefix_hits
 
 POLICY = ("--branch-policy", "taper", "--enable-metrics")
 PROGRAMS, FANOUT = 8, 4
-DP_ENV = cpu_env(2)  # two single-threaded scheduler processes, one core each (README, "Scale-out")
+DP_ENV = cpu_env(2)  # two single-threaded scheduler processes, one core each (docs/design/scale-out.md)
 
 
 def run_programs(url: str) -> list[fork_join.ForkJoinResult]:
