@@ -387,7 +387,8 @@ def _within(own: Mapping[str, Any], other: str, point: Mapping[str, Any]) -> tup
     (bench.confidence.p50_ratio) where the points carry one, else by the point values."""
     mine, theirs = own[LATENCY], point[LATENCY]
     found = (own.get("p50_ratio") or {}).get(other)
-    ratio = tuple(found) if found else (mine / theirs,) * 3 if theirs > 0 else None
+    ratio = ((found[0], found[1], math.inf if found[2] is None else found[2]) if found
+             else (mine / theirs,) * 3 if theirs > 0 else None)
     if ratio is None:
         return confidence.PASS if mine <= FRONTIER_SLACK * theirs + 1e-12 else confidence.FAIL, None
     return confidence.decide(ratio[1], ratio[2], FRONTIER_SLACK, above_ok=False), ratio

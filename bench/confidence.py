@@ -5,7 +5,8 @@ Method: a 95% percentile bootstrap over a point's arrivals (RESAMPLES resamples,
 report is reproducible); seeds are strata, resampled within and averaged over as the means are. A
 ratio of two policies' P50s is paired: at one (load, seed) every policy runs the same programs, so
 one resample of request keys serves both. A comparison is decided only where the whole interval lies
-on one side of its bound; otherwise it is UNDECIDED.
+on one side of its bound; otherwise it is UNDECIDED. Under MIN_REQUESTS requests (pairs, for a
+ratio) the interval is the widest one: a bootstrap that small claims more than it knows.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ RESAMPLES = 2000
 SEED = 0
 PASS, FAIL, UNDECIDED = "PASS", "FAIL", "UNDECIDED"
 EPS = 1e-12
+MIN_REQUESTS = 6  # six paired requests all on one side: 1 in 32 by chance alone
 
 Interval = tuple[float, float]
 
@@ -120,6 +122,9 @@ def stratified(strata: Sequence[np.ndarray], stat: Callable[[np.ndarray], np.nda
 
 
 def attainment_interval(strata: Sequence[Requests]) -> Interval | None:
+    """[0, 1] (nothing decided) under MIN_REQUESTS arrivals over the strata."""
+    if 0 < sum(len(reqs.good) for reqs in strata) < MIN_REQUESTS:
+        return 0.0, 1.0
     return stratified([reqs.good.astype(float) for reqs in strata], lambda rows: rows.mean(axis=1))
 
 
@@ -133,10 +138,11 @@ class Ratio:
 
     value: float
     lo: float
-    hi: float
+    hi: float  # inf: too few pairs to bound it
 
-    def as_list(self) -> list[float]:
-        return [self.value, self.lo, self.hi]
+    def as_list(self) -> list[float | None]:
+        """For JSON: an unbounded end is None."""
+        return [self.value, self.lo, self.hi if np.isfinite(self.hi) else None]
 
 
 def _paired(a: Requests, b: Requests) -> tuple[np.ndarray, np.ndarray]:
@@ -154,11 +160,13 @@ def _paired(a: Requests, b: Requests) -> tuple[np.ndarray, np.ndarray]:
 
 def p50_ratio(pairs: Sequence[tuple[Requests, Requests]]) -> Ratio | None:
     """Paired bootstrap of mean-over-strata P50(A) / mean-over-strata P50(B): each stratum's common
-    requests are resampled once for both policies. None when either P50 is undefined."""
+    requests are resampled once for both policies. None when either P50 is undefined; [0, inf)
+    under MIN_REQUESTS requests both finished."""
     rng = np.random.default_rng(SEED)
-    est_a, est_b, rows_a, rows_b = [], [], [], []
+    est_a, est_b, rows_a, rows_b, both = [], [], [], [], 0
     for a, b in pairs:
         va, vb = _paired(a, b)
+        both += int(np.count_nonzero(np.isfinite(va) & np.isfinite(vb)))
         if not len(va):
             continue
         idx = _resamples(rng, len(va))
@@ -178,7 +186,7 @@ def p50_ratio(pairs: Sequence[tuple[Requests, Requests]]) -> Ratio | None:
     interval = _percentile_interval(ratios)
     if interval is None or not np.isfinite(value):
         return None
-    return Ratio(value, *interval)
+    return Ratio(value, *interval) if both >= MIN_REQUESTS else Ratio(value, 0.0, np.inf)
 
 
 # ------------------------------------------------------------------------------------ repeats

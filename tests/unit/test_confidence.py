@@ -215,3 +215,20 @@ def test_live_points_interleave_repeats_and_run_only_the_missing_ones(monkeypatc
     again = points.batch(jobs)
     assert [policy for policy, _ in ran[6:]] == ["taper"]  # only the repeat it lacks
     assert [point["repeats"] for point in again] == [2, 2, 3] and len(points.walls[("taper", 0.1, 0)]) == 3
+
+
+def test_too_few_requests_decide_nothing():
+    """Three decomposable requests, each 20% slower under taper: a bootstrap over three says 1.2x for
+    sure, but three on one side is 1 in 8 by chance, so the comparison stays UNDECIDED; three
+    arrivals, all on time, leave the hold undecided the same way."""
+    eager = [3.0, 5.0, 7.0]
+    few = {"serial": _point([v * 1.5 for v in eager], SERIAL), "eager": _point(eager, SERIAL),
+           "taper": _point([v * 1.2 for v in eager], SERIAL)}
+    check = _judge(few)[0].latency[0]
+    assert check.ratio[0] == pytest.approx(1.2) and check.ratio[2] == float("inf")
+    assert check.outcome == ci.UNDECIDED
+    six = {policy: _point([*point["samples"]["e2e_s"][:3]] * 2, SERIAL) for policy, point in few.items()}
+    assert _judge(six)[0].latency[0].outcome == ci.FAIL  # six pairs all 1.2x: decided
+    tiny = _point([5.0], [1.0, 1.0])
+    tiny["attainment_ci"] = list(ci.attainment_interval([ci.Requests.of(tiny)]))
+    assert tiny["attainment_ci"] == [0.0, 1.0] and hold_outcome(tiny) == ci.UNDECIDED
