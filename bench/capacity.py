@@ -377,7 +377,9 @@ class LatencyCheck:
         att = fmt(self.mine_attainment, True) + (f" [{confidence.span(self.mine_attainment_ci, pct=True)}]"
                                                  if self.mine_attainment_ci else "")
         ratio = ("" if self.ratio is None else f"; {self.ratio[0]:.2f}x {self.versus}"
-                 + ("" if self.ratio[1] == self.ratio[2] else f" [{self.ratio[1]:.2f}-{self.ratio[2]:.2f}]"))
+                 + ("" if self.ratio[1] == self.ratio[2]
+                    else f" [under {confidence.MIN_REQUESTS} pairs]" if math.isinf(self.ratio[2])
+                    else f" [{self.ratio[1]:.2f}-{self.ratio[2]:.2f}]"))
         return (head + f"{focus} {att} att, decomposable P50 e2e {fmt(self.mine_s, nd=1)} s vs frontier "
                 f"{self.frontier} {fmt(self.frontier_s, nd=1)} s{ratio} {self.outcome}")
 
