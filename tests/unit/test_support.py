@@ -104,3 +104,19 @@ def test_register_adds_the_check_once(monkeypatch):
     plugin.register()
     plugin.register()
     assert resolution_hooks._HOOKS == {support.LAST_RESOLUTION_STEP: [support.around_last_resolution_step]}
+
+
+@pytest.mark.parametrize("policy", ["taper", "serial", STOCK])
+def test_a_scheduler_that_meets_a_refused_mode_stops(monkeypatch, policy):
+    """The guard behind the start-time check: a step controller never serves a refused mode."""
+    from branchwise import deferral
+
+    monkeypatch.setattr(deferral, "why_unsupported", lambda scheduler: "pipeline parallelism")
+    config = BranchwiseConfig(branch_policy=policy)
+    if policy == STOCK:
+        support.guard_scheduler(object(), config)  # SGLang's own schedule: every mode
+        return
+    with pytest.raises(RuntimeError, match=f"--branch-policy {policy} does not run with pipeline parallelism"):
+        support.guard_scheduler(object(), config)
+    monkeypatch.setattr(deferral, "why_unsupported", lambda scheduler: None)
+    support.guard_scheduler(object(), config)
