@@ -71,6 +71,9 @@ ATTN_DP = Mode("attention DP", "--attn-dp-size N", lambda m: m.attn_dp_size > 1)
 MLP_SYNC = Mode("batches synced across ranks",
                 "--moe-a2a-backend, --moe-dense-tp-size or --ep-join-mode scale", _mlp_sync_only)
 SPECULATIVE = Mode("speculative decoding", "--speculative-algorithm", _speculative)
+PD_DISAGG = Mode("PD disaggregation", "--disaggregation-mode", lambda m: m.disaggregation_mode != "null")
+PDMUX = Mode("PD multiplexing", "--enable-pdmux", lambda m: m.pdmux)
+PP = Mode("pipeline parallelism", "--pp-size N", lambda m: m.pp_size > 1)
 
 
 # Modes in which a step controller's sub-batch is unsafe or unaccounted:
@@ -81,19 +84,23 @@ SPECULATIVE = Mode("speculative decoding", "--speculative-algorithm", _speculati
 POLICY_MODES: tuple[Mode, ...] = (
     ATTN_DP,
     MLP_SYNC,
-    Mode("PD disaggregation", "--disaggregation-mode", lambda m: m.disaggregation_mode != "null"),
-    Mode("PD multiplexing", "--enable-pdmux", lambda m: m.pdmux),
-    Mode("pipeline parallelism", "--pp-size N", lambda m: m.pp_size > 1),
+    PD_DISAGG,
+    PDMUX,
+    PP,
     SPECULATIVE,
     Mode("mixed chunked prefill", "--enable-mixed-chunk", lambda m: m.mixed_chunk),
 )
 
 # Modes --parallel-sampling does not cover (sp_sampler_hook._unsupported_mode, and the CUDA graph
-# case: a graph-replayed decode batch keeps SGLang's captured logits all-gather).
+# case: a graph-replayed decode batch keeps SGLang's captured logits all-gather); the PD and PP loops
+# sample on their own paths, never run with it.
 SAMPLING_MODES: tuple[Mode, ...] = (
     SPECULATIVE,
     ATTN_DP,
     MLP_SYNC,
+    PD_DISAGG,
+    PDMUX,
+    PP,
     Mode("RL on-policy sampling", "--rl-on-policy-target", lambda m: m.rl_on_policy_target),
     Mode("the ascend sampling backend", "--sampling-backend ascend", lambda m: m.sampling_backend == "ascend"),
     Mode("decode CUDA graphs at TP > 1", "--tp N on a CUDA device",

@@ -75,7 +75,7 @@ def test_check_raises_with_every_refusal():
     with pytest.raises(ValueError) as err:
         support.check(BranchwiseConfig(branch_policy="taper", parallel_sampling=True), modes)
     lines = str(err.value).splitlines()
-    assert len(lines) == 4  # pp, spec, mixed chunk for the policy; spec for parallel sampling
+    assert len(lines) == 5  # pp, spec, mixed chunk for the policy; spec, pp for parallel sampling
     assert all(line.startswith("Branchwise: ") for line in lines)
     support.check(BranchwiseConfig(), modes)  # stock: SGLang's every mode
 

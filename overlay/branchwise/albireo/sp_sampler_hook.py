@@ -120,8 +120,16 @@ def _attach_model(state: SPState, model: torch.nn.Module) -> None:
 def _unsupported_mode(scheduler: Scheduler) -> str | None:
     """Modes SP does not cover; refused at argument resolution (support.SAMPLING_MODES), so this
     is a guard: build stops a scheduler that gets here with one."""
+    from sglang.srt.runtime_context import get_parallel
+
     if not scheduler.spec_algorithm.is_none():
         return "speculative decoding"
+    if scheduler.disaggregation_mode.name != "NULL":
+        return "PD disaggregation"
+    if getattr(scheduler, "enable_pdmux", False):
+        return "PD multiplexing"
+    if get_parallel().pp_size > 1:
+        return "pipeline parallelism"
     if scheduler.require_mlp_sync:  # attention DP (--attn-dp-size), MoE all-to-all, dense-TP MLP
         return "attention DP or batches synced across ranks"
     if getattr(scheduler.server_args, "rl_on_policy_target", None):
