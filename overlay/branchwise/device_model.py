@@ -218,7 +218,8 @@ class DeviceStats:
     overrun_s_max: float = 0.0
     modeled_s: float = 0.0  # sum of T_device over forwards
     waited_s: float = 0.0  # time the scheduler spent waiting for modeled completions
-    compute_s_max: float = 0.0  # longest real computation (launch to its end)
+    compute_s: float = 0.0  # sum of the real computations (launch to end)
+    compute_s_max: float = 0.0  # longest real computation
 
 
 @dataclass(slots=True)
@@ -251,6 +252,7 @@ class DeviceStream:
         end = self.clock() if end_s is None else end_s
         fwd.compute_end_s = end
         st = self.stats
+        st.compute_s += end - fwd.launch_s
         st.compute_s_max = max(st.compute_s_max, end - fwd.launch_s)
         late = end - fwd.done_s
         if late > 0:
@@ -271,7 +273,7 @@ class DeviceStream:
                 "overrun_ms_max": round(1e3 * st.overrun_s_max, 3),
                 "decode": st.decode, "extend": st.extend, "mixed": st.mixed,
                 "modeled_ms": round(1e3 * st.modeled_s, 3), "waited_ms": round(1e3 * st.waited_s, 3),
-                "compute_ms_max": round(1e3 * st.compute_s_max, 3)}
+                "compute_ms": round(1e3 * st.compute_s, 3), "compute_ms_max": round(1e3 * st.compute_s_max, 3)}
 
 
 class _Event(Protocol):

@@ -110,6 +110,7 @@ def test_a_computation_past_the_modeled_completion_is_an_overrun():
     rep = stream.report()
     assert (rep["forwards"], rep["overruns"], rep["overrun_ms_max"]) == (3, 2, pytest.approx(4.0))
     assert rep["preset"] == "test" and rep["compute_ms_max"] == pytest.approx(15.0)
+    assert rep["compute_ms"] == pytest.approx(11.0 + 14.0 + 15.0)
 
 
 def test_the_event_is_done_at_the_modeled_completion():
