@@ -70,10 +70,9 @@ class BranchwiseState:
     """What Branchwise keeps per scheduler process."""
 
     config: BranchwiseConfig
-    controller: StepController | None = None  # None: pass-through (unsupported mode)
+    controller: StepController | None = None  # None: policy stock (SGLang's own schedule)
     tp_rank: int = 0
     tp_size: int = 1
-    disabled_reason: str | None = None
     metrics: BranchwiseMetrics | None = None
     pid: int = field(default_factory=os.getpid)
     proctitle: str = field(default_factory=_proctitle)
@@ -93,7 +92,7 @@ class BranchwiseState:
 
     def report(self) -> dict[str, Any]:
         rep: dict[str, Any] = {"config": self.config.as_dict(), "pid": self.pid, "proctitle": self.proctitle,
-                               "counters": dict(self.counters), "disabled_reason": self.disabled_reason}
+                               "counters": dict(self.counters)}
         ctl = self.controller
         if ctl is not None:
             stats = ctl.stats
@@ -153,12 +152,8 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
 
     parallel = get_parallel()
     taper = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
-    taper.disabled_reason = deferral.why_unsupported(scheduler)
-    if taper.disabled_reason:
-        logger.warning("Branchwise: per-step branch admission is not supported with %s; "
-                       "every row runs every step (SGLang's schedule)", taper.disabled_reason)
-    elif cfg.step_controller:  # policy stock: no controller, SGLang's schedule (phases still counted)
-        taper.controller = _build_controller(cfg)
+    if cfg.step_controller:  # stock: no controller, SGLang's schedule (phases still counted)
+        taper.controller = _build_controller(cfg)  # a mode it cannot run in was refused (support.py)
     # Branch rows can sit out steps under every policy (serial runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.
