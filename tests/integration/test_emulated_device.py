@@ -1,0 +1,87 @@
+"""--emulate-device in SGLang (overlap on, the default): the same greedy tokens, the modeled time honored.
+
+Two servers from the pool: the default one (the reference, shared with other modules) and one under
+a test preset whose 50 ms floor dwarfs the tiny model's few-ms forward, so every forward's result
+must wait for its modeled completion. The timing check reads the server's own report: a lone
+request's forwards run one after another on the emulated stream, so its wall time is at least the
+sum of their modeled times, each at least the floor.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from branchwise.launch import get_json, post_json
+
+FLOOR_MS = 50.0
+PRESET = {"name": "test-50ms", "floor_ms": FLOOR_MS, "per_row_ms": 1.0, "per_context_token_us": 0.0,
+          "per_prefill_token_us": 0.0, "graph_batch_sizes": [1, 2, 4, 8], "source": "a test preset"}
+PROMPTS = [f"request {i}: the plan is to" for i in range(4)]
+GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def preset_file(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("device") / "test-50ms.json"
+    path.write_text(json.dumps(PRESET))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def emulated(servers, preset_file):
+    return servers.get("--emulate-device", preset_file)
+
+
+def device_report(url: str) -> dict:
+    (state,) = get_json(url + "/server_info")["internal_states"]
+    return state["emulated_device"]
+
+
+def texts(url: str) -> list[str]:
+    out = post_json(url + "/generate", {"text": PROMPTS, "sampling_params": GREEDY})
+    return [item["text"] for item in out]
+
+
+def test_greedy_outputs_are_the_same_with_and_without_the_emulated_device(servers, emulated):
+    reference = servers.get()
+    before = device_report(emulated.url)["forwards"]
+    assert texts(emulated.url) == texts(reference.url)
+    assert "emulated_device" not in get_json(reference.url + "/server_info")["internal_states"][0]
+    assert device_report(emulated.url)["forwards"] > before
+
+
+def test_each_forward_is_seen_no_earlier_than_its_modeled_completion(emulated):
+    before = device_report(emulated.url)
+    n = 12
+    start = time.perf_counter()
+    out = post_json(emulated.url + "/generate", {"text": "one request alone", "sampling_params":
+                                                 {"max_new_tokens": n, "temperature": 0, "ignore_eos": True}})
+    wall_s = time.perf_counter() - start
+    after = device_report(emulated.url)
+    forwards = after["forwards"] - before["forwards"]
+    modeled_s = (after["modeled_ms"] - before["modeled_ms"]) / 1e3
+    assert out["meta_info"]["completion_tokens"] == n
+    assert forwards >= n  # a prefill, then a decode step per further token
+    assert modeled_s >= forwards * FLOOR_MS / 1e3
+    assert wall_s >= modeled_s  # one in-order stream: the last result waits for every forward before it
+    assert after["waited_ms"] > before["waited_ms"]  # the scheduler did wait on the device
+    # a 50 ms floor fits the CPU's forward (the server's first forwards, its warm-up, may not: they
+    # are counted, but before this request)
+    assert after["preset"] == "test-50ms" and after["overruns"] == before["overruns"], (before, after)
+
+
+def test_a_bad_preset_fails_at_argument_parsing(tmp_path, capsys):
+    """SGLang's own argument parsing (the patched ServerArgs) reads and checks the file, before a model loads."""
+    from sglang.srt.server_args import prepare_server_args
+
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(PRESET | {"floor_ms": -1}))
+    with pytest.raises(SystemExit) as exit_info:
+        prepare_server_args(["--model-path", "unused", "--emulate-device", str(bad)])
+    assert exit_info.value.code == 2
+    assert f"device preset {bad}: floor_ms must be a finite number >= 0" in capsys.readouterr().err
+    args = prepare_server_args(["--model-path", "unused", "--emulate-device", "h100-llama3.1-8b@x4"])
+    assert args.emulate_device == "h100-llama3.1-8b@x4"
