@@ -40,9 +40,6 @@ $(STAMP): pyproject.toml overlay/branchwise/cpu_compat/requirements-cpu.txt
 		$(SGLANG_CPU) && $(PIP) install -q --no-deps -e . \
 		&& $(PIP) install -q pytest pytest-timeout hypothesis ruff matplotlib tqdm $(ROUTER); \
 	fi
-	@# unchanged SGLang frontend programs get Branchwise's fork hook (lazy; BRANCHWISE_FRONTEND_HOOK=0 opts out)
-	echo "import os; os.environ.get('BRANCHWISE_FRONTEND_HOOK', '1') == '0' or __import__('branchwise.frontend_hook').frontend_hook.install()" \
-		> "$$($(PY) -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/branchwise_frontend.pth"
 	touch $(STAMP)
 
 # sglang 0.5.23 alone on a CPU-only machine (make install's CPU recipe; tests/integration/test_install.py

@@ -29,6 +29,11 @@ from pathlib import Path
 SGLANG_VERSION = "0.5.23"
 DEFAULT_PATCHES = Path(__file__).resolve().parent / "patches" / f"sglang-{SGLANG_VERSION}"
 STATE_NAME = "branchwise-patches"
+# Unchanged SGLang frontend programs get Branchwise's fork hook in every process of the environment
+# (lazy: the hook imports nothing until a program forks; env BRANCHWISE_FRONTEND_HOOK=0 opts out).
+FRONTEND_PTH = "branchwise_frontend.pth"
+FRONTEND_PTH_LINE = ("import os; os.environ.get('BRANCHWISE_FRONTEND_HOOK', '1') == '0' or "
+                     "__import__('branchwise.frontend_hook').frontend_hook.install()\n")
 
 
 class PatchError(RuntimeError):
@@ -127,6 +132,7 @@ def series_digest(patch_dir: Path) -> str:
 
 def apply(patch_dir: Path = DEFAULT_PATCHES) -> str:
     target = find_target()
+    (target.site / FRONTEND_PTH).write_text(FRONTEND_PTH_LINE)
     states = file_states(target, patch_dir)
     digest, stamp = series_digest(patch_dir), target.state_dir / "series.sha256"
     note = ""
@@ -171,6 +177,7 @@ def _restore_pristine(target: Target, states: dict[str, str]) -> None:
 
 def revert(patch_dir: Path = DEFAULT_PATCHES) -> str:
     target = find_target()
+    (target.site / FRONTEND_PTH).unlink(missing_ok=True)
     states = file_states(target, patch_dir)
     if all(state == "pristine" for state in states.values()):
         return "not applied: sglang is already pristine"

@@ -106,6 +106,8 @@ def test_pip_install_into_an_sglang_env_then_one_command_and_one_flag(scratch, t
     assert run([patch, "check"], cwd=tmp_path, env=env).startswith("state: not applied")
     assert run([patch, "apply"], cwd=tmp_path, env=env).startswith("applied ")
     assert run([patch, "check"], cwd=tmp_path, env=env).startswith("state: applied")
+    hooked = "from sglang.lang.interpreter import StreamExecutor as S; print(hasattr(S.fork, '__wrapped__'))"
+    assert run([str(py), "-c", hooked], cwd=tmp_path, env=env).strip() == "True"  # frontend programs' fork hook
     t_branchwise = time.monotonic() - t0 - t_sglang
 
     monkeypatch.chdir(tmp_path)  # the server imports nothing from the checkout
