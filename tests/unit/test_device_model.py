@@ -196,3 +196,25 @@ def test_composition_reads_decode_extend_and_mixed_batches():
     assert composition(mixed) == (Composition(decode_rows=2, context_tokens=42, prefill_rows=1,
                                               prefill_tokens=64), "mixed")
     assert composition(SimpleNamespace(forward_mode=_mode("idle"))) is None
+
+
+@pytest.mark.parametrize("args,env,needle", [
+    ({}, "1", "BRANCHWISE_FORWARD_THREAD=1"),
+    ({"speculative_algorithm": "EAGLE"}, "", "speculative decoding"),
+    ({"pp_size": 2}, "", "pipeline parallelism"),
+    ({"disaggregation_mode": "prefill"}, "", "PD disaggregation"),
+])
+def test_unmodeled_modes_are_refused_at_start(monkeypatch, args, env, needle):
+    from branchwise import emulated_device
+    from branchwise.config import BranchwiseConfig
+
+    monkeypatch.setenv("BRANCHWISE_FORWARD_THREAD", env)
+    server_args = SimpleNamespace(**({"speculative_algorithm": None, "pp_size": 1, "disaggregation_mode": "null"}
+                                     | args))
+    scheduler = SimpleNamespace(server_args=server_args)
+    cfg = BranchwiseConfig(async_output=True, emulate_device="a100-qwen3-32b-tp8")
+    with pytest.raises(ValueError, match=f"--emulate-device does not run with .*{needle}"):
+        emulated_device.build(scheduler, cfg)
+    monkeypatch.setenv("BRANCHWISE_FORWARD_THREAD", "")
+    if not args:  # the same server without the forward thread runs emulated
+        assert emulated_device.build(scheduler, cfg).preset.name == "a100-qwen3-32b-tp8"
