@@ -294,8 +294,10 @@ class DeviceEvent:
         self.stream, self.forward, self.inner = stream, forward, inner
         self._waited = False
 
-    def record(self, stream: object = None) -> None:  # recorded at launch already
-        return None
+    def record(self, stream: object = None) -> None:
+        """A copy issued after launch (a grammar batch's delayed sampling) records SGLang's event."""
+        if self.inner is not None and hasattr(self.inner, "record"):
+            self.inner.record() if stream is None else self.inner.record(stream)
 
     def query(self) -> bool:
         inner_done = self.inner is None or self.inner.query()

@@ -53,6 +53,15 @@ def test_greedy_outputs_are_the_same_with_and_without_the_emulated_device(server
     assert device_report(emulated.url)["forwards"] > before
 
 
+def test_grammar_outputs_are_the_same(servers, emulated):
+    """A grammar batch samples later (SGLang's delayed sampling): its computation ends there."""
+    regex = r"(yes|no), [a-z]{2,6}( [a-z]{2,6}){1,3}\."
+    payload = {"text": PROMPTS[:2], "sampling_params": {"max_new_tokens": 32, "temperature": 0, "regex": regex}}
+    got = [item["text"] for item in post_json(emulated.url + "/generate", payload)]
+    assert got == [item["text"] for item in post_json(servers.get().url + "/generate", payload)]
+    assert all(text.startswith(("yes, ", "no, ")) for text in got)
+
+
 def test_each_forward_is_seen_no_earlier_than_its_modeled_completion(emulated):
     before = device_report(emulated.url)
     n = 12

@@ -116,9 +116,12 @@ def test_a_computation_past_the_modeled_completion_is_an_overrun():
 def test_the_event_is_done_at_the_modeled_completion():
     stream, clock = stream_of()
     inner = SimpleNamespace(synced=0, synchronize=lambda: setattr(inner, "synced", inner.synced + 1),
-                            query=lambda: True)
+                            query=lambda: True, recorded=0,
+                            record=lambda *a: setattr(inner, "recorded", inner.recorded + 1))
     fwd = stream.launch(Composition(decode_rows=1), 0.0)
     event = DeviceEvent(stream, fwd, inner)
+    event.record()  # a copy issued after launch (delayed sampling) records SGLang's own event
+    assert inner.recorded == 1
     clock.now = 0.004
     assert not event.query()
     event.synchronize()
