@@ -33,6 +33,7 @@ UNIFIED_RADIX_CACHE = "sglang.srt.mem_cache.unified_radix_cache.UnifiedRadixCach
 TOKENIZER_MANAGER = "sglang.srt.managers.tokenizer_manager.TokenizerManager"
 GENERATE_REQ_INPUT = "sglang.srt.managers.io_struct.GenerateReqInput"
 DP_CONTROLLER = "sglang.srt.managers.data_parallel_controller.DataParallelController"
+TIME_STATS = "sglang.srt.observability.req_time_stats.SchedulerReqTimeStats"
 
 
 def _flag_declared(name: str) -> bool:
@@ -53,6 +54,7 @@ def hook_table(HookType: type[HookKind],
     from branchwise import deferral, fork, runtime
     from branchwise import dp_dispatch as dp
     from branchwise import emulated_device as ed
+    from branchwise import metrics as m
     from branchwise import n_sampling as ns
     from branchwise import scheduler_hook as sh
     from branchwise import step_timer as t
@@ -72,10 +74,14 @@ def hook_table(HookType: type[HookKind],
         (True, f"{SCHEDULER}.__init__", runtime.after_scheduler_init),
         (albireo or emulate, f"{SCHEDULER}.get_internal_state", runtime.after_get_internal_state),
         (serving, f"{SCHEDULER}._create_generation_req", runtime.after_create_generation_req),
+        # metrics.py (--enable-metrics): branch requests, phases and each one's TPOT SLO verdict, every policy
+        (serving, f"{SCHEDULER}._add_request_to_queue", runtime.after_add_request_to_queue),
+        (serving, f"{TIME_STATS}.set_prefill_finished_time", m.after_set_prefill_finished_time),
+        (serving, f"{TIME_STATS}.set_completion_time", m.after_set_completion_time),
         # taper: per-step branch admission (scheduler_hook.py); which token a deferred row's penalties
         # cumulate (deferral.py; SGLang calls it only for batches with penalties)
         (serving, f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch),
-        (serving, f"{SCHEDULER}.process_batch_result", sh.after_process_batch_result),
+        (serving, f"{SCHEDULER}.process_batch_result", runtime.after_process_batch_result),
         (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens",
          deferral.around_cumulate_penalty_output_tokens),
         # fork.py: server-side fork/join (its per-token hook sits on each tracked Req instance)

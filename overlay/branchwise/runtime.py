@@ -16,13 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import dp_dispatch, emulated_device, fork, scheduler_hook, step_timer, support
+from branchwise import dp_dispatch, emulated_device, fork, metrics, scheduler_hook, step_timer, support
 from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GetInternalStateReqOutput, TokenizedGenerateReqInput
-    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
 
     from branchwise.albireo.async_output import AsyncOutput
@@ -114,3 +114,22 @@ def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGe
     if bw.dp is not None:
         bw.dp.on_request_created(req)
     return req
+
+
+def after_add_request_to_queue(result: None, self: Scheduler, req: Req, *args: Any, **kwargs: Any) -> None:
+    """A request entered the waiting queue (a client's, a server-side fork branch, or one coming back):
+    the metrics count branch requests and phases, and follow it to its SLO verdict (metrics.py)."""
+    bw = of(self)
+    if bw is not None and bw.taper is not None and bw.taper.metrics is not None:
+        metrics.on_queued(bw.taper.metrics, req, bw.config)
+    return result
+
+
+def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
+                               *args: Any, **kwargs: Any) -> object:
+    """TAPER's deliveries and refit (scheduler_hook), then the per-step series of every policy."""
+    result = scheduler_hook.after_process_batch_result(result, self, batch, *args, **kwargs)
+    taper = scheduler_hook.state_of(self)
+    if taper is not None and taper.metrics is not None:
+        metrics.observe_batch(taper.metrics, batch, taper.controller is not None)
+    return result
