@@ -4,6 +4,7 @@ Grafana dashboard's panel expressions are evaluated through its HTTP API, as Gra
 
 from __future__ import annotations
 
+import asyncio
 import json
 import math
 import os
@@ -20,11 +21,17 @@ from typing import Any
 import pytest
 import yaml
 
+from branchwise import client
+
 ROOT = Path(__file__).resolve().parents[2]
 MON = ROOT / "bench" / "monitoring"
 DASHBOARD = MON / "grafana" / "dashboards" / "json" / "branchwise.json"
 WAIT_S = 60.0  # a series that a working server exports shows within seconds of the load
 WINDOW = "5m"  # $__rate_interval: rates over the whole test, whenever it is evaluated
+# SGLang creates its request histograms at a server's first request; a rate needs a scraped sample
+# before an increase, so `prime` makes and scrapes them before the load
+CREATED_AT_FIRST_REQUEST = ("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count")
+SAMPLING = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 def binary() -> str:
@@ -65,9 +72,13 @@ def worker_variable_query() -> str:
     return query[len("label_values("):-len(", instance)")]
 
 
+def for_workers(expr: str, regex: str) -> str:
+    """A panel expression as Grafana sends it with `worker` matching `regex` (".*": All)."""
+    return expr.replace("$worker", regex).replace("$__rate_interval", WINDOW)
+
+
 def for_instance(expr: str, instance: str) -> str:
-    """A panel expression as Grafana sends it with `worker` set to one instance."""
-    return expr.replace("$worker", instance.replace(".", "\\\\.")).replace("$__rate_interval", WINDOW)
+    return for_workers(expr, instance.replace(".", "\\\\."))
 
 
 def hostport(url: str) -> str:
@@ -178,3 +189,21 @@ class Prometheus:
             dead = {e: got.get(e) for e in exprs if not any(math.isfinite(v) for v in got.get(e, []))}
             pytest.fail(f"dashboard expressions empty or NaN after {WAIT_S:.0f} s: {dead}")
         return got
+
+
+async def streamed(url: str, fanout: int) -> None:
+    """A streamed client phase and a streamed serial request: SGLang observes inter-token latency
+    per streamed chunk only."""
+    await asyncio.gather(client.fork(url, [f"stream branch {i}:" for i in range(fanout)], SAMPLING, stream=True),
+                         client.generate(url, "stream serial:", SAMPLING, stream=True))
+
+
+def prime(prom: Prometheus, urls: list[str]) -> None:
+    """One streamed request per server, then wait until Prometheus holds its request histograms."""
+    async def warm_up() -> None:
+        await asyncio.gather(*(client.generate(url, "warm up:", dict(SAMPLING, max_new_tokens=4), stream=True)
+                               for url in urls))
+
+    asyncio.run(warm_up())
+    prom.wait(lambda: all(prom.values(f'{name}{{instance="{hostport(url)}"}}') for url in urls
+                          for name in CREATED_AT_FIRST_REQUEST), "the request histograms scraped")

@@ -10,7 +10,6 @@ import threading
 
 import pytest
 
-from branchwise import client
 from frontends import fork_join
 from tests.integration import prometheus_live as pl
 
@@ -19,29 +18,16 @@ POLICIES = {"stock": ("--branch-policy", "stock", "--enable-metrics", "--branch-
             "taper": ("--branch-policy", "taper", "--enable-metrics")}
 PROGRAMS, FANOUT = 3, 4  # fork/join programs: head -> 4 branches -> tail
 STREAMED_FANOUT = 3  # one streamed client phase beside them, and one streamed serial request
-CREATED_AT_FIRST_REQUEST = ("sglang:time_to_first_token_seconds_count", "sglang:inter_token_latency_seconds_count")
 ROWS = ("Branchwise per worker and DP rank", "SGLang per worker and DP rank")
 # TAPER's planner: its predicted step, slack budget and planner time. Under stock nothing is planned,
 # and these series are absent rather than a made-up value.
 PLANNER = ("branchwise:predicted_step_seconds", "branchwise:slack_budget_seconds", "branchwise:planner_seconds_mean")
 
 
-async def streamed(url: str) -> None:
-    """Streamed requests, so that SGLang observes inter-token latency (it does per streamed chunk)."""
-    sp = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    await asyncio.gather(client.fork(url, [f"stream branch {i}:" for i in range(STREAMED_FANOUT)], sp, stream=True),
-                         client.generate(url, "stream serial:", sp, stream=True))
-
-
-async def warm_up(urls: list[str]) -> None:
-    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
-    await asyncio.gather(*(client.generate(url, "warm up:", sp, stream=True) for url in urls))
-
-
 def load(url: str, errors: list[BaseException]) -> None:
     try:
         fork_join.run_batch(url, PROGRAMS, fanout=FANOUT, head_tokens=12, branch_tokens=16, tail_tokens=8, seed=700)
-        asyncio.run(streamed(url))
+        asyncio.run(pl.streamed(url, STREAMED_FANOUT))
     except BaseException as e:  # noqa: BLE001 - reported by the fixture's thread join
         errors.append(e)
 
@@ -53,11 +39,7 @@ def scraped(servers, tmp_path_factory):
     instances = {name: pl.hostport(server.url) for name, server in live.items()}
     with pl.Prometheus(tmp_path_factory.mktemp("prometheus"), list(instances.values())) as prom:
         prom.wait(lambda: prom.targets_up() == set(instances.values()), "both servers scraped (target up)")
-        # SGLang creates its request histograms at the first request, and a rate needs a scraped
-        # sample before an increase: one streamed request each first, the load after its scrape
-        asyncio.run(warm_up([server.url for server in live.values()]))
-        prom.wait(lambda: all(prom.values(f'{name}{{instance="{inst}"}}') for inst in instances.values()
-                              for name in CREATED_AT_FIRST_REQUEST), "the request histograms scraped")
+        pl.prime(prom, [server.url for server in live.values()])
         errors: list[BaseException] = []
         threads = [threading.Thread(target=load, args=(server.url, errors)) for server in live.values()]
         for t in threads:

@@ -5,6 +5,7 @@ where its branches run, n > 1 and a malformed stamp pass through unchanged."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -24,6 +25,7 @@ from branchwise.launch import (
 )
 from frontends import fork_join
 from frontends.common import prefix_hits
+from tests.integration import prometheus_live as pl
 
 WORKER_ARGS = ["--branch-policy", "taper", "--enable-metrics"]
 PROGRAMS, FANOUT = 4, 4
@@ -93,6 +95,22 @@ def test_engine_metrics_carry_each_workers_branchwise_series(cluster, runs):
     text = urllib.request.urlopen(router.url + "/engine_metrics", timeout=30).read().decode()
     for w in workers:
         assert f'branchwise:realized_step_seconds_count{{dp_rank="0",worker_addr="{w.url}"}}' in text
+
+
+def test_prometheus_reads_every_dashboard_panel_of_the_cluster(cluster, tmp_path):
+    """Debian's prometheus with the repo's scrape config on these workers and the router's
+    --prometheus-port: with the worker menu on All, every expression of the dashboard, the smg
+    router's panels included, returns a number after programs through the router."""
+    router, workers = cluster
+    hosts = [pl.hostport(w.url) for w in workers]
+    with pl.Prometheus(tmp_path, hosts, router=f"127.0.0.1:{router.metrics_port}") as prom:
+        prom.wait(lambda: len(prom.targets_up()) == 3, "both workers and the router scraped (targets up)")
+        pl.prime(prom, [w.url for w in workers])
+        run_programs(router.url)
+        asyncio.run(pl.streamed(router.url, FANOUT))
+        prom.wait_live([pl.for_workers(e, ".*") for p in pl.panels() for e in p.exprs])
+        routed = {s["metric"]["worker"] for s in prom.query("smg_worker_requests_total")}
+        assert {w.url for w in workers} <= routed, routed  # the router's series name its workers
 
 
 def test_n_samples_reach_one_worker_whole(cluster):
