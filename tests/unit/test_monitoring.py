@@ -1,6 +1,7 @@
-"""bench/monitoring without Prometheus or Grafana (neither is installable here): the scrape config
-targets make serve-cluster's ports, and every dashboard expression names a series that is exported
-(Branchwise's from metrics.py, SGLang's from the installed sglang, smg's from the installed smg)."""
+"""bench/monitoring's files on their own (tests/integration/test_prometheus.py and test_router.py run
+them against a live Prometheus): the scrape config targets make serve-cluster's ports and restores
+the exported names, and every dashboard expression names a series that is exported (Branchwise's
+from metrics.py, SGLang's from the installed sglang, smg's from the installed smg)."""
 
 from __future__ import annotations
 
@@ -88,3 +89,22 @@ def test_dashboard_layout_and_provisioning_fit_together():
     provider = yaml.safe_load((MON / "grafana" / "dashboards" / "config" / "dashboard.yaml").read_text())
     mounts = [v.split(":")[1] for v in compose["services"]["grafana"]["volumes"]]
     assert provider["providers"][0]["options"]["path"] in mounts
+
+
+def test_the_scrape_config_restores_the_names_prometheus_2_gets_escaped():
+    """prometheus_client answers Prometheus 2's OpenMetrics request with ':' written as '_'; the
+    relabel rule (a fully anchored RE2 regex, as Prometheus applies it) maps them back, and leaves
+    intact names and smg's own alone."""
+    cfg = yaml.safe_load((MON / "prometheus.yaml").read_text())
+    (job,) = [j for j in cfg["scrape_configs"] if j["job_name"] == "branchwise-workers"]
+    (rule,) = job["metric_relabel_configs"]
+    assert rule["source_labels"] == ["__name__"] and rule["target_label"] == "__name__"
+
+    def relabel(name: str) -> str:
+        m = re.fullmatch(rule["regex"], name)
+        return re.sub(r"\$(\d)", lambda g: m.group(int(g.group(1))), rule["replacement"]) if m else name
+
+    assert relabel("branchwise_slo_met_total") == "branchwise:slo_met_total"
+    assert relabel("sglang_time_to_first_token_seconds_bucket") == "sglang:time_to_first_token_seconds_bucket"
+    for intact in ("branchwise:slo_met_total", "sglang:num_running_reqs", "smg_worker_requests_total", "up"):
+        assert relabel(intact) == intact
