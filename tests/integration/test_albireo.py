@@ -8,8 +8,9 @@ Six servers, each started once and stopped before the next (one alive at a time)
   sp2     tp=2, --parallel-sampling --disable-overlap-schedule (async output off)
   sp2-async  tp=2, --parallel-sampling --async-output and the forward thread on every rank
   stock-mixed / async-mixed   stock / async with --enable-mixed-chunk and 64-token prefill chunks
-Both tp=1 pairs run --branch-policy eager (see CLP: penalties comparable across runs) and the first
-takes custom logit processors (a server-side Multiverse fork is driven by one).
+The first tp=1 pair runs --branch-policy eager (see CLP: penalties comparable across runs) and takes
+custom logit processors (a server-side Multiverse fork is driven by one). The mixed pair runs policy
+stock (a step controller is refused with mixed chunked prefill), so its requests carry no penalty.
 Requests arriving while others decode, penalties, the input-logprob path, fork spawns and joins,
 mixed steps: each comparison also checks, from the server's forward-thread stats, that those
 batches ran on the worker thread rather than inline.
@@ -43,7 +44,7 @@ GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}
 # interleaves (a function of arrival timing), so penalised outputs would differ between two runs of
 # stock itself; pinned, they are a function of the tokens and comparable across servers.
 CLP = ("--branch-policy", "eager", "--enable-custom-logit-processor")
-MIXED = ("--branch-policy", "eager", "--enable-mixed-chunk", "--chunked-prefill-size", "64")
+MIXED = ("--branch-policy", "stock", "--enable-mixed-chunk", "--chunked-prefill-size", "64")
 SERVERS = {  # name: (args, tp)
     "stock": (CLP, 1),
     "async": (CLP + ("--async-output", "--parallel-sampling"), 1),
@@ -177,7 +178,9 @@ def outputs(url: str) -> dict[str, Any]:
 def mixed_outputs(url: str) -> dict[str, Any]:
     """--enable-mixed-chunk: late short prompts mix with the running decode rows; a long one is chunked."""
     long_sp = GREEDY | {"max_new_tokens": 64}
-    late = [(PROMPTS[1], GREEDY), (LONG_PROMPT, GREEDY), (PROMPTS[2], PENALTIES[0]), (PROMPTS[3], GREEDY)]
+    # greedy only: under stock a penalised row's cumulated tokens depend on arrival timing (see CLP)
+    late = [(PROMPTS[1], GREEDY), (LONG_PROMPT, GREEDY), (PROMPTS[2], GREEDY | {"max_new_tokens": 20}),
+            (PROMPTS[3], GREEDY)]
     out = {"arrivals": arrivals(url, long_sp, late, at=(2, 4, 6, 8))}
     out["again"] = arrivals(url, long_sp, late[::-1], at=(1, 3, 5, 7))
     # the prefill's input-logprob path

@@ -163,9 +163,9 @@ def test_grammar_constrained_rows_with_deferral_match_eager(servers):
 
 # A KV pool too small for the workload, admission that reserves one token of decode growth per
 # request (SGLang's estimation clip; ignore_eos requests otherwise reserve all of max_new_tokens),
-# so SGLang must retract; and mixed chunked prefill (retracted and late requests re-enter as
-# prefills mixed with the running decode rows).
-PRESSURE = ("--enable-mixed-chunk", "--chunked-prefill-size", "256")
+# so SGLang must retract; retracted and late requests re-enter as chunked prefills. (Mixed chunked
+# prefill is refused with a step controller: tests/integration/test_refused_modes.py.)
+PRESSURE = ("--chunked-prefill-size", "256")
 PRESSURE_ENV = {"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "1"}
 POOL_TOKENS = 256
 
@@ -264,12 +264,10 @@ def test_tp2_decides_on_rank0_and_matches_tp1(servers):
     assert branchwise_report(tp2.url)["taper"]["rows_deferred"] > 0
 
 
-def test_memory_pressure_retraction_and_mixed_chunks_with_deferral(servers):
+def test_memory_pressure_retraction_with_deferral(servers):
     """Retraction while branch rows are deferred (the subset no longer fits -> SGLang's own retract
-    path over the full batch, deferred rows included) and mixed chunked prefill steps, which run
-    every decode row (SGLang mixes the whole running batch into the prefill before
-    update_running_batch could choose rows; running all rows is the eager step, always correct).
-    Outputs equal eager's under the same pool, and the KV pool drains back to idle."""
+    path over the full batch, deferred rows included), and late requests prefilled between
+    deferring steps. Outputs equal eager's under the same pool, and the KV pool drains back to idle."""
     eager = servers.get(*EAGER, *PRESSURE, env=PRESSURE_ENV, max_total_tokens=POOL_TOKENS)
     ref = pressure_then_late_arrivals(eager.url)
     assert retractions(eager) > 0 and wait_idle(eager.url) == 0
@@ -280,7 +278,6 @@ def test_memory_pressure_retraction_and_mixed_chunks_with_deferral(servers):
     rep = branchwise_report(tight.url)
     assert rep["taper"]["rows_deferred"] > 0
     assert rep["counters"].get("fallback_retract", 0) > 0 and retractions(tight) > 0
-    assert rep["counters"].get("mixed_steps", 0) > 0
     assert wait_idle(tight.url) == 0
 
 
