@@ -192,6 +192,7 @@ class BranchwiseMetrics:
     ledger: SloLedger = field(default_factory=SloLedger)
     _last: dict[str, float] = field(default_factory=dict)
     _step: tuple[int, float] | None = None  # the last decode batch: forward_iter, launch time
+    _stock_rate_set: bool = False
 
     def __post_init__(self) -> None:
         from prometheus_client import REGISTRY, Counter, Gauge, Histogram
@@ -281,7 +282,9 @@ class BranchwiseMetrics:
         if not controller and (rows := self.ledger.opportunistic_rows) > 0:
             self.candidates.inc(rows)
             self.admitted.inc(rows)
-            self.admission_rate.set(1.0)
+            if not self._stock_rate_set:  # constant: every ready row runs
+                self.admission_rate.set(1.0)
+                self._stock_rate_set = True
 
     def observe_taper(self, stats: StepStats) -> None:
         """TAPER's cumulative `stats` after a step it timed, as series."""
