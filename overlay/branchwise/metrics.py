@@ -299,11 +299,6 @@ class BranchwiseMetrics:
         self.predicted.set(stats.last_predicted_s)
         self.planner.set(stats.planner_s / max(stats.planned_steps, 1))
 
-    def observe_step(self, latency_s: float, stats: StepStats, counters: object = None) -> None:
-        """report_step's call: TAPER's series only. The step latency and the branch requests are
-        recorded for every policy (observe_batch, track), so `latency_s` and `counters` are unread."""
-        self.observe_taper(stats)
-
 
 # ---- SGLang glue ----------------------------------------------------------------------------------
 def on_queued(metrics: BranchwiseMetrics, req: Req, config: BranchwiseConfig) -> None:

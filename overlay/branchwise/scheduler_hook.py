@@ -160,7 +160,7 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     if taper.controller is not None and scheduler.enable_overlap:
         deferral.pin_penalty_tokens(scheduler)
     if getattr(scheduler.server_args, "enable_metrics", False) and taper.tp_rank == 0:
-        taper.metrics = BranchwiseMetrics()
+        taper.metrics = BranchwiseMetrics(slo_s=cfg.slo_s(None))
     logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), taper.proctitle)
     return taper
 
@@ -447,7 +447,7 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
         latency = launch_ts - prev.launch_ts
         ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
         if taper.metrics:
-            taper.metrics.observe_step(latency, ctl.stats, taper.counters)
+            taper.metrics.observe_taper(ctl.stats)
     elif prev is not None and prev.deferred:
         taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
     deferred = _planned_deferred(taper, forward_iter, len(reqs))

@@ -200,9 +200,9 @@ def test_under_a_controller_the_rows_are_taper_s_and_the_latency_is_timed_once(r
     metrics.observe_batch(True, 2, 1.03, controller=True)
     stats = StepStats(candidates=10, admitted=4, rows_deferred=6, planner_s=0.002, planned_steps=2,
                       last_budget_s=0.04, last_predicted_s=0.03)
-    metrics.observe_step(0.03, stats, {"branch_requests": 99})  # report_step's call
+    metrics.observe_taper(stats)  # report_step's call
     stats.candidates, stats.admitted = 12, 6
-    metrics.observe_step(0.03, stats)
+    metrics.observe_taper(stats)
     assert value(reg, "branchwise:candidate_branches_total") == 12.0
     assert value(reg, "branchwise:admitted_branches_total") == 6.0
     assert value(reg, "branchwise:deferred_branches_total") == 6.0
