@@ -151,11 +151,15 @@ def test_the_refit_sees_the_rows_taper_deferred_not_the_rows_that_left():
     assert refit["steps"] == 1 and refit["deferring_steps"] == 1  # the deferring step's latency came in
 
 
-def test_a_deferring_step_without_a_decode_launch_after_it_is_counted_unmeasured():
+def _one_phase() -> tuple[SimpleNamespace, sh.BranchwiseState, list[SimpleNamespace]]:
+    """A taper scheduler that has seen phases, and the two rows of one phase."""
     s = scheduler()
-    st = s.branchwise.taper
-    st.phases_seen = True
-    rows = [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    s.branchwise.taper.phases_seen = True
+    return s, s.branchwise.taper, [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+
+
+def test_a_deferring_step_without_a_decode_launch_after_it_is_counted_unmeasured():
+    s, st, rows = _one_phase()
     st.planned[3] = sh.PlannedStep(rows=1, deferred=1)
     sh.after_process_batch_result(None, s, decode_batch(rows[:1], 3))
     assert st.report()["taper"]["refit"]["pending_deferring"] == 1
@@ -166,10 +170,7 @@ def test_a_deferring_step_without_a_decode_launch_after_it_is_counted_unmeasured
 
 
 def test_a_planned_record_never_credits_another_batch():
-    s = scheduler()
-    st = s.branchwise.taper
-    st.phases_seen = True
-    rows = [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    s, st, rows = _one_phase()
     st.planned[5] = sh.PlannedStep(rows=1, deferred=1)
     st.planned[2] = sh.PlannedStep(rows=1, deferred=1)  # a step whose result never came back
     sh.after_process_batch_result(None, s, decode_batch(rows, 5))  # two rows: not the planned step
