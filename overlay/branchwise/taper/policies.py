@@ -58,9 +58,10 @@ class Terms:
 PAPER = Terms()
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class KeyClock:
-    """One request's (one key's) inputs to the budget rule this step."""
+    """One request's (one key's) inputs to the budget rule this step. Hot path: one per request per
+    step, so not frozen (a frozen dataclass's __init__ costs ~3x: ~1.5 us against ~0.45 us)."""
 
     slack_s: float  # slack against its TPOT SLO (SlackTracker.slack)
     gap_s: float | None  # its per-gap slack (terms.mean only)
