@@ -220,6 +220,10 @@ class DeviceStats:
     waited_s: float = 0.0  # time the scheduler spent waiting for modeled completions
     compute_s: float = 0.0  # sum of the real computations (launch to end)
     compute_s_max: float = 0.0  # longest real computation
+    # exposed scheduler time: the device idle between a forward's completion and the next launch,
+    # summed over the forwards launched while requests were running (idle_steps of them)
+    idle_s: float = 0.0
+    idle_steps: int = 0
 
 
 @dataclass(slots=True)
@@ -232,10 +236,17 @@ class DeviceStream:
     stats: DeviceStats = field(default_factory=DeviceStats)
     done_s: float = -math.inf  # the previous forward's modeled completion
 
-    def launch(self, comp: Composition, launch_s: float | None = None, kind: str = "decode") -> Forward:
-        """Queue a forward launched now (or at `launch_s`); returns it with its modeled completion."""
+    def launch(self, comp: Composition, launch_s: float | None = None, kind: str = "decode",
+               running: bool = False) -> Forward:
+        """Queue a forward launched now (or at `launch_s`); returns it with its modeled completion.
+        `running`: requests were running when it was prepared, so any time the device sat idle since
+        the previous completion waited on the CPU (the scheduler's exposed time); an idle server's
+        wait for an arrival is not counted."""
         now = self.clock() if launch_s is None else launch_s
         modeled = self.preset.t_device(comp)
+        if running and math.isfinite(self.done_s):
+            self.stats.idle_s += max(0.0, now - self.done_s)
+            self.stats.idle_steps += 1
         start = max(now, self.done_s)
         fwd = Forward(launch_s=now, start_s=start, done_s=start + modeled, modeled_s=modeled)
         self.done_s = fwd.done_s
@@ -273,7 +284,8 @@ class DeviceStream:
                 "overrun_ms_max": round(1e3 * st.overrun_s_max, 3),
                 "decode": st.decode, "extend": st.extend, "mixed": st.mixed,
                 "modeled_ms": round(1e3 * st.modeled_s, 3), "waited_ms": round(1e3 * st.waited_s, 3),
-                "compute_ms": round(1e3 * st.compute_s, 3), "compute_ms_max": round(1e3 * st.compute_s_max, 3)}
+                "compute_ms": round(1e3 * st.compute_s, 3), "compute_ms_max": round(1e3 * st.compute_s_max, 3),
+                "idle_ms": round(1e3 * st.idle_s, 3), "idle_steps": st.idle_steps}
 
 
 class _Event(Protocol):

@@ -114,7 +114,7 @@ def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: A
     if found is None:
         return orig(self, batch, *args, **kwargs)
     comp, kind = found
-    fwd = stream.launch(comp, time.perf_counter(), kind)
+    fwd = stream.launch(comp, time.perf_counter(), kind, running=_requests_running(self, kind))
     result = orig(self, batch, *args, **kwargs)
     if not hasattr(result, "copy_done"):  # not a forward result SGLang waits on: wait here
         stream.computed(fwd)
@@ -127,6 +127,16 @@ def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: A
         stream.computed(fwd)
     result.copy_done = DeviceEvent(stream, fwd, result.copy_done)
     return result
+
+
+def _requests_running(scheduler: Scheduler, kind: str) -> bool:
+    """Whether requests were running when this forward was prepared: a decode forward's rows are, and
+    a prefill's while decode rows wait beside it. A prefill on an idle server is not (the device
+    waited for an arrival, not for the scheduler)."""
+    if kind != "extend":
+        return True
+    running = getattr(scheduler, "running_batch", None)
+    return running is not None and not running.is_empty()
 
 
 def _sampled_then_done(stream: DeviceStream, fwd: Forward, sample: Callable[[], Any]) -> Callable[[], Any]:

@@ -77,6 +77,9 @@ def test_each_forward_is_seen_no_earlier_than_its_modeled_completion(emulated):
     assert modeled_s >= forwards * FLOOR_MS / 1e3
     assert wall_s >= modeled_s  # one in-order stream: the last result waits for every forward before it
     assert after["waited_ms"] > before["waited_ms"]  # the scheduler did wait on the device
+    # every decode step was launched while the request ran: each is a step of the exposed-time figure
+    assert after["idle_steps"] - before["idle_steps"] >= n - 1
+    assert after["idle_ms"] >= before["idle_ms"]
     # a 50 ms floor fits the CPU's forward (the server's first forwards, its warm-up, may not: they
     # are counted, but before this request)
     assert after["preset"] == "test-50ms" and after["overruns"] == before["overruns"], (before, after)

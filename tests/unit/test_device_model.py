@@ -113,6 +113,18 @@ def test_a_computation_past_the_modeled_completion_is_an_overrun():
     assert rep["compute_ms"] == pytest.approx(11.0 + 14.0 + 15.0)
 
 
+def test_exposed_time_is_the_device_idle_between_forwards_while_requests_run():
+    """A pipelined clock: forward 2 launches before 1 completes (hidden), forward 3 launches 4 ms after
+    2 completes (exposed), forward 4 is an idle server's first prefill (not the scheduler's)."""
+    stream, _clock = stream_of()  # T_device of one decode row: 11 ms
+    stream.launch(Composition(decode_rows=1), 0.0, running=True)  # nothing before it: not counted
+    stream.launch(Composition(decode_rows=1), 0.005, running=True)  # done at 0.011: no idle
+    stream.launch(Composition(decode_rows=1), 0.026, running=True)  # previous done at 0.022: 4 ms idle
+    stream.launch(Composition(prefill_rows=1, prefill_tokens=4), 1.0, kind="extend", running=False)
+    rep = stream.report()
+    assert (rep["idle_ms"], rep["idle_steps"]) == (pytest.approx(4.0), 2)
+
+
 def test_the_event_is_done_at_the_modeled_completion():
     stream, clock = stream_of()
     inner = SimpleNamespace(synced=0, synchronize=lambda: setattr(inner, "synced", inner.synced + 1),
