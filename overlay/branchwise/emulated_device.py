@@ -14,7 +14,9 @@ are those of a server without the flag. `around_run_batch` (the only hook):
    done at the modeled completion. SGLang's result processing synchronizes on `copy_done` before it
    reads a token (`SchedulerBatchResultProcessor.process_batch_result_*`; under the overlap loop
    that is after the next batch was launched, as on a GPU), so the scheduler sees the result exactly
-   then, through its own waiting point. Without overlap the same wait comes right after run_batch.
+   then, through its own waiting point. Without overlap the same wait comes right after run_batch;
+4. keeps a decode forward's modeled time under the forward_iter run_batch gave it, for TAPER's
+   refit, which takes it when that step's result is processed (device_time.py).
 
 Inline computation means the real forward's CPU time is spent on the scheduler thread at launch,
 like a (long) kernel launch. It hides behind the device while it fits in the previous forward's
@@ -28,11 +30,11 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from branchwise.device_model import Composition, DeviceEvent, DeviceStream, Forward, parse_spec
+from branchwise.device_time import EMULATED
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
@@ -114,8 +116,10 @@ def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: A
     if found is None:
         return orig(self, batch, *args, **kwargs)
     comp, kind = found
-    fwd = stream.launch(comp, time.perf_counter(), kind, running=_requests_running(self, kind))
+    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(self, kind))
     result = orig(self, batch, *args, **kwargs)
+    if kind == "decode":
+        _book_step(bw, batch, fwd)
     if not hasattr(result, "copy_done"):  # not a forward result SGLang waits on: wait here
         stream.computed(fwd)
         stream.wait(fwd)
@@ -137,6 +141,15 @@ def _requests_running(scheduler: Scheduler, kind: str) -> bool:
         return True
     running = getattr(scheduler, "running_batch", None)
     return running is not None and not running.is_empty()
+
+
+def _book_step(bw: Any, batch: ScheduleBatch, fwd: Forward) -> None:
+    """A decode step's modeled time, under the forward_iter run_batch gave it, for TAPER's refit
+    (device_time.py: the refit pairs it with that step's result, never with the launch order)."""
+    taper = bw.taper
+    book = taper.device_times if taper is not None else None
+    if book is not None and book.source == EMULATED:
+        book.put(batch.forward_iter, fwd.modeled_s)
 
 
 def _sampled_then_done(stream: DeviceStream, fwd: Forward, sample: Callable[[], Any]) -> Callable[[], Any]:

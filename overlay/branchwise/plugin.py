@@ -53,6 +53,7 @@ def hook_table(HookType: type[HookKind],
     Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
     from branchwise import deferral, fork, runtime
     from branchwise import dp_dispatch as dp
+    from branchwise import device_time as dt
     from branchwise import emulated_device as ed
     from branchwise import metrics as m
     from branchwise import n_sampling as ns
@@ -119,6 +120,8 @@ def hook_table(HookType: type[HookKind],
         (async_out, f"{SAMPLING_INFO}.update_regex_vocab_mask", ft.around_update_regex_vocab_mask),
         # emulated_device.py (--emulate-device): a forward's result is seen at its modeled device time
         (emulate, f"{SCHEDULER}.run_batch", ed.around_run_batch),
+        # device_time.py (a CUDA device): each decode step's device time, events on its forward stream
+        (serving, f"{SCHEDULER}.run_batch", dt.around_run_batch),
         # albireo/sp_sampler_hook.py (--parallel-sampling): sequence-parallel sampling
         (sampling, f"{SAMPLING_INFO}.from_schedule_batch", sp.after_from_schedule_batch),
         (sampling, f"{MODEL_RUNNER}.sample", sp.around_sample),

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from branchwise import deferral, request_meta, step_timer
+from branchwise import deferral, device_time, request_meta, step_timer
 from branchwise.config import BranchwiseConfig
 from branchwise.metrics import BranchwiseMetrics
 from branchwise.taper.controller import Delivery, Row, StepController
@@ -86,6 +86,9 @@ class BranchwiseState:
     # forward_iter -> the deferring step launched as it, until its result comes back (rank 0; at
     # most the step in flight and the one being planned under overlap)
     planned: dict[int, PlannedStep] = field(default_factory=dict)
+    # each decode step's device time by forward_iter, for the refit (device_time.py; rank 0, a refit
+    # and a device that times its steps: emulated or CUDA); None: the launch gap (CPU)
+    device_times: device_time.StepDeviceTimes | None = None
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -122,9 +125,11 @@ class BranchwiseState:
             return None
         c_defer, c_deferred = refit.model.deferral()
         last = self.last_step
+        book = self.device_times
         return {"steps": refit.steps, "deferring_steps": refit.deferring_steps,
                 "price_ms": [1e3 * c_defer, 1e3 * c_deferred],
-                "pending_deferring": int(last is not None and last.deferred > 0)}
+                "pending_deferring": int(last is not None and last.deferred > 0),
+                "latency": book.report() if book is not None else {"source": "launch gap"}}
 
 
 def state_of(scheduler: Scheduler) -> BranchwiseState | None:
@@ -154,6 +159,10 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     taper = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
     if cfg.step_controller:  # stock: no controller, SGLang's schedule (phases still counted)
         taper.controller = _build_controller(cfg)  # a mode it cannot run in was refused (support.py)
+        bw = getattr(scheduler, "branchwise", None)  # runtime.build: the emulated device is built first
+        source = device_time.source_of(scheduler, emulated=getattr(bw, "device", None) is not None)
+        if source is not None and taper.controller.refit is not None and taper.tp_rank == 0:
+            taper.device_times = device_time.StepDeviceTimes(source)
     # Branch rows can sit out steps under every policy (serial runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.
@@ -429,8 +438,9 @@ def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: in
 
 def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
     """The end of a TAPER decode step (rank 0): the rows that ran delivered a token each, keys whose
-    last row finished leave, and the gap between consecutive decode launches is the realized
-    latency of the previous step."""
+    last row finished leave, and the refit takes a realized latency: this step's own device time
+    where the device times its steps (`taper.device_times`), else the gap between consecutive
+    decode launches as the previous step's (CPU: the forward runs inline, device_time.py)."""
     now = time.monotonic()
     ctl = taper.controller
     reqs = batch.reqs
@@ -441,20 +451,11 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     else:  # serial rows only: their clocks matter only once a phase row joins (resume_serial_clocks)
         ctl.on_quiet_step(now, len(reqs))
         ctx = sum(map(_KV_LEN, reqs))
-    prev = taper.last_step
     forward_iter, launch_ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
-    if prev is not None and forward_iter is not None and forward_iter == prev.forward_iter + 1:
-        latency = launch_ts - prev.launch_ts
-        ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
-        if taper.metrics:
-            taper.metrics.observe_taper(ctl.stats)
-    elif prev is not None and prev.deferred:
-        taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
-    deferred = _planned_deferred(taper, forward_iter, len(reqs))
-    # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
-    # cost ~150 ns a call
-    taper.last_step = (LastStep(forward_iter, launch_ts, len(reqs), ctx, deferred)
-                       if forward_iter is not None and launch_ts is not None else None)
+    if taper.device_times is not None:
+        _book_device_time(taper, forward_iter, len(reqs), ctx)
+    else:
+        _book_launch_gap(taper, forward_iter, launch_ts, len(reqs), ctx)
     if now - taper.last_summary >= SUMMARY_EVERY_S:
         taper.last_summary = now
         stats = ctl.stats
@@ -463,3 +464,36 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
                     stats.planned_steps, stats.rows_deferred, 100 * stats.admission_rate,
                     1e3 * stats.last_budget_s, 1e3 * stats.last_predicted_s,
                     1e3 * stats.planner_s / max(stats.planned_steps, 1))
+
+
+def _book_device_time(taper: BranchwiseState, forward_iter: int | None, rows: int, ctx: int) -> None:
+    """This step's own device time (put at its launch under its forward_iter, device_time.py),
+    booked with its own rows, context and deferred rows."""
+    deferred = _planned_deferred(taper, forward_iter, rows)
+    latency = taper.device_times.take(forward_iter)
+    if latency is None:
+        taper.bump("device_time_missing")
+        return
+    ctl = taper.controller
+    ctl.on_latency(rows, ctx, latency, deferred)
+    if taper.metrics:
+        taper.metrics.observe_taper(ctl.stats)
+
+
+def _book_launch_gap(taper: BranchwiseState, forward_iter: int | None, launch_ts: float | None, rows: int,
+                     ctx: int) -> None:
+    """CPU: the gap from the previous decode launch to this one is the previous step's latency."""
+    ctl = taper.controller
+    prev = taper.last_step
+    if prev is not None and forward_iter is not None and forward_iter == prev.forward_iter + 1:
+        latency = launch_ts - prev.launch_ts
+        ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
+        if taper.metrics:
+            taper.metrics.observe_taper(ctl.stats)
+    elif prev is not None and prev.deferred:
+        taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
+    deferred = _planned_deferred(taper, forward_iter, rows)
+    # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
+    # cost ~150 ns a call
+    taper.last_step = (LastStep(forward_iter, launch_ts, rows, ctx, deferred)
+                       if forward_iter is not None and launch_ts is not None else None)
