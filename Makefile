@@ -25,7 +25,7 @@ SERVE_ARGS := --model-path $(MODEL) --host $(HOST) --port $(PORT) --branch-polic
 # the tiny model is built when MODEL is it; a MODEL you set is yours to provide
 MODEL_PREREQ := $(if $(filter $(TINY_MODEL),$(MODEL)),tiny-model)
 
-.PHONY: install sglang-cpu check-driver apply revert check-apply tiny-model serve serve-cluster demo test test-unit prometheus bench bench-seeds lint clean
+.PHONY: install sglang-cpu check-driver apply revert check-apply tiny-model serve serve-cluster demo test test-unit prometheus bench bench-seeds bench-albireo lint clean
 
 install: $(STAMP)
 
@@ -137,6 +137,15 @@ bench: apply tiny-model
 bench-seeds: apply tiny-model
 	$(PY) -m bench.sweep --launch --model $(MODEL) --policies serial,eager,taper --seeds 0,1,2 \
 		--out runs/bench-seeds --no-progress $(BENCH_ARGS)
+
+# make bench-albireo: stock SGLang against stock with --async-output (Albireo) on an emulated device
+# (DEVICE, a preset or JSON file, issue 36) at fixed loads of the preset's fluid bound: throughput,
+# overruns and the scheduler's exposed time per step per point (docs/benchmarks.md, "Results:
+# emulated device"). The CPU forward thread does not run under --emulate-device (refused at start).
+DEVICE ?= a100-qwen3-32b-tp8
+bench-albireo: apply tiny-model
+	$(PY) -m bench.sweep --launch --model $(MODEL) --policies stock --variant async-output=stock:--async-output \
+		--emulate-device $(DEVICE) --loads 0.25,0.5,0.75,1.0 --out runs/bench-albireo --no-progress $(BENCH_ARGS)
 
 lint:
 	$(VENV)/bin/ruff check overlay bench frontends tests

@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import confidence
+from bench import confidence, emulated
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
@@ -232,8 +232,10 @@ def sustained(point: Mapping[str, Any]) -> bool:
 
 def holds(point: Mapping[str, Any]) -> bool:
     """TARGET attainment over all arrivals, at a load the point sustained: attainment alone counts a
-    backlog that grows all window as good while the drain still clears it."""
-    return point.get("attainment") is not None and point["attainment"] >= TARGET and sustained(point)
+    backlog that grows all window as good while the drain still clears it. An invalid point (an
+    emulated device's overruns, bench.emulated) never counts as held."""
+    return (point.get("attainment") is not None and point["attainment"] >= TARGET and sustained(point)
+            and not point.get("invalid"))
 
 
 def bracket(rates: list[float], held: list[bool]) -> tuple[float, float | None]:
@@ -261,6 +263,7 @@ def _document(bound: float, policies: list[str], rates: list[float], caps: dict[
         policy_caps = caps[policy]
         points = [{"rate": rate} | {key: _mean([got[(policy, rate, seed)] for seed in seeds], key)
                                     for key in DOC_KEYS[1:]}
+                  | emulated.seeds_point([got[(policy, rate, seed)] for seed in seeds])
                   for rate in rates]
         mean = float(np.mean(policy_caps))
         spread = float(max(policy_caps) - min(policy_caps))
@@ -330,7 +333,10 @@ def _intervals(doc: dict, per_seed: dict[int, dict], got: dict[Job, dict], seeds
 def hold_outcome(point: Mapping[str, Any]) -> str:
     """`holds` read with the point's attainment interval where it has one: PASS when the interval's
     lower end reaches TARGET, FAIL when its upper end is below, UNDECIDED when it straddles. A load
-    not sustained fails."""
+    not sustained fails. An invalid point (bench.emulated's overrun rule) is UNDECIDED: it neither
+    holds nor fails, so no capacity or verdict counts it."""
+    if point.get("invalid"):
+        return confidence.UNDECIDED
     att = point.get("attainment")
     if att is None or not sustained(point):
         return confidence.FAIL
@@ -559,7 +565,8 @@ def tables(doc: dict) -> str:
     def slo(point: dict) -> str:
         return (f"{fmt(point['attainment'], True, 0)}{bracketed(point, 'attainment_ci', True)} "
                 f"{fmt(point['finished_frac'], True, 0)} "
-                f"{fmt(point['goodput_tok_s'], nd=0)}" + ("" if sustained(point) else "*"))
+                f"{fmt(point['goodput_tok_s'], nd=0)}" + ("" if sustained(point) else "*")
+                + ("!" if point.get("invalid") else ""))
 
     def lat(point: dict) -> str:
         return (f"{fmt(point['decomp_e2e_p50_s'], nd=1)}{bracketed(point, 'decomp_e2e_p50_s_ci', False)} "
@@ -578,7 +585,9 @@ def tables(doc: dict) -> str:
             "; *: not sustained (the admission queue grew by more than 5% of the window's arrivals)"
             if any(point.get("queue_growth") is not None
                    for entry in pols.values() for point in entry["points"])
-            else "") + note,
+            else "") + ("; !: invalid (emulated device overruns), not counted"
+                        if any(point.get("invalid") for entry in pols.values() for point in entry["points"])
+                        else "") + note,
         render(pols, [*caps, *_rate_cols(rates, slo, "att fin good", 27 if ci else 17)], name_width=14),
         "latency axis: decomposable P50 / P99 end to end (s), decomposable finished, "
         "serial P50 end to end (s)" + note,
@@ -588,7 +597,7 @@ def tables(doc: dict) -> str:
 def report(res: dict, focus: str = "taper") -> str:
     """The tables, the verdict on the means and each seed's verdict in one line."""
     doc = res["capacity"]
-    parts = [tables(doc)]
+    parts = [tables(doc)] + [part for part in [emulated.device_table(doc)] if part]
     result = verdict(doc, focus)
     if result is not None:
         parts.append("\n".join(result.lines(doc["fluid_bound_rps"])))
@@ -691,10 +700,15 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     where.add_argument("--url", help="replay: a running server")
     parser.add_argument("--server-args", default="", help="replay: extra flags for --launch servers")
     parser.add_argument("--regime", default="default",
-                        help="sim: bench.regimes' setting (default, live, live-fast): latency model, SLO, "
-                             "engine costs, program scale, point length")
+                        help="sim: bench.regimes' setting (default, live, live-fast, device:PRESET): latency "
+                             "model, SLO, engine costs, program scale, point length")
+    parser.add_argument("--device", default=None, metavar="PRESET|FILE[@xS]",
+                        help="sim: --regime device:PRESET, the emulated device's T(S) and SLO (as make bench "
+                             "with --emulate-device PRESET)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
+    if args.device:
+        args.regime = f"device:{args.device}"
     try:
         if args.slo_tpot_ms is None:
             args.slo_tpot_ms = 1e3 * get_regime(args.regime).slo_s

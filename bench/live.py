@@ -14,17 +14,19 @@ import asyncio
 import shlex
 import time
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from bench import emulated
 from bench.bound import LIVE_CLIENT, fluid_bound_rps
 from bench.confidence import point_line, pool
 from bench.point import PointSetup, run_point
 from bench.probe import Probe, probe
 from bench.report import fmt
 from bench.results import write_records
+from branchwise.taper.predictor import LinearLatencyModel
 from branchwise.launch import LocalServer
 
 
@@ -37,13 +39,17 @@ class ServerSettings:
     server_threads: int = 1  # OMP threads: torch's spin at barriers, so more than free cores slows every step
     max_total_tokens: int = 65536  # room for every live prefix: no policy pays re-prefills
     extra_args: str = ""
+    # server variants (bench.sweep --variant): a label served by a policy with more flags
+    variants: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def args(self, policy: str, slo_ms: float | None, latency_model: str | None) -> list[str]:
-        """Requests carry their SLO stamp; the flag covers unstamped ones."""
+        """Requests carry their SLO stamp; the flag covers unstamped ones. `policy` may be a
+        variant's label: its policy, then its flags after every shared one."""
+        policy, own = self.variants.get(policy, (policy, ""))
         args = ["--branch-policy", policy, "--taper-rho", f"{self.taper_rho:g}", "--enable-metrics"]
         args += ["--branch-slo-tpot-ms", f"{slo_ms:.6g}"] if slo_ms else []
         args += ["--latency-model", latency_model] if latency_model else []
-        return args + shlex.split(self.extra_args)
+        return args + shlex.split(self.extra_args) + shlex.split(own)
 
     def server(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
         """The server, not started yet."""
@@ -116,23 +122,43 @@ class OperatingPoint:
     latency_model: str  # the probe's fit, saved for taper servers
 
 
-def calibrate(servers: Servers, policies: list[str], base: PointSetup, out: Path, slo_ms: float | None = None,
-              slo_scale: float = 1.0) -> OperatingPoint:
-    """Probe, fix the SLO (given, or the probe's auto SLO; times slo_scale) and the fluid bound, and
-    set what the servers started from now on get (the SLO, the fit as --latency-model)."""
-    calib = calibration_policy(policies)
-    if servers.settings is None and calib not in servers.urls:
-        calib = next(iter(servers.urls))
-    probed = probe_server(servers.url(calib))
-    if calib not in policies:
-        servers.stop(calib)
-    auto_ms = 1e3 * probed.auto_slo_s()
+def device_point(model: LinearLatencyModel, base: PointSetup, slo_ms: float | None = None,
+                 slo_scale: float = 1.0) -> tuple[float, PointSetup, float]:
+    """The load rule on an emulated device (bench.emulated): the preset's T(S), not a probe of the CPU,
+    gives the auto SLO and the fluid bound. (auto SLO ms, the setup with its SLO, load 1.0 in req/s)."""
+    modeled = Probe({}, model)
+    auto_ms = 1e3 * modeled.auto_slo_s()
     setup = replace(base, slo_tpot_ms=(slo_ms or auto_ms) * slo_scale)
+    return auto_ms, setup, live_bound_rps(modeled, setup)
+
+
+def calibrate(servers: Servers, policies: list[str], base: PointSetup, out: Path, slo_ms: float | None = None,
+              slo_scale: float = 1.0, device: str | None = None) -> OperatingPoint:
+    """Probe, fix the SLO (given, or the probe's auto SLO; times slo_scale) and the fluid bound, and
+    set what the servers started from now on get (the SLO, the fit as --latency-model). With an
+    emulated `device` (an --emulate-device value) its preset's T(S) takes the probe's place."""
+    if device is not None:
+        probed = Probe({}, emulated.spec_model(device))
+        auto_ms, setup, bound = device_point(probed.model, base, slo_ms, slo_scale)
+        coefs = probed.model
+        print(f"emulated device {device}: T = {1e3 * coefs.c0:.2f} ms + {1e3 * coefs.c_seq:.3f} ms/row + "
+              f"{1e6 * coefs.c_ctx:.3f} us/ctx token + {1e6 * coefs.c_tok:.1f} us/prefill token (the "
+              "preset's T(S), no probe)", flush=True)
+    else:
+        calib = calibration_policy(policies)
+        if servers.settings is None and calib not in servers.urls:
+            calib = next(iter(servers.urls))
+        probed = probe_server(servers.url(calib))
+        if calib not in policies:
+            servers.stop(calib)
+        auto_ms = 1e3 * probed.auto_slo_s()
+        setup = replace(base, slo_tpot_ms=(slo_ms or auto_ms) * slo_scale)
+        bound = live_bound_rps(probed, setup)
     out.mkdir(parents=True, exist_ok=True)
     model = str(out / "latency_model.json")
     probed.model.save(model)
     servers.slo_ms, servers.latency_model = setup.slo_tpot_ms, model
-    return OperatingPoint(probed, setup, auto_ms, live_bound_rps(probed, setup), model)
+    return OperatingPoint(probed, setup, auto_ms, bound, model)
 
 
 Job = tuple[str, float, int]  # (policy, rate, seed)
@@ -164,7 +190,7 @@ class LivePoints:
         job = (policy, rate, seed)
         while len(self.runs.get(job, [])) < self.wanted(job):
             self._run(job)
-        return pool(self.runs[job])
+        return emulated.mark(pool(self.runs[job]))
 
     def batch(self, jobs: Sequence[Job]) -> list[dict[str, Any]]:
         """Every job's runs, each (rate, seed)'s repeats interleaved: repeat k runs the policies in
@@ -201,8 +227,17 @@ class LivePoints:
               f"{fmt(metrics['attainment'], True)}, finished {fmt(metrics['finished_frac'], True)}, "
               f"decomposable P50 e2e {fmt(metrics['decomp_e2e_p50_s'], nd=2)} s, "
               f"goodput {fmt(metrics['goodput_tok_s'], nd=0)} tok/s"
-              + (f"; 95%: {sure}" if sure else "")
+              + (f"; 95%: {sure}" if sure else "") + _device_line(metrics)
               + (f"  [{metrics['error']}]" if metrics.get("error") else ""), flush=True)
         if run.interrupted:
             raise KeyboardInterrupt
 
+
+
+def _device_line(metrics: dict[str, Any]) -> str:
+    """A run's emulated-device figures for its progress line ('' without an emulated device)."""
+    if metrics.get("device_forwards") is None:
+        return ""
+    exposed = metrics.get("device_exposed_ms_per_step")
+    return (f"; device {metrics['device_overruns']}/{metrics['device_forwards']} overruns, exposed "
+            f"{fmt(exposed, nd=2)} ms/step" + (" INVALID" if metrics.get("invalid") else ""))

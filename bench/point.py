@@ -7,7 +7,9 @@ last arrival; its metrics carry `samples`, one entry per arrival (bench.confiden
 resample them). The server's radix cache is flushed before the point (no point inherits another's
 prefixes), and afterwards the point waits until the server has dropped the abandoned requests (their
 leftover work would slow whatever runs next). Tokens are streamed 8 per chunk, so the per-gap TPOT
-figure does not apply to live points and is left out.
+figure does not apply to live points and is left out. On a server with an emulated device the
+point carries its `device_*` counters (/server_info before and after, bench.emulated) and whether
+it is valid.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from bench import emulated
 from bench.client import GenerateFn, Outcome, Run, Target, abort_all, execute, flush_cache
 from bench.metrics import load_point, request_samples
 from bench.programs import Scaling, build_programs, mean_demand_tok_s
@@ -65,6 +68,7 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
     """One policy at one stationary load on a running server: flush its cache, replay `rate` req/s for
     setup.duration_s (+ drain), wait until the server is idle again; the point's metrics and the run."""
     flushed = flush_cache(url)
+    device_before = emulated.read_device(url)
     schedule, specs = setup.programs(rate, seed)
     run = Run(policy, [Outcome(spec) for spec in specs])
     target = Target(url, setup.slo_tpot_ms, seed, setup.stream_interval, vocab=setup.vocab,
@@ -73,11 +77,12 @@ def run_point(url: str, policy: str, rate: float, seed: int, setup: PointSetup,
     if any(outcome.started and not outcome.finished for outcome in run.outcomes):
         abort_all(url)
     idle = flush_cache(url) if not run.interrupted else False  # waits until the server is idle
+    device = emulated.device_delta(device_before, emulated.read_device(url))
     res = summarize_run(run, setup.slo_tpot_ms / 1e3, schedule, setup.slo_ttft_s)
     end = schedule.duration_s if run.t_stop is None else min(schedule.duration_s, run.t_stop)
     samples = request_samples(run.records, setup.slo_tpot_ms / 1e3, (0.0, max(end, 1e-9)), setup.slo_ttft_s)
     metrics = (point_metrics(rate, res, specs, schedule.duration_s)
-               | {"cache_flushed": flushed, "left_idle": idle, "samples": samples})
+               | {"cache_flushed": flushed, "left_idle": idle, "samples": samples} | device)
     if setup.stream_interval > 1:  # a delivery carries n tokens: the per-gap reading does not apply
         metrics["slo_attainment_gap"] = metrics["max_gap_p99_ms"] = None
-    return metrics, run
+    return emulated.mark(metrics), run

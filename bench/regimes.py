@@ -6,8 +6,9 @@ regimes are `make bench`'s live sweep (bench.sweep) on a quiet 2-core CPU box se
 model, where one more row costs ~2-3% of the SLO and a step's floor ~25% of it (width is dear):
 the box's probed T(S) and SLO, bench.point's programs scaled for the tiny model and run as
 client-side fork/join, SGLang's separate prefill forwards, the sweep's KV pool, and what a loaded
-step costs beyond T(S) (LIVE_HOST, LIVE_C_TOK). Each regime's figures and where they come from:
-docs/design/simulator.md.
+step costs beyond T(S) (LIVE_HOST, LIVE_C_TOK). `device:SPEC` (`device_regime`, issue 36) is the
+live sweep on an emulated device (--emulate-device SPEC): the preset's T(S) and the sweep's SLO rule
+on it. Each regime's figures and where they come from: docs/design/simulator.md.
 """
 
 from __future__ import annotations
@@ -84,8 +85,29 @@ def regime_specs(trace: Any, rate: float, duration_s: float, seed: int, preset: 
     return [scale_spec(spec, scaling) for spec in specs] if scaling is not None else specs
 
 
+DEVICE_PREFIX = "device:"
+
+
+def device_regime(spec: str) -> SimRegime:
+    """`make bench BENCH_ARGS="--emulate-device SPEC"` in the simulator: the preset's T(S) (its time
+    scale applied, graph padding left out: the engine's T(S) is linear) and the sweep's SLO on it
+    (bench.emulated's load rule), the live programs, prefill forwards, pool and point length, and
+    no host costs: the emulated server's scheduler work runs beside the modeled device, and the
+    live sweep's exposed time per step says what that leaves out."""
+    from bench import emulated
+
+    model = emulated.spec_model(spec)
+    engine = replace(_LIVE, host=HostCosts())
+    return SimRegime(DEVICE_PREFIX + spec, model.coefs(), emulated.device_slo_s(model), engine, LIVE_SCALING,
+                     0.0, 40.0, 20.0, True, drain_arrivals=False)
+
+
 def get_regime(name: str) -> SimRegime:
+    """A named regime, or `device:SPEC` (`device_regime`)."""
+    if name.startswith(DEVICE_PREFIX):
+        return device_regime(name[len(DEVICE_PREFIX):])
     try:
         return REGIMES[name]
     except KeyError:
-        raise ValueError(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}") from None
+        raise ValueError(f"unknown regime {name!r}; valid: {', '.join(REGIMES)}, "
+                         f"{DEVICE_PREFIX}PRESET|FILE[@xS]") from None

@@ -2,6 +2,7 @@
 
     python -m bench.sim_sweep --regime live-fast --policies serial,eager,taper --seeds 0,1,2 \
         [--loads 0.1,0.16,0.25,0.4,0.63,1.0] [--reference-rps R] [--without TERMS] [--out FILE]
+    python -m bench.sim_sweep --device a100-qwen3-32b-tp8 ...   (= --regime device:a100-qwen3-32b-tp8)
 
 Load 1.0 is bench.sweep's grid rule (the live fluid bound of the regime's T(S) at its SLO,
 bench.live.live_bound_rps) unless --reference-rps pins it to a live run's req/s; each point is the
@@ -126,7 +127,10 @@ def table(doc: dict[str, Any], policies: list[str]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.sim_sweep", description=__doc__.split("\n\n")[0])
-    parser.add_argument("--regime", default="live-fast")
+    parser.add_argument("--regime", default="live-fast", help="a bench.regimes name or device:PRESET")
+    parser.add_argument("--device", default=None, metavar="PRESET|FILE[@xS]",
+                        help="an emulated device's regime (--regime device:PRESET): the same T(S) and SLO "
+                             "as make bench with --emulate-device PRESET")
     parser.add_argument("--trace", default=DEFAULT_TRACE)
     parser.add_argument("--policies", default="serial,eager,taper")
     parser.add_argument("--seeds", default="0,1,2")
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         terms = {term.strip() for term in args.without.split(",") if term.strip()}
-        reg = without(get_regime(args.regime), terms)
+        reg = without(get_regime(f"device:{args.device}" if args.device else args.regime), terms)
         policies = [parse_policy_name(name) for name in args.policies.split(",") if name.strip()]
         seeds = seed_list(args.seeds)
         loads = tuple(float(load) for load in args.loads.split(",") if load.strip())

@@ -4,6 +4,8 @@ machine that runs it, in one run.
     python -m bench.sweep --launch --model models/tiny --policies serial,eager,taper --out runs/bench \
         [--seeds 0,1,2] [--slo-scale F]
     python -m bench.sweep --url serial=URL1,eager=URL2,taper=URL3 --slo-tpot-ms 12 --out DIR
+    python -m bench.sweep --launch --policies stock --variant async-output=stock:--async-output \
+        --emulate-device a100-qwen3-32b-tp8 --loads 0.25,0.5,0.75 --out DIR
 
 The operating points are fixed from a probe before anything is measured (bench.live.calibrate):
 SLO = max(T(32 rows of 256 KV tokens), 2.5 x T(1 row)) x --slo-scale unless --slo-tpot-ms is
@@ -14,11 +16,19 @@ per run. `--repeats R` runs every point R times (the same programs) and pools th
 up to --refine-rounds rounds run once more the policies whose runs leave a (load, seed)
 undecided in the verdict, lightest first, while their estimated time fits --refine-budget x the sweep's own. The
 rule and the run order in full: docs/design/bench-micro.md.
+
+`--emulate-device SPEC` (issue 36): every launched server gets the flag, the SLO and the loads come
+from the preset's T(S) instead of the probe (bench.emulated's load rule), every point carries its
+device counters and a point whose overruns exceed 1% of its forwards is invalid (not counted).
+`--variant LABEL=POLICY[:FLAGS]` adds a server variant: LABEL runs as one more policy of the sweep,
+served by POLICY with FLAGS added (e.g. stock against stock with --async-output at the same loads).
 """
 
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import sys
 import time
 from dataclasses import asdict, dataclass
@@ -27,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import live
+from bench import emulated, live
 from bench.capacity import Engine, hold_outcome, measure, plot, report, verdict, write
 from bench.cli import policy_list
 from bench.confidence import UNDECIDED
@@ -88,6 +98,28 @@ def _urls(text: str) -> dict[str, str]:
     return dict(pairs)
 
 
+def _device(text: str) -> str:
+    try:
+        emulated.spec_model(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text
+
+
+def parse_variant(text: str) -> tuple[str, tuple[str, str]]:
+    """--variant LABEL=POLICY[:FLAGS] -> (LABEL, (POLICY, FLAGS)); the policy canonical, the label a
+    plain name (it names record files)."""
+    label, sep, rest = text.partition("=")
+    policy, _, flags = rest.partition(":")
+    if not sep or not re.fullmatch(r"[A-Za-z0-9][A-Za-z0-9_.+-]*", label) or not policy.strip():
+        raise argparse.ArgumentTypeError(f"--variant: expected LABEL=POLICY[:FLAGS] with a plain LABEL, "
+                                         f"got {text!r}")
+    try:
+        return label, (policy_list(policy)[0], flags.strip())
+    except argparse.ArgumentTypeError as err:
+        raise argparse.ArgumentTypeError(f"--variant {text!r}: {err}") from None
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m bench.sweep", description=__doc__.split("\n\n")[0])
     where = parser.add_mutually_exclusive_group(required=True)
@@ -112,6 +144,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-stage-tokens", type=int, default=256)
     parser.add_argument("--taper-rho", type=float, default=0.8)
     parser.add_argument("--server-args", default="", help="extra flags for --launch servers")
+    parser.add_argument("--emulate-device", type=_device, default=None, metavar="PRESET|FILE[@xS]",
+                        help="servers run on this emulated device (--launch: each gets the flag); the SLO "
+                             "and the loads from its T(S), overruns per point")
+    parser.add_argument("--variant", type=parse_variant, action="append", default=[],
+                        metavar="LABEL=POLICY[:FLAGS]",
+                        help="with --launch: one more policy of the sweep, LABEL, served by POLICY with FLAGS")
     parser.add_argument("--server-threads", type=int, default=1,
                         help="OMP threads of --launch servers; 0: torch's")
     parser.add_argument("--max-total-tokens", type=int, default=65536)
@@ -128,11 +166,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--slo-scale must be > 0")
     if args.repeats < 1 or args.refine_rounds < 0 or not args.refine_budget >= 0:
         parser.error("--repeats must be >= 1, --refine-rounds and --refine-budget >= 0")
+    labels = [label for label, _ in args.variant]
+    if args.variant and not args.launch:
+        parser.error("--variant needs --launch")
+    if len(set(labels)) != len(labels) or set(labels) & set(args.policies):
+        parser.error("--variant labels must differ from each other and from --policies")
     return args
 
 
 def _config(args: argparse.Namespace) -> dict[str, Any]:
-    flags = {name: value for name, value in vars(args).items() if name != "url"}
+    flags = {name: value for name, value in vars(args).items() if name not in ("url", "variant")}
+    flags["variants"] = {label: {"policy": policy, "flags": extra} for label, (policy, extra) in args.variant}
     return flags | {"servers": "launch" if args.launch else dict(args.url)}
 
 
@@ -173,7 +217,7 @@ def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers
         doc: dict[str, Any]) -> dict:
     """Calibrate, then every seed at every load; bench.capacity's result (the doc gets grid and probes)."""
     out = Path(args.out)
-    operating = calibrate(servers, policies, base, out, args.slo_tpot_ms, args.slo_scale)
+    operating = calibrate(servers, policies, base, out, args.slo_tpot_ms, args.slo_scale, args.emulate_device)
     bound = operating.fluid_bound_rps
     grid = Grid(operating.setup.slo_tpot_ms, operating.probed_slo_ms, args.slo_scale, bound, args.loads)
     doc["grid"], doc["probes"]["start"] = asdict(grid) | {"rates": grid.rates}, operating.probe.as_dict()
@@ -212,9 +256,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {err}", file=sys.stderr)
         return 2
     policies = (list(args.url) if args.url
-                else list(args.policies))
+                else list(args.policies) + [label for label, _ in args.variant])
+    server_args = args.server_args + (f" --emulate-device {shlex.quote(args.emulate_device)}"
+                                      if args.emulate_device else "")
     settings = ServerSettings(args.model, args.taper_rho, args.server_threads, args.max_total_tokens,
-                              args.server_args)
+                              server_args, dict(args.variant))
     servers = Servers(urls=dict(args.url)) if args.url else Servers(settings, max_alive=len(policies) + 1)
     base = PointSetup(trace, 1.0, scaling, args.duration_s, args.drain_s, args.preset, args.slo_ttft_s)
     out = Path(args.out)
