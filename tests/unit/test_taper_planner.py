@@ -9,7 +9,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from branchwise.taper.planner import ArrayBatch, StepPlan, greedy_order, plan_step
+from branchwise.taper.planner import ArrayBatch, PlanOptions, StepPlan, greedy_order, plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LinearLatencyModel
 from branchwise.taper.utility import CONCAVE, LINEAR, PRIORITY, Utility
 
@@ -97,7 +97,7 @@ def distinct_batches(draw):
 @given(batches, models, st.floats(-0.01, 0.1), utilities)
 def test_protected_always_runs_and_plan_fits_budget(lens, model, budget, utility):
     batch = batch_of(lens, [1.0 + (i % 3) for i in range(len(lens))])
-    plan = plan_step(batch, model, budget, utility)
+    plan = plan_step(batch, model, budget, PlanOptions(utility))
     assert list(plan.rids) == list(batch.rids)
     assert ((1 <= plan.widths) & (plan.widths <= batch.ready)).all()
     t0 = model.predict(len(lens), sum(c[0] for c in lens))
@@ -113,8 +113,8 @@ def test_protected_always_runs_and_plan_fits_budget(lens, model, budget, utility
 @given(batches, models, st.floats(-0.01, 0.1), st.floats(0, 0.05), utilities)
 def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
     batch = batch_of(lens, [0.5 + (i % 4) for i in range(len(lens))])
-    small = width(plan_step(batch, model, budget, utility))
-    big = width(plan_step(batch, model, budget + more, utility))
+    small = width(plan_step(batch, model, budget, PlanOptions(utility)))
+    big = width(plan_step(batch, model, budget + more, PlanOptions(utility)))
     assert all(big[rid] >= w for rid, w in small.items())
 
 
@@ -122,7 +122,7 @@ def test_plan_is_monotone_in_budget(lens, model, budget, more, utility):
 @given(distinct_batches(), st.floats(0, 0.06), utilities, st.booleans())
 def test_matches_algorithm_1_reference(lens, budget, utility, prune):
     batch = batch_of(lens, [1.0 + 0.37 * (i % 5) for i in range(len(lens))])
-    plan = plan_step(batch, MODEL, budget, utility, fill=prune)
+    plan = plan_step(batch, MODEL, budget, PlanOptions(utility, fill=prune))
     assert width(plan) == reference(batch, MODEL, budget, utility, prune)
 
 
@@ -130,8 +130,8 @@ def test_matches_algorithm_1_reference(lens, budget, utility, prune):
 @given(batches, models, st.floats(0, 0.06), utilities)
 def test_fill_only_adds_rows(lens, model, budget, utility):
     batch = batch_of(lens)
-    stop = width(plan_step(batch, model, budget, utility))
-    fill = plan_step(batch, model, budget, utility, fill=True)
+    stop = width(plan_step(batch, model, budget, PlanOptions(utility)))
+    fill = plan_step(batch, model, budget, PlanOptions(utility, fill=True))
     assert all(width(fill)[rid] >= w for rid, w in stop.items())
     assert fill.predicted_s <= budget + EPS or width(fill) == dict.fromkeys(stop, 1)
 
@@ -142,10 +142,10 @@ def test_fill_is_not_monotone_in_budget():
     model = LinearLatencyModel(c0=0.0, c_seq=0.0, c_ctx=1e-7)
     batch = batch_of([(1, 5000), (1, 1000)], weights=[10.0, 1.0])  # a row costs 5e-4, b row 1e-4
     t0 = 2e-7
-    assert width(plan_step(batch, model, t0 + 4e-4, PRIORITY, fill=True)) == {"r0": 1, "r1": 2}
-    assert width(plan_step(batch, model, t0 + 5.5e-4, PRIORITY, fill=True)) == {"r0": 2, "r1": 1}
-    assert width(plan_step(batch, model, t0 + 4e-4, PRIORITY)) == {"r0": 1, "r1": 1}
-    assert width(plan_step(batch, model, t0 + 5.5e-4, PRIORITY)) == {"r0": 2, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 4e-4, PlanOptions(PRIORITY, fill=True))) == {"r0": 1, "r1": 2}
+    assert width(plan_step(batch, model, t0 + 5.5e-4, PlanOptions(PRIORITY, fill=True))) == {"r0": 2, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 4e-4, PlanOptions(PRIORITY))) == {"r0": 1, "r1": 1}
+    assert width(plan_step(batch, model, t0 + 5.5e-4, PlanOptions(PRIORITY))) == {"r0": 2, "r1": 1}
 
 
 def test_cheap_rows_first_and_a_row_waits_for_its_predecessor():
@@ -163,9 +163,9 @@ def test_concave_spreads_width_and_priority_follows_weight():
     lens = [(1000,) * 5, (1000,) * 5]
     t0 = MODEL.predict(2, 2000)
     budget = t0 + 2 * float(MODEL.row_costs(1000)) + 1e-9  # room for exactly two rows
-    assert width(plan_step(batch_of(lens), MODEL, budget, LINEAR)) == {"r0": 3, "r1": 1}  # ties: earlier
-    assert width(plan_step(batch_of(lens), MODEL, budget, CONCAVE)) == {"r0": 2, "r1": 2}
-    assert width(plan_step(batch_of(lens, [1.0, 3.0]), MODEL, budget, PRIORITY)) == {"r0": 1, "r1": 3}
+    assert width(plan_step(batch_of(lens), MODEL, budget, PlanOptions(LINEAR))) == {"r0": 3, "r1": 1}  # ties: earlier
+    assert width(plan_step(batch_of(lens), MODEL, budget, PlanOptions(CONCAVE))) == {"r0": 2, "r1": 2}
+    assert width(plan_step(batch_of(lens, [1.0, 3.0]), MODEL, budget, PlanOptions(PRIORITY))) == {"r0": 1, "r1": 3}
 
 
 def test_fast_paths_and_empty_batch():
@@ -192,9 +192,9 @@ def test_extra_prefill_tokens_are_part_of_the_step():
 
 def test_pinned_widths_are_held_even_over_budget():
     batch = batch_of([(10, 10, 10, 10), (10, 10, 10), (10, 10)], fixed=[3, 0, 5])
-    loose = width(plan_step(batch, MODEL, 1.0, pinned=True))
+    loose = width(plan_step(batch, MODEL, 1.0, PlanOptions(pinned=True)))
     assert loose == {"r0": 3, "r1": 3, "r2": 2}
-    tight = plan_step(batch, MODEL, 0.0, pinned=True)
+    tight = plan_step(batch, MODEL, 0.0, PlanOptions(pinned=True))
     assert width(tight) == {"r0": 3, "r1": 1, "r2": 2}
     assert tight.predicted_s == MODEL.predict(6, 60)
     assert width(plan_step(batch, MODEL, 0.0)) == {"r0": 1, "r1": 1, "r2": 1}  # without pinning: protected

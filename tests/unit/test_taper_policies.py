@@ -174,11 +174,11 @@ def test_const_predictor_ablation():
     policy = parse_policy("taper-const-predictor", model=MODEL)
     assert isinstance(policy.model, ConstantLatencyModel)
     assert policy.model.value_s == pytest.approx(MODEL.predict(*CONST_REF))
-    assert parse_policy("taper-const-predictor", const_s=0.02).model.value_s == 0.02
+    assert parse_policy("taper-const-predictor", model=ConstantLatencyModel(0.02)).model.value_s == 0.02
     const = ConstantLatencyModel(0.01)
     assert parse_policy("taper-const-predictor", model=const).model is const
     mk = lambda slack: batch(("a", (100,) * 4, slack), ("b", (100,), 1.0))  # noqa: E731
-    p = parse_policy("taper-const-predictor", const_s=0.02, rho=1.0)
+    p = parse_policy("taper-const-predictor", model=ConstantLatencyModel(0.02), rho=1.0)
     assert widths(p, mk(0.019)) == {"a": 1, "b": 1}  # constant over budget: nothing extra
     assert widths(p, mk(0.021)) == {"a": 4, "b": 1}  # under: everything
 
@@ -211,18 +211,18 @@ def _phase_batch(rows: int, slack: float) -> ArrayBatch:
 def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
     """With a price, a deferring plan is predicted at T(its rows) + the price, and where that is no
     shorter than running every row, every row runs; without one the planner defers as before."""
-    from branchwise.taper.planner import plan_step
+    from branchwise.taper.planner import PlanOptions, plan_step
 
     m = LinearLatencyModel(0.010, 1e-3, 0.0)
     a = _phase_batch(8, slack=0.015)  # protected 12 ms, all 19 ms
     assert plan_step(a, m, 0.012).widths.tolist() == [1, 1]
-    plan = plan_step(a, m, 0.012, deferral=(2e-3, 0.5e-3))  # 12 + 2 + 7 x 0.5 = 17.5 < 19: defers
+    plan = plan_step(a, m, 0.012, PlanOptions(deferral=(2e-3, 0.5e-3)))  # 12 + 2 + 7 x 0.5 = 17.5 < 19: defers
     assert plan.widths.tolist() == [1, 1] and plan.predicted_s == pytest.approx(0.0175)
-    plan = plan_step(a, m, 0.012, deferral=(3e-3, 0.7e-3))  # 12 + 3 + 4.9 > 19: all run
+    plan = plan_step(a, m, 0.012, PlanOptions(deferral=(3e-3, 0.7e-3)))  # 12 + 3 + 4.9 > 19: all run
     assert plan.widths.tolist() == [1, 8] and plan.notes.get("defer_cost") == 1.0
     assert plan.predicted_s == pytest.approx(0.019)
     # admitting a row saves its cost less the per-row price: 1 ms rows cost the budget 0.5 ms
-    plan = plan_step(a, m, 0.0175, deferral=(1e-3, 0.5e-3))  # room 1 ms: two rows at 0.5 ms
+    plan = plan_step(a, m, 0.0175, PlanOptions(deferral=(1e-3, 0.5e-3)))  # room 1 ms: two rows at 0.5 ms
     deferred = 9 - plan.rows
     assert deferred == 5
     assert plan.predicted_s == pytest.approx(m.predict(plan.rows, 100 * plan.rows) + 1e-3 + 0.5e-3 * deferred)
@@ -230,12 +230,12 @@ def test_a_priced_deferral_runs_only_where_it_shortens_the_step():
 
 
 def test_a_deferral_price_given_as_a_function_is_computed_only_when_rows_do_not_all_fit():
-    from branchwise.taper.planner import plan_step
+    from branchwise.taper.planner import PlanOptions, plan_step
 
     m = LinearLatencyModel(0.010, 1e-3, 0.0)
     a = _phase_batch(8, slack=0.015)  # protected 12 ms, all 19 ms
-    assert plan_step(a, m, 0.020, deferral=lambda: pytest.fail("priced")).widths.tolist() == [1, 8]
-    assert plan_step(a, m, 0.012, deferral=lambda: (3e-3, 0.7e-3)).notes.get("defer_cost") == 1.0
+    assert plan_step(a, m, 0.020, PlanOptions(deferral=lambda: pytest.fail("priced"))).widths.tolist() == [1, 8]
+    assert plan_step(a, m, 0.012, PlanOptions(deferral=lambda: (3e-3, 0.7e-3))).notes.get("defer_cost") == 1.0
 
 
 def test_taper_prices_a_deferral_over_the_steps_it_is_held():

@@ -1,14 +1,9 @@
 """TAPER's per-step planner (Algorithm 1): a decode batch in (`ArrayBatch`), widths out (`StepPlan`).
 
-`plan_step` is the budget rule's plan: every request's protected row runs, even over budget; then
-rows are admitted greedily by marginal utility per marginal predicted latency while T(S) <= budget,
-each request offering only its next ready row. It takes one sort, one cumulative sum and one binary
-search per step (no per-candidate objects), and stops at the first row that does not fit, which
-keeps the plan monotone in the budget (`fill=True`: Algorithm 1's pruning rule exactly). Its
-options are the policies' extras: pinned widths (taper-no-replan), row floors and a deferral price
-(taper's terms, policies.py). The static policies (serial, cap:K, eager) plan with `plan_capped`: a
-fixed width per request. Why the sort gives the greedy order and how the stopping rule compares
-with Algorithm 1's: docs/design/taper-planner.md.
+`plan_step` runs every request's protected row, then admits rows greedily by marginal utility per
+marginal predicted latency while T(S) fits the budget; `plan_capped` is the static rules' fixed
+width. Why the sort gives the greedy order and where it stops: docs/design/taper-planner.md.
+Hot path: one sort, one cumsum and one binary search per step over flat arrays, no per-row objects.
 """
 
 from __future__ import annotations
@@ -22,10 +17,8 @@ import numpy as np
 from branchwise.taper.predictor import LatencyModel
 from branchwise.taper.utility import LINEAR, Utility
 
-# The greedy order is one sort of int64 keys packing (price, row index): the price's float bits
-# (order-preserving for floats >= 0) without their low _Q_SHIFT bits, then the row index. A plain
-# sort of unique ints is ~3x faster than a stable argsort and breaks ties by row index, so a
-# request's rows keep their order. Prices closer than ~2e-10 (relative) count as ties.
+# greedy_order packs (price, row index) into one int64: the price's float bits (order-preserving
+# for floats >= 0) less their low _Q_SHIFT bits, then the row index; ties (~2e-10 relative) by row.
 _Q_SHIFT = 20
 _TINY = 1e-300  # a zero weight makes rows last, not NaN
 _ROW_BITS = 20  # < 2^20 rows and requests per step
@@ -33,18 +26,16 @@ _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)  # 0..4095, sliced for the common batch sizes
 _ROWS.flags.writeable = False
-# the price of deferring (plan_step): (per step that defers, per deferred row) seconds, or a
-# function that computes it on demand
+# the price of deferring: (per step that defers, per deferred row) seconds, or a function giving it
 Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ArrayBatch:
-    """One snapshot of the decode batch as flat arrays, built by the step controller from its rows.
+    """One snapshot of the decode batch as flat arrays, built by the step controller.
 
-    A request (a serial request, or a parallel phase) has one ready row in a serial stage and one
-    per ready branch in a phase; its first row is the protected one, the rest are opportunistic
-    candidates in the order the hook would admit them.
+    A request (a serial request or a parallel phase) has one ready row per ready branch; its first
+    row is the protected one, the rest are opportunistic candidates in the hook's order.
     """
 
     rids: Sequence[str]  # n requests (the controller's grouping keys)
@@ -58,27 +49,42 @@ class ArrayBatch:
     slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
     waiting: int = 0  # requests queued for admission (SGLang's waiting queue): the backlog
     gap_slack_s: np.ndarray | None = None  # float64[n], slack_s read per gap (the paper's serial slack)
-    # derived once here, read by every rule of the step (a numpy call costs ~1 us at these sizes)
     starts: np.ndarray = field(init=False, repr=False)  # int64[n], each request's first (protected) row
     protected_ctx: int = field(init=False, repr=False)  # context tokens of the protected rows, S0's
 
     def __post_init__(self) -> None:
-        n = len(self.rids)
-        if self.ready.shape != (n,) or self.slack_s.shape != (n,):
-            raise ValueError(f"ArrayBatch: ready and slack_s need one entry per request ({n})")
-        if n and int(self.ready.min()) < 1:
+        count = len(self.rids)
+        if self.ready.shape != (count,) or self.slack_s.shape != (count,):
+            raise ValueError(f"ArrayBatch: ready and slack_s need one entry per request ({count})")
+        if count and int(self.ready.min()) < 1:
             raise ValueError("ArrayBatch: every request needs at least one ready row")
         starts = self.ready.cumsum()
-        if self.ctx.shape != (int(starts[-1]) if n else 0,):
+        if self.ctx.shape != (int(starts[-1]) if count else 0,):
             raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
         for name in ("weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
-            a = getattr(self, name)
-            if a is not None and a.shape != (n,):
-                raise ValueError(f"ArrayBatch: {name} needs one entry per request ({n})")
+            column = getattr(self, name)
+            if column is not None and column.shape != (count,):
+                raise ValueError(f"ArrayBatch: {name} needs one entry per request ({count})")
         starts -= self.ready
         starts.flags.writeable = False  # shared by every reader of the batch
         object.__setattr__(self, "starts", starts)
         object.__setattr__(self, "protected_ctx", int(self.ctx[starts].sum()))
+
+
+@dataclass(frozen=True, slots=True, eq=False)
+class PlanOptions:
+    """What plan_step honours beyond the budget: the policy's extras (policies.py)."""
+
+    utility: Utility = LINEAR
+    pinned: bool = False  # a pinned request runs exactly min(fixed_width, ready) rows (taper-no-replan)
+    fill: bool = False  # Algorithm 1's pruning rule exactly, after the first misfit
+    floor: np.ndarray | None = None  # int64[n], rows per request that run whatever the budget
+    # a plan that defers d rows costs per_step + d * per_row more and runs only if still shorter than
+    # every row; a function is called only when not every row fits
+    deferral: Deferral | None = None
+
+
+PLAIN = PlanOptions()
 
 
 @dataclass(slots=True)
@@ -97,140 +103,142 @@ class StepPlan:
         return int(self.widths.sum())
 
 
-def _ones(n: int) -> np.ndarray:
-    return np.ones(n, dtype=np.int64)
+@dataclass(frozen=True, slots=True)
+class _RowArrays:
+    """Per-row arrays of one plan: marginal cost, owning request, position inside that request."""
+
+    cost: np.ndarray
+    owner: np.ndarray
+    rank: np.ndarray
 
 
-def _arange(n: int) -> np.ndarray:
-    if n <= len(_ROWS):
-        return _ROWS[:n]
-    if n > _ROW_MASK:
-        raise ValueError(f"planner supports < {_ROW_MASK} rows per step, got {n}")
-    return np.arange(n, dtype=np.int64)
+def _ones(count: int) -> np.ndarray:
+    return np.ones(count, dtype=np.int64)
 
 
-def plan_capped(a: ArrayBatch, cap: int | None, model: LatencyModel | None) -> StepPlan:
-    """The static rule: min(ready, cap) rows per request (cap None: every ready row).
-    `model`, if set, only fills predicted_s."""
-    w = a.ready if cap is None else np.minimum(a.ready, cap)
+def _arange(count: int) -> np.ndarray:
+    if count <= len(_ROWS):
+        return _ROWS[:count]
+    if count > _ROW_MASK:
+        raise ValueError(f"planner supports < {_ROW_MASK} rows per step, got {count}")
+    return np.arange(count, dtype=np.int64)
+
+
+def plan_capped(batch: ArrayBatch, cap: int | None, model: LatencyModel | None) -> StepPlan:
+    """The static rule: min(ready, cap) rows per request (cap None: every ready row); `model`, if
+    set, only fills predicted_s."""
+    widths = batch.ready if cap is None else np.minimum(batch.ready, cap)
     predicted = 0.0
-    if model is not None and len(a.rids):
+    if model is not None and len(batch.rids):
         if cap is None:  # every row (eager)
-            rows, ctx = len(a.ctx), int(a.ctx.sum())
+            rows, ctx = len(batch.ctx), int(batch.ctx.sum())
         elif cap == 1:  # the protected rows (serial)
-            rows, ctx = len(a.rids), a.protected_ctx
+            rows, ctx = len(batch.rids), batch.protected_ctx
         else:
-            keep = np.arange(len(a.ctx)) < (a.starts + w).repeat(a.ready)
-            rows, ctx = int(w.sum()), int(a.ctx[keep].sum())
-        predicted = model.predict(rows, ctx, a.extra_tokens)
-    return StepPlan(a.rids, w, predicted)
+            keep = np.arange(len(batch.ctx)) < (batch.starts + widths).repeat(batch.ready)
+            rows, ctx = int(widths.sum()), int(batch.ctx[keep].sum())
+        predicted = model.predict(rows, ctx, batch.extra_tokens)
+    return StepPlan(batch.rids, widths, predicted)
 
 
-def plan_step(a: ArrayBatch, model: LatencyModel, budget_s: float, utility: Utility = LINEAR,
-              *, pinned: bool = False, fill: bool = False, floor: np.ndarray | None = None,
-              deferral: Deferral | None = None) -> StepPlan:
-    """Widths per request for one decode step.
-
-    pinned: honour the fixed widths (taper-no-replan): such a request runs exactly
-    min(fixed_width, ready) rows, counted in the base cost even over budget, and is not widened.
-    floor: int64[n], rows per request that run whatever the budget (>= 1; capped by the ready rows);
-    taper's late phases (policies.py). Rows above the floor are admitted as usual.
-    deferral: (per step that defers, per deferred row) seconds, the price of deferring (taper's
-    deferral-cost term): a plan that defers d rows is predicted at T(its rows) + the first + d x
-    the second, so admitting a row saves its cost less the second, and the plan that defers runs
-    only when it is predicted shorter than running every ready row. Or a function returning that
-    nonzero price, called only when not every ready row fits (most steps never need it).
-    """
+def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
+              options: PlanOptions = PLAIN) -> StepPlan:
+    """Widths per request for one decode step: the protected rows (or pinned widths, or floors)
+    even over budget, then the greedy plan within `budget_s` (a NaN budget leaves no room)."""
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
+    deferral = options.deferral
     if deferral is not None and not callable(deferral) and not any(deferral):
         deferral = None
-    rids = a.rids
-    n = len(rids)
-    if n == 0:
+    rids = batch.rids
+    count = len(rids)
+    if count == 0:
         return StepPlan(rids, _ones(0), 0.0, budget_s)
-    ready, ctx, starts = a.ready, a.ctx, a.starts
-    lo = None  # rows per request that run no matter what; None: one (the protected row)
-    fixed = a.fixed_width if pinned else None
+    ready, ctx, starts = batch.ready, batch.ctx, batch.starts
+    least = None  # rows per request that run no matter what; None: one (the protected row)
+    fixed = batch.fixed_width if options.pinned else None
+    floor = options.floor
     if fixed is not None and fixed.any():
-        lo = np.where(fixed > 0, np.minimum(fixed, ready), 1)
-        cap = np.where(fixed > 0, lo, ready)  # a pinned request is never widened past its width
-        seg = _arange(n).repeat(ready)
-        ctx = ctx[_arange(len(ctx)) - starts[seg] < cap[seg]]
+        least = np.where(fixed > 0, np.minimum(fixed, ready), 1)
+        cap = np.where(fixed > 0, least, ready)  # a pinned request is never widened past its width
+        owner = _arange(count).repeat(ready)
+        ctx = ctx[_arange(len(ctx)) - starts[owner] < cap[owner]]
         ready = cap
         starts = ready.cumsum()
         starts -= ready
     elif floor is not None and bool((floor > 1).any()):
-        lo = np.minimum(np.maximum(floor, 1), ready)
+        least = np.minimum(np.maximum(floor, 1), ready)
     else:
-        t0 = model.predict(n, a.protected_ctx, a.extra_tokens)  # T(S0)
-        if t0 > budget_s and deferral is None:  # the protected composition alone is over budget: it runs
-            return StepPlan(rids, _ones(n), predicted_s=t0, budget_s=budget_s,
-                            notes={"protected_s": t0})
+        base_s = model.predict(count, batch.protected_ctx, batch.extra_tokens)  # T(S0)
+        if base_s > budget_s and deferral is None:  # the protected composition alone is over budget: it runs
+            return StepPlan(rids, _ones(count), predicted_s=base_s, budget_s=budget_s,
+                            notes={"protected_s": base_s})
 
     total = len(ctx)
-    seg = _arange(n).repeat(ready)  # request index of every row
-    pos = _arange(total) - starts[seg] if lo is not None or fill or utility is not LINEAR else None
+    owner = _arange(count).repeat(ready)  # request index of every row
+    utility = options.utility
+    rank = None
+    if least is not None or options.fill or utility is not LINEAR:
+        rank = _arange(total) - starts[owner]
     cost = model.row_costs(ctx)  # a new float64 array, >= 0: its bits sort like its values
-    if lo is None:
+    if least is None:
         forced = starts
     else:
-        forced = (pos < lo[seg]).nonzero()[0]
-        t0 = model.predict(0, 0, a.extra_tokens) + float(cost[forced].sum())  # T is separable
-        if t0 > budget_s and deferral is None:
-            return StepPlan(rids, lo, predicted_s=t0, budget_s=budget_s,
-                            notes={"protected_s": t0})
-    notes = {"protected_s": t0}
-    cost[forced] = 0.0  # in t0 already
+        forced = (rank < least[owner]).nonzero()[0]
+        base_s = model.predict(0, 0, batch.extra_tokens) + float(cost[forced].sum())  # T is separable
+        if base_s > budget_s and deferral is None:
+            return StepPlan(rids, least, predicted_s=base_s, budget_s=budget_s,
+                            notes={"protected_s": base_s})
+    notes = {"protected_s": base_s}
+    cost[forced] = 0.0  # in base_s already
     considered = total - len(forced)
     extra_s = float(cost.sum())
-    if t0 + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
-        return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+    if base_s + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
+        return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
-    base = t0
+    start_s = base_s
     if deferral is not None:  # every row deferred costs its share; admitting it saves cost - per row
         per_step, per_row = deferral() if callable(deferral) else deferral
-        base = t0 + per_step + per_row * considered
+        start_s = base_s + per_step + per_row * considered
         cost = np.maximum(cost - per_row, 0.0)
         cost[forced] = 0.0
         if float(cost.sum()) <= per_step:  # no plan that defers beats running every row: no greedy pass
             notes["defer_cost"] = 1.0
-            return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+            return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
                             considered=considered, notes=notes)
 
     # price = seconds per unit of marginal utility; greedy takes the lowest first (forced rows: 0)
     price = cost
     if utility is not LINEAR:
-        gain = utility.table(int(ready.max()))[pos]
-        if utility.weighted and a.weight is not None:
-            gain *= a.weight[seg]
+        gain = utility.table(int(ready.max()))[rank]
+        if utility.weighted and batch.weight is not None:
+            gain *= batch.weight[owner]
         price = cost / np.maximum(gain, _TINY)
-    order = greedy_order(price, seg)
-    cum = cost[order].cumsum()
-    room = budget_s - base
-    k = int(cum.searchsorted(room, side="right"))
-    width = np.bincount(seg[order[:k]], minlength=n)
+    order = greedy_order(price, owner)
+    cumulative = cost[order].cumsum()
+    room = budget_s - start_s
+    taken = int(cumulative.searchsorted(room, side="right"))
+    width = np.bincount(owner[order[:taken]], minlength=count)
     if deferral is not None:  # over budget (room < 0) the forced rows still run
-        width = np.maximum(width, 1 if lo is None else lo)
-    used = float(cum[k - 1]) if k else 0.0
-    if fill and k < total:
-        used += _fill(order[k:], cost, seg, pos, width, room - used)
-    if deferral is not None and t0 + extra_s <= base + used:  # deferring would not shorten the step
+        width = np.maximum(width, 1 if least is None else least)
+    used = float(cumulative[taken - 1]) if taken else 0.0
+    if options.fill and taken < total:
+        used += _fill(order[taken:], _RowArrays(cost, owner, rank), width, room - used)
+    if deferral is not None and base_s + extra_s <= start_s + used:  # deferring would not shorten the step
         notes["defer_cost"] = 1.0
-        return StepPlan(rids, ready, predicted_s=t0 + extra_s, budget_s=budget_s,
+        return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
-    return StepPlan(rids, width, predicted_s=base + used, budget_s=budget_s,
+    return StepPlan(rids, width, predicted_s=start_s + used, budget_s=budget_s,
                     considered=considered, notes=notes)
 
 
-def greedy_order(price: np.ndarray, seg: np.ndarray) -> np.ndarray:
+def greedy_order(price: np.ndarray, owner: np.ndarray) -> np.ndarray:
     """Rows in greedy admission order: by price (float64 >= 0), a request's row never before its
-    predecessors (it takes the running max of its request's prices), ties by row index. `seg`:
-    each row's request index, non-decreasing (rows request-major). One sort of packed int64 keys
-    (the module's constants); tests hold it to a plain sorted() over (running max, row)."""
+    predecessors (the running max of its request's prices), ties by row index. `owner`: each row's
+    request index, non-decreasing. Tests hold it to a plain sorted() over (running max, row)."""
     key = price.view(np.int64) >> _Q_SHIFT
     # running max along each request's rows, in one 1-D pass by lifting every request above the last
-    lift = seg << _Q_BITS
+    lift = owner << _Q_BITS
     key += lift
     np.maximum.accumulate(key, out=key)
     key -= lift
@@ -240,33 +248,32 @@ def greedy_order(price: np.ndarray, seg: np.ndarray) -> np.ndarray:
     return key & _ROW_MASK
 
 
-def _fill(rest: np.ndarray, cost: np.ndarray, seg: np.ndarray, pos: np.ndarray, width: np.ndarray,
-          room: float) -> float:
+def _fill(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float) -> float:
     """Algorithm 1's pruning rule after the first misfit: a request whose next row does not fit is
     dropped, the others keep going. Updates `width` in place; returns the cost it added."""
-    rc = cost[rest]
-    fits = np.flatnonzero(rc <= room)  # rows costlier than the room now never fit later either
+    rest_cost = rows.cost[rest]
+    fits = np.flatnonzero(rest_cost <= room)  # rows costlier than the room now never fit later either
     done = width.tolist()
     dropped = np.zeros(len(done), dtype=bool)
-    dropped[seg[rest[0]]] = True  # the row that ended the prefix did not fit
+    dropped[rows.owner[rest[0]]] = True  # the row that ended the prefix did not fit
     added = 0.0
-    for i, c in zip(rest[fits].tolist(), rc[fits].tolist(), strict=True):
-        s = int(seg[i])
-        if dropped[s] or pos[i] != done[s]:  # dropped, or an earlier row of it was skipped
+    for row, row_cost in zip(rest[fits].tolist(), rest_cost[fits].tolist(), strict=True):
+        request = int(rows.owner[row])
+        if dropped[request] or rows.rank[row] != done[request]:  # dropped, or an earlier row was skipped
             continue
-        if c <= room - added:
-            done[s] += 1
-            added += c
+        if row_cost <= room - added:
+            done[request] += 1
+            added += row_cost
         else:
-            dropped[s] = True
+            dropped[request] = True
     width[:] = done
     return added
 
 
-def floor_cost(a: ArrayBatch, model: LatencyModel, floor: np.ndarray | None) -> float:
+def floor_cost(batch: ArrayBatch, model: LatencyModel, floor: np.ndarray | None) -> float:
     """Predicted latency of the composition that runs `floor` rows per request (None: one each)."""
     if floor is None:
-        return model.predict(len(a.rids), a.protected_ctx, a.extra_tokens)
-    lo = np.minimum(np.maximum(floor, 1), a.ready)
-    keep = _arange(len(a.ctx)) < (a.starts + lo).repeat(a.ready)  # a row below its request's floor
-    return model.predict(int(lo.sum()), int(a.ctx[keep].sum()), a.extra_tokens)
+        return model.predict(len(batch.rids), batch.protected_ctx, batch.extra_tokens)
+    least = np.minimum(np.maximum(floor, 1), batch.ready)
+    keep = _arange(len(batch.ctx)) < (batch.starts + least).repeat(batch.ready)  # below its request's floor
+    return model.predict(int(least.sum()), int(batch.ctx[keep].sum()), batch.extra_tokens)

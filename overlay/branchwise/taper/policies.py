@@ -1,17 +1,12 @@
 """Branch admission policies as data: `parse_policy(name) -> Policy`, and the rules a Policy names.
 
-A policy decides, for one decode step, how many ready rows of each request run (`Policy.plan`):
-* Static rule (serial = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows per request, no clock.
-* Budget rule (the taper family): every request's protected row runs, then opportunistic rows are
-  admitted greedily while the predicted step latency T(S) fits a budget (planner.py). taper-paper
-  is the paper's rule (Algorithm 1): budget B = rho * min slack over the batch, serial slack read
-  per gap; taper-no-slack (infinite budget) and taper-const-predictor (a constant T) ablate it.
-  taper weighs the budget by three terms (`Terms`, `weighed_budget`) and prices deferral itself
-  (`held_price`, with the price the refit learns), each with an ablation: an SLO-matched budget
-  (taper-no-mean), an overload rule (taper-no-overload), a backlog floor (taper-no-backlog) and
-  the deferral price (taper-no-defer-cost). docs/design/taper-rule.md derives each term.
-* Pin rule (`replan`): taper-no-replan holds a phase at its first plan's width (capped by its ready
-  rows) though the budget later shrinks; the step controller keeps the pins. Others replan each step.
+A policy decides how many ready rows of each request run in one decode step (`Policy.plan`):
+* Static rule (serial = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows, no clock.
+* Budget rule (the taper family): protected rows, then a greedy fill within a budget (planner.py).
+  taper-paper is the paper's B = rho * min slack; taper adds the terms of `Terms` and a deferral
+  price, each with a taper-no-* ablation (docs/design/taper-rule.md derives them).
+* Pin rule (`replan` False, taper-no-replan): a phase keeps its first plan's width.
+Hot path: decide and weighed_budget run per step on plain lists over a few dozen requests.
 """
 
 from __future__ import annotations
@@ -25,7 +20,7 @@ from types import MappingProxyType
 
 import numpy as np
 
-from branchwise.taper.planner import ArrayBatch, StepPlan, floor_cost, plan_capped, plan_step
+from branchwise.taper.planner import ArrayBatch, PlanOptions, StepPlan, floor_cost, plan_capped, plan_step
 from branchwise.taper.predictor import ConstantLatencyModel, LatencyModel, LinearLatencyModel, default_model
 from branchwise.taper.utility import LINEAR, Utility, parse_utility
 
@@ -39,7 +34,7 @@ VALID_POLICIES = "serial, cap:K (integer K >= 1), eager, taper, taper-no-mean, t
 CONST_REF = (64, 64 * 2048)
 _CAP = re.compile(r"cap:(\d+)")
 _HELD_FOREVER = 1e9  # steps a deferral is held when no step has room for its rows
-_FIT_TOL = 1e-9  # decide's relative margin: sums of the same row costs in another order agree far closer
+_FIT_TOL = 1e-9  # relative margin: sums of the same row costs in another order agree far closer
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,8 +55,7 @@ PAPER = Terms()
 
 @dataclass(slots=True)
 class KeyClock:
-    """One request's (one key's) inputs to the budget rule this step. Hot path: one per request per
-    step, so not frozen (a frozen dataclass's __init__ costs ~3x: ~1.5 us against ~0.45 us)."""
+    """One request's (one key's) inputs to the budget rule this step (not frozen: one per key per step)."""
 
     slack_s: float  # slack against its TPOT SLO (SlackTracker.slack)
     gap_s: float | None  # its per-gap slack (terms.mean only)
@@ -72,8 +66,8 @@ class KeyClock:
 
 @dataclass(frozen=True, slots=True)
 class StepView:
-    """What the budget rule reads of one step: the predicted times of its compositions, and one
-    KeyClock per request. floor_cost(lo): T of each request's first lo[i] rows (None: one each)."""
+    """What the budget rule reads of one step: predicted times of its compositions, one KeyClock per
+    request. floor_cost(rows): T of each request's first rows[i] rows (None: one each)."""
 
     t_all: float  # T of every ready row
     t_protected: float  # T of each request's first row
@@ -85,8 +79,8 @@ class StepView:
 
 @dataclass(frozen=True, slots=True)
 class StepBudget:
-    """The budget rule's one answer for a step (Policy.decide): its budget and row floors, and
-    whether the plan would run every row, so that it need not be made."""
+    """The budget rule's one answer for a step (Policy.decide): budget, row floors, and whether the
+    plan would run every row (then it need not be made)."""
 
     budget_s: float
     floor: list[int] | None  # rows per request that run whatever the budget; None: one each
@@ -109,12 +103,8 @@ _RETIRED = MappingProxyType({
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """One admission policy: which rules apply, with what parameters (module docstring).
-
-    `rho` None: the static rule with `cap`. Otherwise the budget rule: rho * min slack (infinite
-    when `slack` is False), weighed by `terms`; `replan` False is the pin rule. `model` is the
-    shared T(S) (refit in place by OnlineRefit); a static policy uses it only for predicted_s.
-    """
+    """One admission policy: which rules apply, with what parameters (module docstring). `model` is
+    the shared T(S), refit in place by OnlineRefit; a static policy uses it only for predicted_s."""
 
     name: str
     model: LatencyModel | None = None
@@ -139,22 +129,23 @@ class Policy:
         """The plan is a function of the ready-row counts alone (serial, cap:K, eager, stock)."""
         return self.rho is None
 
-    def plan(self, a: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
+    def plan(self, batch: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
         """Widths for one step: min(ready, cap) (static), or the greedy plan within the budget
-        (`given`: the rule's answer on these clocks, already worked out by decide)."""
+        (`given`: decide's answer on these clocks, if it worked one out)."""
         if self.rho is None:
-            return plan_capped(a, self.cap, self.model)
+            return plan_capped(batch, self.cap, self.model)
         assert self.model is not None
         if given is None:
-            budget, floor, notes = self.budget(a)
+            budget, floor, notes = self.budget(batch)
         else:
             budget, notes = given.budget_s, given.notes
             floor = None if given.floor is None else np.array(given.floor, dtype=np.int64)
         deferral = None
         if self.prices_deferral:  # plan_step prices it if rows do not all fit
-            deferral = partial(self._held_price, a, budget, floor)
-        plan = plan_step(a, self.model, budget, self.utility, pinned=not self.replan, fill=self.fill,
-                         floor=floor, deferral=deferral)
+            deferral = partial(self._held_price, batch, budget, floor)
+        options = PlanOptions(self.utility, pinned=not self.replan, fill=self.fill, floor=floor,
+                              deferral=deferral)
+        plan = plan_step(batch, self.model, budget, options)
         plan.notes.update(notes)
         return plan
 
@@ -169,8 +160,8 @@ class Policy:
         return self.terms.defer_cost and any(self.deferral_price())
 
     def decide(self, view: StepView) -> StepBudget | None:
-        """The budget rule's answer for this step (None: the plan works it out, as for the static
-        and pin rules, a non-linear T and a NaN clock, which the plan reads as no room)."""
+        """The budget rule's answer for this step; None where the plan must work it out (static and
+        pin rules, a non-linear T, a NaN clock)."""
         if self.rho is None:
             return None
         if self._never_defers(sum(key.extra for key in view.keys), view.extra_ctx):
@@ -192,10 +183,8 @@ class Policy:
         return StepBudget(budget, floor, notes)
 
     def _never_defers(self, extra_rows: int, extra_ctx: int) -> bool:
-        """Deferring all `extra_rows` opportunistic rows (`extra_ctx` their context tokens) saves no
-        more than the deferral price held for one step, its least, so plan_step would run every row
-        (its `cost.sum() <= per_step` test, which that bound implies). Only for a linear T whose
-        row slope is above the per-row price (every row saves >= 0)."""
+        """Deferring every opportunistic row saves no more than one step's deferral price, so
+        plan_step would run every row (linear T with its row slope above the per-row price)."""
         model = self.model
         if not self.prices_deferral or not isinstance(model, LinearLatencyModel):
             return False
@@ -205,10 +194,8 @@ class Policy:
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
     def _price_beats_saving(self, view: StepView, budget: float, floor: list[int] | None) -> bool:
-        """A believed deferral price, held for as many steps as `held_price` counts, is no less than
-        what deferring every row above the floors would save (plan_step's first test on the price,
-        here on an upper bound of that saving). A relative margin of _FIT_TOL keeps the plan's own
-        sums on the same side."""
+        """The held deferral price is no less than an upper bound of what deferring every row above
+        the floors would save, so plan_step would run every row (docs/design/taper-rule.md)."""
         model = self.model
         t_floor = view.floor_cost(floor)
         room = budget - t_floor
@@ -223,47 +210,42 @@ class Policy:
             saving = max(cost_s - model.c_seq * (above - 1) - per_row, 0.0) if above else 0.0
         return saving + _FIT_TOL * (cost_s + per_step) <= per_step
 
-    def held_price(self, a: ArrayBatch, budget: float,
+    def held_price(self, batch: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
         """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
         (deferral is free)."""
-        return self._held_price(a, budget, floor) if any(self.deferral_price()) else None
+        return self._held_price(batch, budget, floor) if any(self.deferral_price()) else None
 
-    def _held_price(self, a: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float]:
+    def _held_price(self, batch: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float]:
         model = self.model
         price = self.deferral_price()
-        room = budget - floor_cost(a, model, floor)
-        waiting_s = float(model.row_costs(a.ctx).sum() - model.row_costs(a.ctx[a.starts]).sum())
+        room = budget - floor_cost(batch, model, floor)
+        waiting_s = float(model.row_costs(batch.ctx).sum() - model.row_costs(batch.ctx[batch.starts]).sum())
         held = max(1.0, waiting_s / room) if room > 0 else _HELD_FOREVER
         return price[0] * held, price[1] * held
 
-    def budget(self, a: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
+    def budget(self, batch: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
         """The budget rule on a snapshot: (budget, per-request row floor or None, notes on the terms
         that applied)."""
         assert self.rho is not None
-        if not self.slack or not len(a.rids):
+        if not self.slack or not len(batch.rids):
             return math.inf, None, {}
-        if not (self.terms.any() and self.replan and a.slo_s is not None):
-            return self.rho * float(a.slack_s.min()), None, {}
+        if not (self.terms.any() and self.replan and batch.slo_s is not None):
+            return self.rho * float(batch.slack_s.min()), None, {}
         model = self.model
-        phase = a.phase.tolist() if a.phase is not None else [False] * len(a.rids)
-        gap = [None] * len(a.rids) if a.gap_slack_s is None else a.gap_slack_s.tolist()
-        keys = [KeyClock(*clock) for clock in
-                zip(a.slack_s.tolist(), gap, a.slo_s.tolist(), (a.ready - 1).tolist(), phase, strict=True)]
-        view = StepView(t_all=model.predict(len(a.ctx), int(a.ctx.sum()), a.extra_tokens),
-                        t_protected=floor_cost(a, model, None), extra_ctx=0, keys=keys, waiting=a.waiting,
-                        floor_cost=lambda lo: floor_cost(a, model, None if lo is None else np.array(lo)))
+        phase = batch.phase.tolist() if batch.phase is not None else [False] * len(batch.rids)
+        gap = [None] * len(batch.rids) if batch.gap_slack_s is None else batch.gap_slack_s.tolist()
+        columns = (batch.slack_s.tolist(), gap, batch.slo_s.tolist(), (batch.ready - 1).tolist(), phase)
+        keys = [KeyClock(*clock) for clock in zip(*columns, strict=True)]
+        view = StepView(t_all=model.predict(len(batch.ctx), int(batch.ctx.sum()), batch.extra_tokens),
+                        t_protected=floor_cost(batch, model, None), extra_ctx=0, keys=keys,
+                        waiting=batch.waiting, floor_cost=partial(_snapshot_floor, batch, model))
         budget, floor, notes = self.weighed_budget(view)
         return budget, None if floor is None else np.array(floor, dtype=np.int64), notes
 
     def weighed_budget(self, view: StepView) -> tuple[float, list[int] | None, dict]:
-        """taper's budget and per-request row floor (docs/design/taper-rule.md), and notes saying
-        which terms applied ("per_gap", "overload", "backlog": 1.0). Where every ready row is within
-        the first bound every row runs: no floor is needed (None) and the overload term cannot apply
-        (the forced rows fit too), so the rule stops there but for the backlog term, which only
-        raises the budget. A NaN clock gives a NaN budget, which the plan reads as no room. The
-        overload term makes the plan non-monotone in row cost: longer contexts can switch it on and
-        widen. Hot path: plain lists over a few dozen requests, no numpy."""
+        """taper's budget, per-request row floor and the terms that applied ("per_gap", "overload",
+        "backlog": 1.0), derived in docs/design/taper-rule.md. A NaN clock gives a NaN budget."""
         rho, terms, keys = self.rho, self.terms, view.keys
         assert rho is not None
         notes: dict[str, float] = {}
@@ -289,7 +271,7 @@ class Policy:
                 rows = (budget / rho - own) / max(key.slo_s, 1e-9)
                 need.append(0 if not (key.in_phase and rows > 0) else key.extra if rows >= key.extra
                             else math.ceil(rows))
-            return [n + 1 for n in need] if any(need) else None
+            return [extra + 1 for extra in need] if any(need) else None
 
         def pace() -> list[float]:
             """The SLO pace: a step this long keeps a request on target (a phase at full width gets
@@ -302,9 +284,9 @@ class Policy:
         if terms.overload and not fits:
             forced_s = view.floor_cost(floor)
             if forced_s > budget:  # a request bound below forced_s: no deferral keeps it in budget this step
-                on_time = [b for b in bound if not b < forced_s]
+                on_time = [own for own in bound if not own < forced_s]
                 budget = min(min(on_time, default=math.inf),
-                             min(p for p, b in zip(pace(), bound, strict=True) if b < forced_s))
+                             min(step_s for step_s, own in zip(pace(), bound, strict=True) if own < forced_s))
                 notes["overload"] = 1.0
         if terms.backlog and view.waiting > 0 and (pace_s := min(pace())) > budget:
             budget, notes["backlog"] = pace_s, 1.0
@@ -315,36 +297,38 @@ class Policy:
 
 def parse_policy_name(name: str) -> str:
     """Canonical policy name; ValueError naming the valid values."""
-    s = str(name).strip().lower()
-    s = _ALIASES.get(s, s)
-    if s in _RETIRED:
-        raise ValueError(_RETIRED[s])
-    if s in POLICY_NAMES and s != "cap:K":
-        return s
-    m = _CAP.fullmatch(s)
-    if m and int(m.group(1)) >= 1:
-        return f"cap:{int(m.group(1))}"
+    canonical = str(name).strip().lower()
+    canonical = _ALIASES.get(canonical, canonical)
+    if canonical in _RETIRED:
+        raise ValueError(_RETIRED[canonical])
+    if canonical in POLICY_NAMES and canonical != "cap:K":
+        return canonical
+    cap = _CAP.fullmatch(canonical)
+    if cap and int(cap.group(1)) >= 1:
+        return f"cap:{int(cap.group(1))}"
     raise ValueError(f"invalid branch policy {name!r}; valid: {VALID_POLICIES}")
 
 
 def parse_policy(name: str, *, model: LatencyModel | None = None, rho: float = 0.8,
-                 utility: str | Utility = "linear", const_s: float | None = None,
-                 fill: bool = False) -> Policy:
+                 utility: str | Utility = "linear", fill: bool = False) -> Policy:
     """Build a policy. model defaults to default_model() for the budget rule (the static rule keeps
-    None); const_s fixes taper-const-predictor's value."""
-    s = parse_policy_name(name)
-    u = parse_utility(utility)
-    if s == "serial":  # one branch per phase per step (the TAPER paper's IRP-Off)
-        return Policy(s, model, cap=1)
-    if s in ("eager", "stock"):  # stock: every ready row, as eager (the server runs no controller for it)
-        return Policy(s, model)
-    if s.startswith("cap:"):
-        return Policy(s, model, cap=int(s[4:]))
-    m = model if model is not None else default_model()
-    if s == "taper-const-predictor":
-        if const_s is not None:
-            m = ConstantLatencyModel(const_s)
-        elif not isinstance(m, ConstantLatencyModel):
-            m = ConstantLatencyModel.from_model(m, *CONST_REF)
-    return Policy(s, m, rho=rho, terms=_TERMS.get(s, PAPER), slack=s != "taper-no-slack",
-                  replan=s != "taper-no-replan", utility=u, fill=fill)
+    None); taper-const-predictor keeps a ConstantLatencyModel and turns another into one."""
+    canonical = parse_policy_name(name)
+    curve = parse_utility(utility)
+    if canonical == "serial":  # one branch per phase per step (the TAPER paper's IRP-Off)
+        return Policy(canonical, model, cap=1)
+    if canonical in ("eager", "stock"):  # stock: as eager (the server runs no controller for it)
+        return Policy(canonical, model)
+    if canonical.startswith("cap:"):
+        return Policy(canonical, model, cap=int(canonical[4:]))
+    shared = model if model is not None else default_model()
+    if canonical == "taper-const-predictor" and not isinstance(shared, ConstantLatencyModel):
+        shared = ConstantLatencyModel.from_model(shared, *CONST_REF)
+    return Policy(canonical, shared, rho=rho, terms=_TERMS.get(canonical, PAPER),
+                  slack=canonical != "taper-no-slack", replan=canonical != "taper-no-replan",
+                  utility=curve, fill=fill)
+
+
+def _snapshot_floor(batch: ArrayBatch, model: LatencyModel, rows: list[int] | None) -> float:
+    """StepView.floor_cost on a snapshot."""
+    return floor_cost(batch, model, None if rows is None else np.array(rows))
