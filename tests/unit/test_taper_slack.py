@@ -81,7 +81,7 @@ def test_tracker_serial_phase_serial():
     assert t.slack(0.04) == pytest.approx(0.04)
     t.start_phase(0.05)
     assert t.in_phase and t.phase_tokens == 0  # no effective TPOT before the phase's first token
-    t.on_tokens(0.07, n=3)  # three branches delivered a token each
+    t.on_tokens(0.07, tokens=3)  # three branches delivered a token each
     assert t.phase_tokens == 3
     assert t.slack(0.08) == pytest.approx(4 * SLO - 0.03)
     assert (0.08 - t.phase_start_s) / t.phase_tokens == pytest.approx(0.01)  # effective TPOT so far

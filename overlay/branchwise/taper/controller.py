@@ -1,14 +1,11 @@
 """The per-step admission controller: rows of a decode batch in, active row indices out.
 
-Pure (no SGLang). `StepController.select(rows, now)` groups the hook's `Row`s by key (a parallel
-phase, or a serial request's rid), builds the planner's `ArrayBatch` with each key's slack from its
-`SlackTracker` (how long the next step may take before the key's TPOT exceeds its SLO), has the
-policy (policies.py) plan a width per key, and returns each key's first `width` rows plus forced
-ones. The hook then reports deliveries (`on_step_done`), the realized latency (`on_latency`, which
-refits the model) and keys that left for good (`on_finished`). The decision time is passed in,
-never read here, so the controller decides the same on every rank; a planning failure runs every
-row (counted in stats.planner_errors) rather than stall the step. The slack formulas, the lifetime
-of per-key state and the failure rule are derived in docs/design/taper-controller.md.
+Pure (no SGLang). `StepController.select(rows, now)` groups the hook's `Row`s by key (a phase, or a
+serial request's rid), reads each key's `SlackTracker`, has the policy plan a width per key and
+returns each key's first `width` rows plus forced ones; the hook then reports deliveries, realized
+latencies and finished keys. `now` is passed in so every rank decides the same. Slack formulas,
+per-key state and the failure rule: docs/design/taper-controller.md.
+Hot path: select runs every decode step; rows stay plain lists until the planner's snapshot.
 """
 
 from __future__ import annotations
@@ -30,9 +27,8 @@ _COUNTED = ("per_gap", "overload", "backlog")  # StepPlan.notes counted in StepS
 
 @dataclass(slots=True, kw_only=True)
 class Row:
-    """One live row of the decode batch, as the scheduler hook (and bench.engine) hands it in.
-    A value: nothing changes one after it is built (not frozen: one is built per row per step,
-    and a frozen dataclass takes twice as long to build)."""
+    """One live row of the decode batch, as the scheduler hook (and bench.engine) hands it in; a
+    value, not frozen only because one is built per row per step."""
 
     key: str  # phase id for branch rows, rid for serial requests
     order: int = 0  # admission order inside the phase (branch index)
@@ -55,10 +51,8 @@ class Delivery:
 
 @dataclass(slots=True)
 class SlackTracker:
-    """One key's delivery clock (docs/design/taper-controller.md). The controller starts it at the
-    key's first plan or delivery, in a phase for phase keys; `on_tokens(now, n)` gets the tokens
-    delivered by all of the key's rows in that step. `mean`: a serial stage's slack is read on its
-    mean pace."""
+    """One key's delivery clock (docs/design/taper-controller.md), started at the key's first plan
+    or delivery. `mean`: a serial stage's slack is read on its mean pace."""
 
     slo_s: float
     last_token_s: float  # time of the last token delivery (the clock's start initially)
@@ -72,12 +66,13 @@ class SlackTracker:
         if self.stage_start_s != self.stage_start_s:
             self.stage_start_s = self.last_token_s
 
-    def on_tokens(self, now_s: float, n: int = 1) -> None:
+    def on_tokens(self, now_s: float, tokens: int = 1) -> None:
+        """The tokens all of the key's rows delivered in one step."""
         self.last_token_s = now_s
         if self.phase_start_s is not None:
-            self.phase_tokens += n
+            self.phase_tokens += tokens
         else:
-            self.stage_tokens += n
+            self.stage_tokens += tokens
 
     def start_phase(self, now_s: float) -> None:
         self.phase_start_s, self.phase_tokens = now_s, 0
@@ -98,6 +93,17 @@ class SlackTracker:
         if self.phase_start_s is not None:
             return (self.phase_tokens + 1) * self.slo_s - (now_s - self.phase_start_s)
         return self.slo_s - (now_s - self.last_token_s)
+
+
+@dataclass(slots=True)
+class _Step:
+    """One step's rows grouped by key, and each key's clock: what the rule and the planner read."""
+
+    rows: list[Row]
+    groups: dict[str, list[int]]  # key -> its row indices in admission order
+    heads: list[Row]  # each key's first (protected) row
+    waiting: int  # requests queued for admission
+    clocks: list[KeyClock] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -134,16 +140,13 @@ class StepController:
     quiet_ts: float | None = None
 
     def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
-        """Indices of the rows to run this step (every key gets at least one).
-
-        bubble: the batch in flight delivers no token to these rows (overlap scheduling after a
-        prefill), so their next delivery comes only after this step AND the next one; the next
-        step's protected composition is reserved out of every slack before planning.
-        waiting: requests queued for admission (SGLang: len(waiting_queue)); taper's backlog term.
-        `rows` must be every live row of the running batch (deferred ones included)."""
+        """Indices of the rows to run this step (every key gets at least one), from every live row
+        of the running batch. bubble: the batch in flight delivers no token to these rows (overlap
+        after a prefill), so the next step's protected rows are reserved out of every slack.
+        waiting: requests queued for admission (taper's backlog term)."""
         groups: dict[str, list[int]] = {}
-        for key, _, i in sorted([(r.key, r.order, i) for i, r in enumerate(rows)]):
-            groups.setdefault(key, []).append(i)
+        for key, _, index in sorted([(row.key, row.order, index) for index, row in enumerate(rows)]):
+            groups.setdefault(key, []).append(index)
         self.stats.steps += 1
         if len(groups) == len(rows):
             return list(range(len(rows)))  # nothing to defer: skip the planner
@@ -160,80 +163,81 @@ class StepController:
               waiting: int) -> list[int]:
         if len(self.trackers) > len(groups) or len(self.fixed) > len(groups):
             self.forget(set(groups))
-        heads = [rows[idx[0]] for idx in groups.values()]
-        slack, gap = self._clocks(heads, now, bubble)
+        heads = [rows[indices[0]] for indices in groups.values()]
+        step = _Step(rows, groups, heads, max(int(waiting), 0))
+        self._clocks(step, now, bubble)
         rule = None
         if not self.policy.static:  # a static width reads the ready counts alone: no context sums
-            view = self._view(rows, groups, heads, slack, gap, waiting)
+            view = self._view(step)
             rule = self.policy.decide(view)
             if rule is not None and rule.runs_all:
                 self._unplanned(rule, len(rows) - len(heads), view.t_all)
                 return list(range(len(rows)))
-        batch = self._snapshot(rows, groups, heads, slack, gap, waiting)
-        t0 = time.perf_counter()
+        batch = self._snapshot(step)
+        started = time.perf_counter()
         plan = self.policy.plan(batch, rule)
-        width = plan.widths.tolist()
+        widths = plan.widths.tolist()
         if not self.policy.replan:  # the pin rule: a phase keeps the width of its first plan
-            for key, w, head in zip(groups, width, heads, strict=True):
+            for key, width, head in zip(groups, widths, heads, strict=True):
                 if head.phase and key not in self.fixed:
-                    self.fixed[key] = w
-        admitted = sum(width)
-        self._account(plan, batch, admitted, time.perf_counter() - t0)
+                    self.fixed[key] = width
+        admitted = sum(widths)
+        self._account(plan, batch, admitted, time.perf_counter() - started)
         if admitted == len(rows):  # every row runs (the common plan): no per-row pass
             return list(range(len(rows)))
-        active = [i for w, idx in zip(width, groups.values(), strict=True) for n, i in enumerate(idx)
-                  if n < w or rows[i].forced]
+        active = [index for width, indices in zip(widths, groups.values(), strict=True)
+                  for rank, index in enumerate(indices) if rank < width or rows[index].forced]
         self.stats.rows_deferred += len(rows) - len(active)
         return sorted(active)
 
-    def _clocks(self, heads: list[Row], now: float, bubble: bool) -> tuple[list[float], list[float] | None]:
-        """Each key's slack, and its per-gap slack where the rule reads it (terms.mean); a key seen
-        for the first time starts its clock now. After a prefill bubble the next step's protected
-        composition is reserved out of both."""
-        trackers = [self._tracker(h.key, h.slo_s, h.phase, now) for h in heads]
-        slack = [t.slack(now) for t in trackers]
-        gap = [t.gap_slack(now) for t in trackers] if self.policy.terms.mean else None
+    def _clocks(self, step: _Step, now: float, bubble: bool) -> None:
+        """Each key's KeyClock (its per-gap slack only where terms.mean reads it); a new key starts
+        its clock now. After a prefill bubble the next step's protected rows are reserved out."""
+        mean = self.policy.terms.mean
         model = self.policy.model
+        reserve = None
         if bubble and model is not None:
-            reserve = model.predict(len(heads), sum(h.ctx for h in heads))
-            slack = [s - reserve for s in slack]
-            if gap is not None:
-                gap = [s - reserve for s in gap]
+            reserve = model.predict(len(step.heads), sum(head.ctx for head in step.heads))
             self.stats.bubble_steps += 1
-        return slack, gap
+        for head, indices in zip(step.heads, step.groups.values(), strict=True):
+            tracker = self._tracker(head.key, head.slo_s, head.phase, now)
+            own = tracker.slack(now)
+            gap = tracker.gap_slack(now) if mean else None
+            if reserve is not None:
+                own -= reserve
+                gap = None if gap is None else gap - reserve
+            step.clocks.append(KeyClock(own, gap, head.slo_s, len(indices) - 1, head.phase))
 
-    def _view(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
-              gap: list[float] | None, waiting: int) -> StepView:
+    def _view(self, step: _Step) -> StepView:
         """The budget rule's input straight from the rows and clocks, without the snapshot's arrays."""
         model = self.policy.model
-        head_ctx = sum(h.ctx for h in heads)
-        extra_ctx = sum(r.ctx for r in rows) - head_ctx
-        t_protected = model.predict(len(heads), head_ctx)
+        rows, groups = step.rows, step.groups
+        head_ctx = sum(head.ctx for head in step.heads)
+        extra_ctx = sum(row.ctx for row in rows) - head_ctx
+        t_protected = model.predict(len(step.heads), head_ctx)
 
-        def floor_cost(lo: list[int] | None) -> float:
-            if lo is None:
+        def floor_cost(floor: list[int] | None) -> float:
+            if floor is None:
                 return t_protected
-            kept = sum(rows[i].ctx for n, idx in zip(lo, groups.values(), strict=True) for i in idx[:n])
-            return model.predict(sum(lo), kept)
+            kept = sum(rows[index].ctx for least, indices in zip(floor, groups.values(), strict=True)
+                       for index in indices[:least])
+            return model.predict(sum(floor), kept)
 
-        gaps = gap if gap is not None else [None] * len(heads)
-        keys = [KeyClock(own, per_gap, head.slo_s, len(idx) - 1, head.phase)
-                for own, per_gap, head, idx in zip(slack, gaps, heads, groups.values(), strict=True)]
         t_all = model.predict(len(rows), head_ctx + extra_ctx)
-        return StepView(t_all, t_protected, extra_ctx, keys, max(int(waiting), 0), floor_cost)
+        return StepView(t_all, t_protected, extra_ctx, step.clocks, step.waiting, floor_cost)
 
     def _unplanned(self, rule: StepBudget, extra: int, t_all: float) -> None:
         """A step whose plan would run every row, run without it: counted as the plan would count
         it, in fit_steps (every row fits the budget) or unpriced_steps (no deferral pays its
         price) rather than planned_steps."""
-        st = self.stats
+        stats = self.stats
         if rule.runs_all == "fit":
-            st.fit_steps += 1
+            stats.fit_steps += 1
         else:
-            st.unpriced_steps += 1
+            stats.unpriced_steps += 1
         self._all_admitted(extra)
         if rule.runs_all != "never":  # "never": no budget was worked out
-            st.last_budget_s, st.last_predicted_s = rule.budget_s, t_all
+            stats.last_budget_s, stats.last_predicted_s = rule.budget_s, t_all
             self._count_terms(rule.notes)
 
     def _all_admitted(self, extra: int) -> None:
@@ -248,47 +252,50 @@ class StepController:
             if term in notes:
                 terms[term] = terms.get(term, 0) + 1
 
-    def _snapshot(self, rows: list[Row], groups: dict[str, list[int]], heads: list[Row], slack: list[float],
-                  gap: list[float] | None, waiting: int) -> ArrayBatch:
-        """The planner's input as flat arrays, straight from the rows (no per-request objects)."""
-        n = len(groups)
+    def _snapshot(self, step: _Step) -> ArrayBatch:
+        """The planner's input as flat arrays, straight from the rows and clocks."""
+        rows, groups, heads = step.rows, step.groups, step.heads
         fixed = None
         if self.fixed:
-            f = [self.fixed.get(k, 0) for k in groups]
-            fixed = np.array(f, dtype=np.int64) if any(f) else None
+            pinned = [self.fixed.get(key, 0) for key in groups]
+            fixed = np.array(pinned, dtype=np.int64) if any(pinned) else None
+        gap = None
+        if self.policy.terms.mean:
+            gap = np.array([clock.gap_s for clock in step.clocks], dtype=np.float64)
         return ArrayBatch(
-            rids=list(groups), ready=np.fromiter(map(len, groups.values()), np.int64, n),
-            ctx=np.fromiter([rows[i].ctx for idx in groups.values() for i in idx], np.int64, len(rows)),
-            slack_s=np.array(slack, dtype=np.float64),
-            weight=np.array([h.weight for h in heads], dtype=np.float64),
-            phase=np.array([h.phase for h in heads], dtype=bool), fixed_width=fixed,
-            slo_s=np.array([h.slo_s for h in heads], dtype=np.float64), waiting=max(int(waiting), 0),
-            gap_slack_s=np.array(gap, dtype=np.float64) if gap is not None else None)
+            rids=list(groups), ready=np.fromiter(map(len, groups.values()), np.int64, len(groups)),
+            ctx=np.fromiter([rows[index].ctx for indices in groups.values() for index in indices],
+                            np.int64, len(rows)),
+            slack_s=np.array([clock.slack_s for clock in step.clocks], dtype=np.float64),
+            weight=np.array([head.weight for head in heads], dtype=np.float64),
+            phase=np.array([head.phase for head in heads], dtype=bool), fixed_width=fixed,
+            slo_s=np.array([head.slo_s for head in heads], dtype=np.float64), waiting=step.waiting,
+            gap_slack_s=gap)
 
     def _tracker(self, key: str, slo_s: float, phase: bool, now: float) -> SlackTracker:
         """The key's clock; a key seen for the first time starts one now (in a phase for phases)."""
-        tr = self.trackers.get(key)
-        if tr is None:
-            tr = self.trackers[key] = SlackTracker(slo_s, now, mean=self.policy.terms.mean)
+        tracker = self.trackers.get(key)
+        if tracker is None:
+            tracker = self.trackers[key] = SlackTracker(slo_s, now, mean=self.policy.terms.mean)
             if phase:
-                tr.start_phase(now)
-        return tr
+                tracker.start_phase(now)
+        return tracker
 
     def _account(self, plan: StepPlan, batch: ArrayBatch, rows: int, planner_s: float) -> None:
-        st = self.stats
-        st.planned_steps += 1
-        st.planner_s += planner_s
-        n = len(batch.rids)
-        st.candidates += len(batch.ctx) - n
-        st.admitted += rows - n
-        st.last_budget_s, st.last_predicted_s = plan.budget_s, plan.predicted_s
+        stats = self.stats
+        stats.planned_steps += 1
+        stats.planner_s += planner_s
+        protected = len(batch.rids)
+        stats.candidates += len(batch.ctx) - protected
+        stats.admitted += rows - protected
+        stats.last_budget_s, stats.last_predicted_s = plan.budget_s, plan.predicted_s
         self._count_terms(plan.notes)
 
     def on_step_done(self, delivered: dict[str, Delivery], now: float, n_rows: int) -> None:
         """Record token deliveries of the rows that ran, per key."""
         self.stats.rows_run += n_rows
-        for key, d in delivered.items():
-            self._tracker(key, d.slo_s, d.in_phase, now).on_tokens(now, d.tokens)
+        for key, delivery in delivered.items():
+            self._tracker(key, delivery.slo_s, delivery.in_phase, now).on_tokens(now, delivery.tokens)
 
     def on_phase_step(self, delivered: dict[str, Delivery], now: float, n_rows: int) -> None:
         """A step with phase rows: every key's deliveries are booked (serial clocks kept current)."""
@@ -330,6 +337,6 @@ class StepController:
 
     def forget(self, live_keys: set[str]) -> None:
         """Drop state of requests and phases that left the batch."""
-        for d in (self.trackers, self.fixed):
-            for key in [k for k in d if k not in live_keys]:
-                del d[key]
+        for state in (self.trackers, self.fixed):
+            for key in [key for key in state if key not in live_keys]:
+                del state[key]
