@@ -55,9 +55,9 @@ class LinearLatencyModel:
 
     def __post_init__(self) -> None:
         for name in ("c0", "c_seq", "c_ctx", "c_tok", "c_defer", "c_deferred"):
-            v = getattr(self, name)
-            if not (math.isfinite(v) and v >= 0.0):
-                raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {v!r}")
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value >= 0.0):
+                raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {value!r}")
 
     def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float:
         return self.c0 + self.c_seq * n_seqs + self.c_ctx * ctx_tokens + self.c_tok * extra_tokens
@@ -70,8 +70,7 @@ class LinearLatencyModel:
     @classmethod
     def fit(cls, samples: Iterable[Sample]) -> LinearLatencyModel:
         """NNLS fit; raises ValueError when the samples cannot separate the coefficients."""
-        n, ctx, lat, extra = _columns(samples)
-        return _fit(n, ctx, lat, extra)
+        return _fit(*_columns(samples))
 
     def coefs(self) -> tuple[float, float, float, float]:
         return (self.c0, self.c_seq, self.c_ctx, self.c_tok)
@@ -84,11 +83,11 @@ class LinearLatencyModel:
         return self.c_defer + self.c_deferred * deferred if deferred > 0 else 0.0
 
     def to_json(self) -> str:
-        d = {"kind": "linear", "units": "seconds", "c0": self.c0, "c_seq": self.c_seq, "c_ctx": self.c_ctx,
-             "c_tok": self.c_tok}
+        doc = {"kind": "linear", "units": "seconds", "c0": self.c0, "c_seq": self.c_seq, "c_ctx": self.c_ctx,
+               "c_tok": self.c_tok}
         if self.c_defer or self.c_deferred:
-            d |= {"c_defer": self.c_defer, "c_deferred": self.c_deferred}
-        return json.dumps(d, indent=1)
+            doc |= {"c_defer": self.c_defer, "c_deferred": self.c_deferred}
+        return json.dumps(doc, indent=1)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_json() + "\n")
@@ -175,9 +174,9 @@ _OPTIONAL = MappingProxyType({"linear": ("c_tok", "c_defer", "c_deferred"), "con
 MAX_INTERCEPT_S = 10.0  # a per-step floor above this is a unit mistake, not a measurement
 
 
-def _finite_number(v: Any) -> bool:
+def _finite_number(value: Any) -> bool:
     try:
-        return not isinstance(v, bool) and isinstance(v, int | float) and math.isfinite(v)
+        return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
     except OverflowError:  # an int too large for a float
         return False
 
@@ -188,31 +187,31 @@ def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | Constant
     Keys: kind ("linear" default, or "constant"), units ("seconds" default, or "ms"; every
     coefficient is scaled to seconds), the kind's coefficients; any other key is an error."""
     try:
-        d = json.loads(text) if isinstance(text, str) else text
-    except json.JSONDecodeError as e:
-        raise ValueError(f"latency model is not valid JSON: {e}") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"latency model JSON must be an object, got {type(d).__name__}")
-    kind = d.get("kind", "linear")
+        doc = json.loads(text) if isinstance(text, str) else text
+    except json.JSONDecodeError as err:
+        raise ValueError(f"latency model is not valid JSON: {err}") from None
+    if not isinstance(doc, dict):
+        raise ValueError(f"latency model JSON must be an object, got {type(doc).__name__}")
+    kind = doc.get("kind", "linear")
     keys = _KEYS.get(kind) if isinstance(kind, str) else None
     if keys is None:
         raise ValueError(f"latency model kind must be 'linear' or 'constant', got {kind!r}")
-    units = d.get("units", "seconds")
+    units = doc.get("units", "seconds")
     scale = _UNITS.get(units) if isinstance(units, str) else None
     if scale is None:
         raise ValueError(f"latency model units must be one of {', '.join(_UNITS)}, got {units!r}")
-    unknown = sorted(set(d) - {"kind", "units", *keys, *_OPTIONAL[kind]})
+    unknown = sorted(set(doc) - {"kind", "units", *keys, *_OPTIONAL[kind]})
     if unknown:
         raise ValueError(f"unknown {kind} latency model keys {unknown}; valid: "
                          f"{', '.join(['kind', 'units', *keys, *_OPTIONAL[kind]])}")
-    missing = [k for k in keys if k not in d]
+    missing = [key for key in keys if key not in doc]
     if missing:
         raise ValueError(f"{kind} latency model JSON lacks {', '.join(missing)}")
-    vals = {k: d[k] for k in (*keys, *_OPTIONAL[kind]) if k in d}
-    bad = [k for k, v in vals.items() if not _finite_number(v)]
+    vals = {key: doc[key] for key in (*keys, *_OPTIONAL[kind]) if key in doc}
+    bad = [key for key, value in vals.items() if not _finite_number(value)]
     if bad:
         raise ValueError(f"latency model fields must be numbers (finite, in {units}): {', '.join(bad)}")
-    vals = {k: float(v) * scale for k, v in vals.items()}
+    vals = {key: float(value) * scale for key, value in vals.items()}
     floor = vals.get("c0", vals.get("value_s", 0.0))
     if floor > MAX_INTERCEPT_S:
         raise ValueError(f"a decode step floor of {floor:g} s is implausible; a file in milliseconds "
@@ -224,56 +223,56 @@ def load_model(path: str | Path) -> LinearLatencyModel | ConstantLatencyModel:
     """Read the --latency-model file."""
     try:
         text = Path(path).read_text()
-    except OSError as e:
-        raise ValueError(f"cannot read latency model {path}: {e}") from None
+    except OSError as err:
+        raise ValueError(f"cannot read latency model {path}: {err}") from None
     try:
         return model_from_json(text)
-    except ValueError as e:
-        raise ValueError(f"{path}: {e}") from None
+    except ValueError as err:
+        raise ValueError(f"{path}: {err}") from None
 
 
 def mape(model: LatencyModel, samples: Iterable[Sample]) -> float:
     """Mean absolute percentage error (fraction, 0.018 = 1.8%) of `model` on realized steps."""
-    n, ctx, lat, extra = _columns(samples)
+    seqs, ctx, lat, extra = _columns(samples)
     if len(lat) == 0:
         raise ValueError("mape needs at least one sample")
-    pred = np.array([model.predict(a, b, c) for a, b, c in zip(n, ctx, extra, strict=True)])
+    pred = np.array([model.predict(*step) for step in zip(seqs, ctx, extra, strict=True)])
     return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
 
 
 def _columns(samples: Iterable[Sample]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    rows = [(s[0], s[1], s[2], s[3] if len(s) > 3 else 0) for s in samples]
-    a = np.array(rows, dtype=np.float64).reshape(-1, 4)
-    return a[:, 0], a[:, 1], a[:, 2], a[:, 3]
+    rows = [(sample[0], sample[1], sample[2], sample[3] if len(sample) > 3 else 0) for sample in samples]
+    table = np.array(rows, dtype=np.float64).reshape(-1, 4)
+    return table[:, 0], table[:, 1], table[:, 2], table[:, 3]
 
 
-def _degenerate(n: np.ndarray, ctx: np.ndarray, max_corr: float = 0.999) -> str | None:
+def _degenerate(seqs: np.ndarray, ctx: np.ndarray, max_corr: float = 0.999) -> str | None:
     """Why (rows, ctx) cannot identify c_seq and c_ctx separately, or None if they can."""
-    if len(n) < 3:
+    if len(seqs) < 3:
         return "fewer than 3 samples"
-    if np.ptp(n) == 0:
+    if np.ptp(seqs) == 0:
         return "every sample has the same number of rows"
     if np.ptp(ctx) == 0:
         return "every sample has the same context size"
-    if abs(np.corrcoef(n, ctx)[0, 1]) > max_corr:
+    if abs(np.corrcoef(seqs, ctx)[0, 1]) > max_corr:
         return "rows and context size move together (collinear)"
     return None
 
 
-def _fit(n: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> LinearLatencyModel:
-    why = _degenerate(n, ctx)
+def _fit(seqs: np.ndarray, ctx: np.ndarray, lat: np.ndarray, extra: np.ndarray) -> LinearLatencyModel:
+    why = _degenerate(seqs, ctx)
     if why:
         raise ValueError(f"cannot fit a latency model: {why}")
     if not np.all(np.isfinite(lat)) or np.any(lat < 0):
         raise ValueError("cannot fit a latency model: latencies must be finite and >= 0")
     if np.any(extra) and np.ptp(extra) == 0:
         raise ValueError("cannot fit a latency model: extra tokens are the same nonzero value everywhere")
-    cols = [np.ones_like(n), n, ctx] + ([extra] if np.ptp(extra) > 0 else [])
-    a = np.stack(cols, axis=1)
-    scale = np.abs(a).max(axis=0)  # > 0 for every column here; scaling keeps NNLS well conditioned
-    x, _ = nnls(a / scale, lat)
-    c = (x / scale).tolist() + [0.0]
-    return LinearLatencyModel(c0=c[0], c_seq=c[1], c_ctx=c[2], c_tok=c[3])
+    cols = [np.ones_like(seqs), seqs, ctx] + ([extra] if np.ptp(extra) > 0 else [])
+    design = np.stack(cols, axis=1)
+    scale = np.abs(design).max(axis=0)  # > 0 for every column here; scaling keeps NNLS well conditioned
+    scaled, _ = nnls(design / scale, lat)
+    coef = (scaled / scale).tolist() + [0.0]
+    return LinearLatencyModel(c0=coef[0], c_seq=coef[1], c_ctx=coef[2], c_tok=coef[3])
 
 
 MIN_SPLIT = 8  # steps that deferred, and steps that did not, before the deferral price is believed
@@ -288,49 +287,43 @@ class _PriceFit:
 
     coef: tuple[float, ...]
     est: float
-    se: float
+    std_err: float
 
     @property
     def believed(self) -> bool:
-        return self.est > _PRICE_Z * self.se
+        return self.est > _PRICE_Z * self.std_err
 
 
 @dataclass(slots=True)
 class DeferralEvidence:
-    """What deferring steps took beyond what their composition explains, over every refit window.
+    """What deferring steps took beyond what their composition explains, over every refit window:
+    the sums of one weighted least-squares regression, with the composition slopes fitted jointly
+    so slope error cannot read as a price (docs/design/taper-rule.md, "Deferral price")."""
 
-    The sums of one weighted least-squares regression, accumulated over the run:
-    latency = a(window) + b_rows rows + b_ctx ctx + c_defer [deferred > 0] + c_deferred deferred,
-    each step centred on its window and weighted by 1 / T(its composition). The composition slopes
-    are estimated jointly with the price, never taken from the model, so slope error cannot read
-    as a price. `price()` believes the price at the mean deferral only 3 standard errors out of
-    the noise, then (c_defer, c_deferred) >= 0. Why each choice: docs/design/taper-rule.md,
-    "Deferral price". Cost per refit: O(steps added) plus a 4x4 solve."""
+    steps: int = 0
+    defer_steps: int = 0
+    deferred_rows: float = 0.0  # rows deferred, over the steps that deferred
+    xtx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
+    xty: np.ndarray = field(default_factory=lambda: np.zeros(4))
+    yty: float = 0.0
 
-    n: int = 0
-    n_defer: int = 0
-    s_d: float = 0.0  # rows deferred, over the steps that deferred
-    xx: np.ndarray = field(default_factory=lambda: np.zeros((4, 4)))
-    xy: np.ndarray = field(default_factory=lambda: np.zeros(4))
-    yy: float = 0.0
-
-    def add(self, x: np.ndarray, y: np.ndarray, deferred: np.ndarray) -> None:
-        """Steps (rows of x, centred on their window's means and weighted) with latencies y
+    def add(self, design: np.ndarray, latency: np.ndarray, deferred: np.ndarray) -> None:
+        """Steps (rows of `design`, centred on their window's means and weighted) with latencies
         (centred and weighted likewise) and the rows each deferred."""
-        self.n += len(y)
-        self.n_defer += int((deferred > 0).sum())
-        self.s_d += float(deferred.sum())
-        self.xx += x.T @ x
-        self.xy += x.T @ y
-        self.yy += float(y @ y)
+        self.steps += len(latency)
+        self.defer_steps += int((deferred > 0).sum())
+        self.deferred_rows += float(deferred.sum())
+        self.xtx += design.T @ design
+        self.xty += design.T @ latency
+        self.yty += float(latency @ latency)
 
     def price(self) -> tuple[float, float]:
         """(c_defer, c_deferred) in seconds: (0, 0) until the joint price at the mean deferral is
         believed; a negative part is dropped and the other column refit alone, clipped at 0. Each
         path tests significance once: the joint fit, or the lone column where no joint fit exists."""
-        if self.n_defer < MIN_SPLIT or self.n - self.n_defer < MIN_SPLIT:
+        if self.defer_steps < MIN_SPLIT or self.steps - self.defer_steps < MIN_SPLIT:
             return 0.0, 0.0
-        both = self._fit((2, 3), (1.0, self.s_d / self.n_defer))
+        both = self._fit((2, 3), (1.0, self.deferred_rows / self.defer_steps))
         if both is None:  # every deferring step deferred as many rows: one column holds the price
             alone = self._fit((2,), (1.0,))
             return (alone.est, 0.0) if alone is not None and alone.believed else (0.0, 0.0)
@@ -345,35 +338,37 @@ class DeferralEvidence:
         alone = self._fit((3,), (1.0,))
         return (0.0, max(alone.est, 0.0)) if alone is not None else (0.0, 0.0)
 
-    def _fit(self, cols: tuple[int, ...], at: tuple[float, ...]) -> _PriceFit | None:
+    def _fit(self, cols: tuple[int, ...], combo: tuple[float, ...]) -> _PriceFit | None:
         """The deferral columns `cols` fitted with (rows, ctx) partialled out, and their combination
-        `at` with its standard error; None where the data cannot identify them."""
-        scale = np.sqrt(np.diag(self.xx))
+        `combo` with its standard error; None where the data cannot identify them."""
+        scale = np.sqrt(np.diag(self.xtx))
         scale[scale == 0.0] = 1.0
-        xx = self.xx / np.outer(scale, scale)
-        xy = self.xy / scale
-        z, d = [0, 1], list(cols)
-        zz_inv = np.linalg.pinv(xx[np.ix_(z, z)], rcond=_RCOND, hermitian=True)
-        dz = xx[np.ix_(d, z)]
-        a = xx[np.ix_(d, d)] - dz @ zz_inv @ dz.T  # the deferral columns' information beyond the composition
-        r = xy[d] - dz @ zz_inv @ xy[z]
-        if np.any(np.diag(a) <= _RCOND) or np.linalg.cond(a) > 1.0 / _RCOND:
+        xtx = self.xtx / np.outer(scale, scale)
+        xty = self.xty / scale
+        comp, defer = [0, 1], list(cols)
+        comp_inv = np.linalg.pinv(xtx[np.ix_(comp, comp)], rcond=_RCOND, hermitian=True)
+        cross = xtx[np.ix_(defer, comp)]
+        # the deferral columns' information beyond the composition
+        info = xtx[np.ix_(defer, defer)] - cross @ comp_inv @ cross.T
+        resid = xty[defer] - cross @ comp_inv @ xty[comp]
+        if np.any(np.diag(info) <= _RCOND) or np.linalg.cond(info) > 1.0 / _RCOND:
             return None
-        a_inv = np.linalg.inv(a)
-        b = a_inv @ r
-        rss = max(self.yy - float(xy[z] @ zz_inv @ xy[z]) - float(b @ r), 0.0)  # 0: an exact fit
-        dof = self.n - np.linalg.matrix_rank(xx[np.ix_(z, z)], tol=_RCOND, hermitian=True) - len(d)
+        info_inv = np.linalg.inv(info)
+        scaled = info_inv @ resid
+        rss = max(self.yty - float(xty[comp] @ comp_inv @ xty[comp]) - float(scaled @ resid), 0.0)  # 0: exact
+        dof = self.steps - np.linalg.matrix_rank(xtx[np.ix_(comp, comp)], tol=_RCOND, hermitian=True) - len(defer)
         if dof <= 0:
             return None
-        w = np.asarray(at) * (1.0 / scale[d])  # the combination in seconds
-        coef = b / scale[d]
-        return _PriceFit(coef=tuple(float(c) for c in coef), est=float(np.asarray(at) @ coef),
-                         se=math.sqrt(rss / dof * float(w @ a_inv @ w)))
+        weights = np.asarray(combo) * (1.0 / scale[defer])  # the combination in seconds
+        coef = scaled / scale[defer]
+        return _PriceFit(coef=tuple(float(value) for value in coef), est=float(np.asarray(combo) @ coef),
+                         std_err=math.sqrt(rss / dof * float(weights @ info_inv @ weights)))
 
 
-def _mape_deferred(m: LinearLatencyModel, n: np.ndarray, ctx: np.ndarray, lat: np.ndarray,
-                   d: np.ndarray) -> float:
-    pred = m.c0 + m.c_seq * n + m.c_ctx * ctx + np.where(d > 0, m.c_defer + m.c_deferred * d, 0.0)
+def _mape_deferred(model: LinearLatencyModel, seqs: np.ndarray, ctx: np.ndarray, lat: np.ndarray,
+                   deferred: np.ndarray) -> float:
+    price = np.where(deferred > 0, model.c_defer + model.c_deferred * deferred, 0.0)
+    pred = model.c0 + model.c_seq * seqs + model.c_ctx * ctx + price
     return float(np.mean(np.abs(pred - lat) / np.maximum(lat, 1e-12)))
 
 
@@ -446,44 +441,48 @@ class OnlineRefit:
         """Refit from the window now (observe() calls this every `every` steps)."""
         if len(self._buf) < self.min_samples:
             return self._skip(f"fewer than {self.min_samples} samples")
-        n, ctx, lat, _ = _columns(self._buf)
-        m = self.model
-        if isinstance(m, ConstantLatencyModel):
-            changed = m.value_s != float(lat.max())
-            m.value_s = float(lat.max())
+        seqs, ctx, lat, _ = _columns(self._buf)
+        model = self.model
+        if isinstance(model, ConstantLatencyModel):
+            changed = model.value_s != float(lat.max())
+            model.value_s = float(lat.max())
             self.refits += changed
             return changed
-        b = self.blend
-        d = np.fromiter(self._deferred, np.float64, len(self._deferred))
-        defers = d > 0
-        fresh, self._fresh = min(self._fresh, len(d)), 0
-        price = m.deferral()
+        blend = self.blend
+        deferred = np.fromiter(self._deferred, np.float64, len(self._deferred))
+        defers = deferred > 0
+        fresh, self._fresh = min(self._fresh, len(deferred)), 0
+        price = model.deferral()
         if self.deferral:  # the new steps, centred on their window, relative to T (DeferralEvidence)
-            x = np.stack([n, ctx, defers.astype(np.float64), d], axis=1)
-            new = slice(len(d) - fresh, None)
-            t_hat = m.c0 + m.c_seq * n[new] + m.c_ctx * ctx[new]
-            w = 1.0 / np.where(t_hat > 0.0, t_hat, float(lat.mean()))
-            self.evidence.add((x - x.mean(axis=0))[new] * w[:, None], (lat - lat.mean())[new] * w, d[new])
+            design = np.stack([seqs, ctx, defers.astype(np.float64), deferred], axis=1)
+            new = slice(len(deferred) - fresh, None)
+            t_hat = model.c0 + model.c_seq * seqs[new] + model.c_ctx * ctx[new]
+            weights = 1.0 / np.where(t_hat > 0.0, t_hat, float(lat.mean()))
+            self.evidence.add((design - design.mean(axis=0))[new] * weights[:, None],
+                              (lat - lat.mean())[new] * weights, deferred[new])
             price = self.evidence.price()
         # T's part of each step: the deferral price taken out (a price is a mean over steps, so a
         # quick deferring step may come out below it: its T part is 0, not negative)
-        plain = np.maximum(lat - np.where(defers, price[0] + price[1] * d, 0.0), 0.0)
-        why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(n, ctx)
+        plain = np.maximum(lat - np.where(defers, price[0] + price[1] * deferred, 0.0), 0.0)
+        why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(seqs, ctx)
         if why:
-            c0_fit = max(0.0, float(np.mean(plain - m.c_seq * n - m.c_ctx * ctx)))
-            cand = LinearLatencyModel((1 - b) * m.c0 + b * c0_fit, m.c_seq, m.c_ctx, m.c_tok, *price)
+            c0_fit = max(0.0, float(np.mean(plain - model.c_seq * seqs - model.c_ctx * ctx)))
+            cand = LinearLatencyModel((1 - blend) * model.c0 + blend * c0_fit, model.c_seq, model.c_ctx,
+                                      model.c_tok, *price)
         else:
-            fit = _fit(n, ctx, plain, np.zeros_like(n))
-            cand = LinearLatencyModel(*((1 - b) * old + b * f for old, f in
-                                        zip(m.coefs()[:3], fit.coefs()[:3], strict=True)), m.c_tok, *price)
-        m.c_defer, m.c_deferred = price  # from all the evidence, not from this window alone
-        if cand.coefs() == m.coefs():
+            fit = _fit(seqs, ctx, plain, np.zeros_like(seqs))
+            cand = LinearLatencyModel(*((1 - blend) * old + blend * new_coef for old, new_coef in
+                                        zip(model.coefs()[:3], fit.coefs()[:3], strict=True)),
+                                      model.c_tok, *price)
+        model.c_defer, model.c_deferred = price  # from all the evidence, not from this window alone
+        if cand.coefs() == model.coefs():
             return self._skip(f"{why}; intercept already fits" if why else "fit unchanged")
         # worse beyond rounding
-        if _mape_deferred(cand, n, ctx, lat, d) > _mape_deferred(m, n, ctx, lat, d) + 1e-9:
+        if (_mape_deferred(cand, seqs, ctx, lat, deferred)
+                > _mape_deferred(model, seqs, ctx, lat, deferred) + 1e-9):
             return self._skip(f"{why}; intercept update would fit the window worse" if why
                               else "update would fit the window worse")
-        m.c0, m.c_seq, m.c_ctx, m.c_defer, m.c_deferred = (
+        model.c0, model.c_seq, model.c_ctx, model.c_defer, model.c_deferred = (
             cand.c0, cand.c_seq, cand.c_ctx, cand.c_defer, cand.c_deferred)
         self.refits += 1
         self.intercept_refits += bool(why)

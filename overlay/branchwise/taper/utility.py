@@ -26,12 +26,12 @@ class Utility:
     _table: np.ndarray = field(init=False)
 
     def __post_init__(self) -> None:
-        t = self._build(_TABLE)
-        t.flags.writeable = False
-        object.__setattr__(self, "_table", t)
+        table = self._build(_TABLE)
+        table.flags.writeable = False
+        object.__setattr__(self, "_table", table)
 
     def _build(self, kmax: int) -> np.ndarray:
-        return np.array([1.0] + [self.gain(k) for k in range(1, kmax + 1)])
+        return np.array([1.0] + [self.gain(rank) for rank in range(1, kmax + 1)])
 
     def table(self, kmax: int) -> np.ndarray:
         """Gains indexed by k <= kmax (read-only); index 0 (the protected row, which is not priced)
@@ -42,16 +42,16 @@ class Utility:
         return f"Utility({self.name!r})"
 
 
-LINEAR = Utility("linear", lambda k: 1.0)  # throughput: every row is worth the same
+LINEAR = Utility("linear", lambda rank: 1.0)  # throughput: every row is worth the same
 # fairness: first extra row counts most
-CONCAVE = Utility("concave", lambda k: math.log1p(k) - math.log1p(k - 1))
-PRIORITY = Utility("priority", lambda k: 1.0, weighted=True)  # linear, scaled by the tenant's weight
+CONCAVE = Utility("concave", lambda rank: math.log1p(rank) - math.log1p(rank - 1))
+PRIORITY = Utility("priority", lambda rank: 1.0, weighted=True)  # linear, scaled by the tenant's weight
 
 
 def parse_utility(name: str | Utility) -> Utility:
     if isinstance(name, Utility):
         return name
-    for u in (LINEAR, CONCAVE, PRIORITY):
-        if u.name == str(name).strip().lower():
-            return u
+    for curve in (LINEAR, CONCAVE, PRIORITY):
+        if curve.name == str(name).strip().lower():
+            return curve
     raise ValueError(f"invalid utility {name!r}; valid: {', '.join(UTILITY_NAMES)}")
