@@ -61,6 +61,7 @@ class Grid:
     slo_scale: float
     fluid_bound_rps: float  # load 1.0
     loads: tuple[float, ...]
+    slo_source: str = "probe"  # or the emulated device whose T(S) gave the auto SLO
 
     @property
     def rates(self) -> list[float]:
@@ -69,7 +70,7 @@ class Grid:
     def line(self) -> str:
         loads = ", ".join(f"{load:g} ({rate:.3f} req/s)"
                           for load, rate in zip(self.loads, self.rates, strict=True))
-        return (f"SLO {self.slo_tpot_ms:.2f} ms (probe {self.probed_slo_ms:.2f} ms x {self.slo_scale:g}); "
+        return (f"SLO {self.slo_tpot_ms:.2f} ms ({self.slo_source} {self.probed_slo_ms:.2f} ms x {self.slo_scale:g}); "
                 f"load 1.0 = fluid bound {self.fluid_bound_rps:.3f} req/s; loads " + loads)
 
 
@@ -219,7 +220,8 @@ def run(args: argparse.Namespace, policies: list[str], base: PointSetup, servers
     out = Path(args.out)
     operating = calibrate(servers, policies, base, out, args.slo_tpot_ms, args.slo_scale, args.emulate_device)
     bound = operating.fluid_bound_rps
-    grid = Grid(operating.setup.slo_tpot_ms, operating.probed_slo_ms, args.slo_scale, bound, args.loads)
+    grid = Grid(operating.setup.slo_tpot_ms, operating.probed_slo_ms, args.slo_scale, bound, args.loads,
+                args.emulate_device or "probe")
     doc["grid"], doc["probes"]["start"] = asdict(grid) | {"rates": grid.rates}, operating.probe.as_dict()
     print(grid.line(), flush=True)
     points = doc["points"] = LivePoints(servers, operating.setup, bound, out, progress=not args.no_progress,
