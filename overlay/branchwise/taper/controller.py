@@ -1,11 +1,9 @@
-"""The per-step admission controller: rows of a decode batch in, active row indices out.
+"""The per-step admission controller: rows of a decode batch in, active row indices out (no SGLang).
 
-Pure (no SGLang). `StepController.select(rows, now)` groups the hook's `Row`s by key (a phase, or a
-serial request's rid), reads each key's `SlackTracker`, has the policy plan a width per key and
-returns each key's first `width` rows plus forced ones; the hook then reports deliveries, realized
-latencies and finished keys. `now` is passed in so every rank decides the same. Slack formulas,
-per-key state and the failure rule: docs/design/taper-controller.md.
-Hot path: select runs every decode step; rows stay plain lists until the planner's snapshot.
+`select` groups rows by key (a phase, or a serial rid), reads each key's slack clock and has the
+policy plan a width per key; `now` is passed in so every rank decides the same. The slack formulas,
+per-key state and failure rule: docs/design/taper-controller.md.
+Hot path: select runs every decode step: per-row records are not frozen, lists until the snapshot.
 """
 
 from __future__ import annotations
@@ -27,8 +25,7 @@ _COUNTED = ("per_gap", "overload", "backlog")  # StepPlan.notes counted in StepS
 
 @dataclass(slots=True, kw_only=True)
 class Row:
-    """One live row of the decode batch, as the scheduler hook (and bench.engine) hands it in; a
-    value, not frozen only because one is built per row per step."""
+    """One live row of the decode batch, as the scheduler hook (and bench.engine) hands it in."""
 
     key: str  # phase id for branch rows, rid for serial requests
     order: int = 0  # admission order inside the phase (branch index)
@@ -41,8 +38,7 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Delivery:
-    """What one key's rows delivered in a step: tokens, and the key's SLO and stage (for a clock
-    the controller starts on this delivery)."""
+    """What one key's rows delivered in a step, with the SLO and stage a new clock starts from."""
 
     tokens: int
     slo_s: float
@@ -135,8 +131,7 @@ class StepController:
     trackers: dict[str, SlackTracker] = field(default_factory=dict)
     fixed: dict[str, int] = field(default_factory=dict)  # taper-no-replan widths per phase
     stats: StepStats = field(default_factory=StepStats)
-    # End of the last step without phase rows, while such steps run: serial rows' clocks are not
-    # kept then (no step can defer), and resume_serial_clocks restores them at the next plan.
+    # end of the last step without phase rows while such steps run (docs/design: quiet steps)
     quiet_ts: float | None = None
 
     def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
@@ -227,9 +222,7 @@ class StepController:
         return StepView(t_all, t_protected, extra_ctx, step.clocks, step.waiting, floor_cost)
 
     def _unplanned(self, rule: StepBudget, extra: int, t_all: float) -> None:
-        """A step whose plan would run every row, run without it: counted as the plan would count
-        it, in fit_steps (every row fits the budget) or unpriced_steps (no deferral pays its
-        price) rather than planned_steps."""
+        """A step run whole without a plan, counted in fit_steps or unpriced_steps as decide said."""
         stats = self.stats
         if rule.runs_all == "fit":
             stats.fit_steps += 1
@@ -303,18 +296,14 @@ class StepController:
         self.quiet_ts = None
 
     def on_quiet_step(self, now: float, n_rows: int) -> None:
-        """A step without phase rows: no per-key bookkeeping, the in-phase clocks go (their phases
-        ended) and the serial clocks go stale until resume_serial_clocks."""
+        """A step without phase rows: no per-key bookkeeping; the in-phase clocks go."""
         self.on_step_done({}, now, n_rows)
         if self.quiet_ts is None:
             self.forget({key for key, tracker in self.trackers.items() if tracker.in_phase})
         self.quiet_ts = now
 
     def resume_serial_clocks(self, rows: list[Row]) -> None:
-        """Before the first plan after quiet steps: every serial row of those steps delivered a
-        token at the last of them (`quiet_ts`), which is what per-step bookkeeping would have
-        recorded. A serial row that joined later (prefill) gets that time too, which understates its
-        slack by at most that prefill step (conservative: defers more)."""
+        """Before the first plan after quiet steps: every serial row delivered at `quiet_ts`."""
         if self.quiet_ts is None:
             return
         fresh = {row.key: Delivery(0, row.slo_s, False) for row in rows
@@ -324,13 +313,11 @@ class StepController:
 
     def on_latency(self, n_rows: int, ctx_tokens: int, latency_s: float, deferred: int = 0) -> None:
         """A realized pure-decode step latency (and the rows it deferred); feeds the rolling refit."""
-        if self.refit is not None:
-            # refits policy.model in place
+        if self.refit is not None:  # refits policy.model in place
             self.refit.observe(n_rows, ctx_tokens, latency_s, deferred=deferred)
 
     def on_finished(self, keys: Iterable[str]) -> None:
-        """These keys' last rows left for good (finished or aborted): drop their state, so a reused
-        phase id or rid starts a fresh clock. The caller decides that no row of a key is left."""
+        """These keys' last rows left for good: drop their state, so a reused id starts a fresh clock."""
         for key in keys:
             self.trackers.pop(key, None)
             self.fixed.pop(key, None)

@@ -32,11 +32,8 @@ Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ArrayBatch:
-    """One snapshot of the decode batch as flat arrays, built by the step controller.
-
-    A request (a serial request or a parallel phase) has one ready row per ready branch; its first
-    row is the protected one, the rest are opportunistic candidates in the hook's order.
-    """
+    """One snapshot of the decode batch as flat arrays: per request (serial request or phase) its
+    ready rows, the first protected, the rest opportunistic in the hook's order."""
 
     rids: Sequence[str]  # n requests (the controller's grouping keys)
     ready: np.ndarray  # int64[n], ready rows per request (>= 1)
@@ -79,9 +76,7 @@ class PlanOptions:
     pinned: bool = False  # a pinned request runs exactly min(fixed_width, ready) rows (taper-no-replan)
     fill: bool = False  # Algorithm 1's pruning rule exactly, after the first misfit
     floor: np.ndarray | None = None  # int64[n], rows per request that run whatever the budget
-    # a plan that defers d rows costs per_step + d * per_row more and runs only if still shorter than
-    # every row; a function is called only when not every row fits
-    deferral: Deferral | None = None
+    deferral: Deferral | None = None  # priced plans defer only where shorter than running every row
 
 
 PLAIN = PlanOptions()

@@ -6,7 +6,7 @@ A policy decides how many ready rows of each request run in one decode step (`Po
   taper-paper is the paper's B = rho * min slack; taper adds the terms of `Terms` and a deferral
   price, each with a taper-no-* ablation (docs/design/taper-rule.md derives them).
 * Pin rule (`replan` False, taper-no-replan): a phase keeps its first plan's width.
-Hot path: decide and weighed_budget run per step on plain lists over a few dozen requests.
+Hot path: decide and weighed_budget run per step on plain lists and unfrozen KeyClocks.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ PAPER = Terms()
 
 @dataclass(slots=True)
 class KeyClock:
-    """One request's (one key's) inputs to the budget rule this step (not frozen: one per key per step)."""
+    """One request's (one key's) inputs to the budget rule this step."""
 
     slack_s: float  # slack against its TPOT SLO (SlackTracker.slack)
     gap_s: float | None  # its per-gap slack (terms.mean only)
@@ -85,8 +85,7 @@ class StepBudget:
     budget_s: float
     floor: list[int] | None  # rows per request that run whatever the budget; None: one each
     notes: dict[str, float]  # the terms that applied
-    # the plan would run every ready row: "fit" (they fit the budget), "price" (no deferral pays its
-    # held price), "never" (none pays even one step's price: budget_s not worked out); None: plan it
+    # every row runs unplanned: "fit", "price" (no deferral pays), "never" (no budget worked out)
     runs_all: str | None = None
 _TERMS = MappingProxyType({"taper": Terms(True, True, True, True),
                           "taper-no-mean": Terms(False, True, True, True),
@@ -194,8 +193,7 @@ class Policy:
         return (model.c_seq - per_row) * extra_rows + model.c_ctx * extra_ctx <= per_step
 
     def _price_beats_saving(self, view: StepView, budget: float, floor: list[int] | None) -> bool:
-        """The held deferral price is no less than an upper bound of what deferring every row above
-        the floors would save, so plan_step would run every row (docs/design/taper-rule.md)."""
+        """The held deferral price beats what deferring could save (docs/design/taper-rule.md)."""
         model = self.model
         t_floor = view.floor_cost(floor)
         room = budget - t_floor
@@ -262,8 +260,7 @@ class Policy:
         floors = mean and any(key.in_phase for key in keys)
 
         def floor_at(budget: float) -> list[int] | None:
-            """Rows a phase needs so that its own bound holds at `budget`: 1 + ceil((B/rho - slack) / slo),
-            at most its ready rows."""
+            """Rows each phase needs for its own bound to hold at `budget`, at most its ready rows."""
             if not floors or not math.isfinite(budget):
                 return None
             need = []
@@ -274,8 +271,7 @@ class Policy:
             return [extra + 1 for extra in need] if any(need) else None
 
         def pace() -> list[float]:
-            """The SLO pace: a step this long keeps a request on target (a phase at full width gets
-            `ready` tokens from it)."""
+            """Each request's SLO pace: the step length that keeps it on target."""
             return [rho * key.slo_s * (key.extra + 1 if mean else 1) for key in keys]
 
         budget = first = min(bound)

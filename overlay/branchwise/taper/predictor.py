@@ -1,17 +1,8 @@
 """Step-latency predictor T(S) over the step composition S = (rows, context tokens, extra tokens).
 
-TAPER (§3.2, Appendix C) only needs T to be monotone non-decreasing in admitted rows. The linear
-model gets that by construction: it is fitted with non-negative least squares, so every
-coefficient is >= 0 and one more row can never make a step cheaper.
-
-The planner also relies on T being *separable*: one more decode row of context length L adds
-exactly `row_costs(L)`, whatever else is in the step. Both models here are separable.
-
-Deferral is not free on a real server: a step that runs a subset prepares its sub-batch and still
-carries the deferred rows' bookkeeping. The linear model holds that price apart from T, as
-`deferral()` = (c_defer per step that defers, c_deferred per deferred row): 0 unless measured
-(a --latency-model file) or learned from realized steps that report their deferred rows
-(OnlineRefit with deferral=True). Times are seconds everywhere.
+The planner needs T monotone in rows (NNLS keeps every coefficient >= 0) and separable (a row
+adds `row_costs(L)` whatever else runs); a linear model also holds the deferral price apart from
+T. Why, the default's calibration and the refit's rules: docs/design/taper-predictor.md. Seconds.
 """
 
 from __future__ import annotations
@@ -43,8 +34,7 @@ class LatencyModel(Protocol):
 
 @dataclass(slots=True)
 class LinearLatencyModel:
-    """T(S) = c0 + c_seq * rows + c_ctx * context tokens + c_tok * extra (prefill) tokens; a step
-    that defers d rows costs c_defer + c_deferred * d more (module docstring)."""
+    """T(S) = c0 + c_seq rows + c_ctx ctx + c_tok extra tokens; deferring d rows adds c_defer + c_deferred d."""
 
     c0: float
     c_seq: float
@@ -103,11 +93,7 @@ class LinearLatencyModel:
 
 @dataclass(slots=True)
 class ConstantLatencyModel:
-    """The taper-const-predictor ablation: every step costs `value_s`, whatever its composition.
-
-    Rows look free to the planner, so it admits all ready rows when value_s fits the budget and none
-    otherwise. OnlineRefit keeps value_s at the slowest step of its window (a pessimistic constant).
-    """
+    """The taper-const-predictor ablation: every step costs `value_s`, whatever its composition."""
 
     value_s: float
 
@@ -154,17 +140,8 @@ def _expect(cls: type, model: object) -> Any:
 
 
 def default_model() -> LinearLatencyModel:
-    """Qwen3-32B, TP=8, A100-80GB, calibrated to the TAPER paper's reported step latencies.
-
-    The paper gives step-latency aggregates, not coefficients, so these are chosen to reproduce them:
-    - IRP-Off at low load (§4.2) ~ 18 ms: assume ~10 rows x 2k context:
-      14 + 10 * 0.25 + 20k * 1e-4 = 18.5 ms.
-    - IRP-Eager at high load ~ 148 ms: ~250 rows x 3k context: 14 + 62.5 + 75 = 151.5 ms.
-    c0 = 14 ms (weights + TP all-reduce floor), c_seq = 0.25 ms/row, c_ctx = 0.1 us/context token.
-    c_tok (prefill tokens in a mixed step) is not in the paper: 32B x 2 FLOP/token at ~1.6 PFLOP/s
-    over 8 A100s gives ~40 us/token.
-    Replace it with a profiled model (bench/profile.py -> --latency-model) on real hardware.
-    """
+    """Qwen3-32B, TP=8, A100-80GB, calibrated to the TAPER paper's step latencies
+    (docs/design/taper-predictor.md); a profiled --latency-model replaces it on real hardware."""
     return LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1.0e-7, c_tok=4.0e-5)
 
 
@@ -182,10 +159,8 @@ def _finite_number(value: Any) -> bool:
 
 
 def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | ConstantLatencyModel:
-    """Parse a latency-model JSON document; raises ValueError saying what is wrong.
-
-    Keys: kind ("linear" default, or "constant"), units ("seconds" default, or "ms"; every
-    coefficient is scaled to seconds), the kind's coefficients; any other key is an error."""
+    """Parse a latency-model JSON document (kind, units, the kind's coefficients, scaled to seconds);
+    ValueError says what is wrong."""
     try:
         doc = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as err:
@@ -319,8 +294,7 @@ class DeferralEvidence:
 
     def price(self) -> tuple[float, float]:
         """(c_defer, c_deferred) in seconds: (0, 0) until the joint price at the mean deferral is
-        believed; a negative part is dropped and the other column refit alone, clipped at 0. Each
-        path tests significance once: the joint fit, or the lone column where no joint fit exists."""
+        believed; a negative part is dropped and the other column refit alone, clipped at 0."""
         if self.defer_steps < MIN_SPLIT or self.steps - self.defer_steps < MIN_SPLIT:
             return 0.0, 0.0
         both = self._fit((2, 3), (1.0, self.deferred_rows / self.defer_steps))
@@ -374,26 +348,10 @@ def _mape_deferred(model: LinearLatencyModel, seqs: np.ndarray, ctx: np.ndarray,
 
 @dataclass(slots=True)
 class OnlineRefit:
-    """Refit the shared model in place from the last `window` realized decode steps.
-
-    Feed it pure decode steps only (no prefill tokens in the forward); mixed steps are ignored.
-    Every `every` observations it fits the window with NNLS and moves each coefficient a fraction
-    `blend` toward the fit (1.0 = replace). Coefficients stay >= 0 (a convex mix of non-negative
-    numbers), so T stays monotone. When the window cannot separate the coefficients (one batch
-    size, or rows and context moving together, as in most real decode windows) it corrects only
-    the intercept: c0 moves toward the mean residual of the window under the current slopes,
-    clipped at 0, so drift (a slower or faster machine, other load) is still tracked while the
-    slopes, and with them monotonicity, stay as they are. Any update that would predict the window
-    worse than the current model is skipped. c_tok is never touched (decode windows carry no signal).
-    A ConstantLatencyModel is set to the slowest step in the window instead.
-    `slopes_fixed`: only ever correct the intercept (a model calibrated offline, e.g. --latency-model,
-    keeps its measured shape; the box's speed drift is still tracked).
-    `deferral`: also learn the price of deferring (module docstring) from steps observed with their
-    deferred rows (DeferralEvidence, over all windows). The fits above see every step with the
-    learned price taken out, so the price does not leak into c0; while no price is believed the
-    refit is the one without `deferral`.
-    Run it on TP rank 0 only, where the plan is decided; never per rank.
-    """
+    """Refit the shared model in place from the last `window` realized pure-decode steps, every
+    `every` steps, a fraction `blend` toward the fit; only the intercept where the window cannot
+    separate the slopes (or `slopes_fixed`). `deferral`: also learn the deferral price. TP rank 0
+    only. Rules and reasons: docs/design/taper-predictor.md."""
 
     model: LinearLatencyModel | ConstantLatencyModel
     window: int = 200
