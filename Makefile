@@ -75,8 +75,8 @@ check-apply: install
 
 tiny-model: $(MODEL)/config.json
 
-$(MODEL)/config.json: overlay/branchwise/tiny_model.py
-	$(PY) -m branchwise.tiny_model $(MODEL)
+$(MODEL)/config.json: overlay/branchwise/tools/tiny_model.py
+	$(PY) -m branchwise.tools.tiny_model $(MODEL)
 
 serve: apply $(MODEL_PREREQ)
 	if $(HAS_GPU); then \
@@ -87,7 +87,7 @@ serve: apply $(MODEL_PREREQ)
 
 # make serve-cluster: one Branchwise server per WORKER_PORTS behind an smg router on $(PORT) (README,
 # "Scale-out"); on a GPU machine worker i uses GPU i. Ctrl-C stops them all. ROUTER_ARGS are
-# branchwise.launch.ROUTER_ARGS (a unit test keeps them equal): a request with an X-SMG-Routing-Key
+# branchwise.tools.launch.ROUTER_ARGS (a unit test keeps them equal): a request with an X-SMG-Routing-Key
 # header goes to its key's worker and never spills, so a phase stays on one worker.
 WORKER_PORTS ?= 30001 30002
 WORKER_ARGS ?=

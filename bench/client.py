@@ -33,7 +33,7 @@ from bench.programs import SEP_ID, branch_head, prompt_ids
 from bench.workload import RequestSpec
 from branchwise import client as bw
 from branchwise.client import GenerateError, Generation
-from branchwise.launch import branchwise_report, metrics_url
+from branchwise.tools.launch import branchwise_report, metrics_url
 
 GenerateFn = Callable[..., Awaitable[Generation]]
 SamplesFn = Callable[..., Awaitable[list[Generation]]]

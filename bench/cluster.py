@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.report import Col, key, render, write_json
-from branchwise.launch import merge_reports, scheduler_states
+from branchwise.tools.launch import merge_reports, scheduler_states
 
 COUNTS = (("branch_req", ("counters", "branch_requests")), ("requests", ("counters", "requests_created")),
           ("steps", ("taper", "steps")), ("rows_run", ("taper", "rows_run")),

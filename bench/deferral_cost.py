@@ -31,8 +31,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
 from bench.report import write_json  # noqa: E402
-from branchwise.launch import cpu_env  # noqa: E402
 from branchwise.request_meta import RequestMeta  # noqa: E402
+from branchwise.tools.launch import cpu_env  # noqa: E402
 
 FANOUT = 8
 PROMPT = 64
@@ -44,7 +44,7 @@ def scheduler(model: str, max_total_tokens: int, policy: str = "serial", **serve
     """A real SGLang Scheduler in this process, as a `--device cpu` server's scheduler process
     builds it (plugins loaded: Branchwise's hooks are on). Its outputs go nowhere. Drive it with
     `iterate`; a process holds one (SGLang's runtime context is process-wide)."""
-    for key, value in cpu_env().items():  # what a CPU server's processes get (branchwise.launch)
+    for key, value in cpu_env().items():  # what a CPU server's processes get (branchwise.tools.launch)
         os.environ.setdefault(key, value)
     from sglang.srt import runtime_context
     from sglang.srt.managers.scheduler import Scheduler, configure_scheduler_process

@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 from bench.cli import policy_list
 from bench.programs import SEP_ID, branch_head, prompt_ids
-from branchwise.launch import LocalServer, branchwise_report, post_json
 from branchwise.request_meta import stamp
+from branchwise.tools.launch import LocalServer, branchwise_report, post_json
 
 
 def gen(url: str, ids: list[int], tokens: int, rid: str | None = None, **meta) -> dict:

@@ -29,8 +29,9 @@ try:
 except ImportError:  # run from a checkout without `pip install -e .`
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "overlay"))
 
-from branchwise import fork, request_meta, runtime, scheduler_hook  # noqa: E402
+from branchwise import request_meta, runtime, scheduler_hook  # noqa: E402
 from branchwise.config import BranchwiseConfig  # noqa: E402
+from branchwise.fork import hooks as fork  # noqa: E402
 
 
 def _reqs(count: int) -> list[Any]:

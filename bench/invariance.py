@@ -5,7 +5,7 @@
 
 Programs mix serial requests, client-side fork/join (frontends.fork_join: the SGLang frontend with
 the Branchwise fork hook) and server-side Multiverse / SPRINT requests driven by
-bench.structure_driver. --launch starts a server per policy (branchwise.launch) and runs all
+bench.structure_driver. --launch starts a server per policy (branchwise.tools.launch) and runs all
 programs concurrently on each, so batch composition and branch deferral differ per policy; --url
 runs them on the given server twice, all at once and one at a time. Server-side programs are also
 checked against their client-side serial equivalent (bench.fork_oracle). Prints `identical: K/N`
@@ -25,7 +25,7 @@ from typing import Any
 from bench import fork_oracle
 from bench.cli import add_server_source, policy_list
 from bench.structure_driver import request, spec
-from branchwise.launch import LocalServer, get_json, merged_state, post_json
+from branchwise.tools.launch import LocalServer, get_json, merged_state, post_json
 
 KINDS = ("serial", "client-fork", "multiverse", "sprint")
 PROMPT_WORDS = "the plan is to check the cache prefix and then".split()

@@ -27,7 +27,7 @@ from bench.probe import Probe, probe
 from bench.report import fmt
 from bench.results import write_records
 from branchwise.taper.predictor import LinearLatencyModel
-from branchwise.launch import LocalServer
+from branchwise.tools.launch import LocalServer
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,8 +36,8 @@ except ImportError:  # run from a checkout without `pip install -e .`
 from bench.cli import add_server_source
 from bench.report import write_json
 from branchwise.albireo.async_output import SWITCH_KEY  # noqa: E402
-from branchwise.launch import LocalServer, merged_state, post_json  # noqa: E402
 from branchwise.step_timer import PARENT, records_path  # noqa: E402
+from branchwise.tools.launch import LocalServer, merged_state, post_json  # noqa: E402
 
 STOP = ["<|never-matching stop string|>", "~~~###~~~"]  # --stop: SGLang checks them every step
 COLUMNS = ("sched", "prep", "forward", "sample", "result", "stream", "other", "wall", "exposed", "worker")

@@ -29,8 +29,8 @@ from bench.probe import Calibration, Point, Probe, calibrate, probe_url
 from bench.programs import Scaling, build_programs, fit_schedule, mean_demand_tok_s
 from bench.results import report_text, summarize_run, write_records, write_results
 from bench.workload import DEFAULT_TRACE, PRESETS, RequestSpec, Schedule, load_trace, workload_stats
-from branchwise.launch import LocalServer, ServerError
 from branchwise.taper.predictor import load_model
+from branchwise.tools.launch import LocalServer, ServerError
 
 _DEF = Scaling()
 
@@ -97,7 +97,7 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m bench.replay",
                                      description=__doc__.split("\n\n")[0])
     add_server_source(parser, "a running server (its --branch-policy is fixed)",
-                      "start a server per policy (branchwise.launch)")
+                      "start a server per policy (branchwise.tools.launch)")
     parser.add_argument("--compare", action="store_true", help="run the schedule once per --policies")
     parser.add_argument("--policies", type=policy_list, default="serial,eager,taper")
     parser.add_argument("--policy-label",

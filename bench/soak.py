@@ -37,8 +37,8 @@ from bench.cli import add_server_source
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
 from branchwise import client
-from branchwise.launch import LocalServer, get_json, merged_state
-from branchwise.tiny_model import WORDS
+from branchwise.tools.launch import LocalServer, get_json, merged_state
+from branchwise.tools.tiny_model import WORDS
 
 SERVER_ARGS = ["--branch-policy", "taper", "--enable-custom-logit-processor", "--max-running-requests", "12"]
 JSON_HEADERS = {"Content-Type": "application/json"}
@@ -895,7 +895,7 @@ def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     server = None
     if opts.url is None:
-        from branchwise.tiny_model import build
+        from branchwise.tools.tiny_model import build
 
         if not (Path(opts.model) / "config.json").exists():
             build(opts.model)

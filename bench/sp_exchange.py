@@ -32,7 +32,7 @@ import torch.multiprocessing as mp
 
 from branchwise.albireo import parallel_sampler as sampler
 from branchwise.albireo.sp_sampler_hook import apply_row_transforms
-from branchwise.launch import free_port
+from branchwise.tools.launch import free_port
 
 WARMUP = 3
 _GATHER = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # SGLang's CPU call
@@ -158,7 +158,7 @@ def run(tp_size: int, vocabs: list[int], batch_sizes: list[int], iters: int, dty
     cfg = {"vocabs": vocabs, "batch_sizes": batch_sizes, "iters": iters, "dtype": dtype,
            "steps": step_iters > 0, "step_iters": step_iters, "penalties": penalties}
     if penalties:  # import SGLang's scaling op once here, not in every forked rank; eager, as the CPU
-        torch._dynamo.config.disable = True  # servers run it (branchwise.launch: TORCHDYNAMO_DISABLE=1)
+        torch._dynamo.config.disable = True  # servers run it (branchwise.tools.launch: TORCHDYNAMO_DISABLE=1)
         from sglang.srt.sampling.penaltylib.repetition_penalty import apply_scaling_penalties  # noqa: F401
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "rows.json"

@@ -46,7 +46,7 @@ from bench.point import PointSetup
 from bench.programs import Scaling
 from bench.report import write_json
 from bench.workload import DEFAULT_TRACE, PRESETS, TraceError, load_trace
-from branchwise.launch import ServerError
+from branchwise.tools.launch import ServerError
 
 LOADS = (0.1, 0.16, 0.25, 0.4, 0.63, 1.0)
 REFINE_ROUNDS, REFINE_BUDGET = 2, 0.3  # at most 1.3x the sweep's time, spent where it cannot decide

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from branchwise import client, frontend_hook
-from branchwise.tiny_model import WORDS
+from branchwise.tools.tiny_model import WORDS
 
 frontend_hook.install()
 

@@ -19,8 +19,9 @@ import argparse
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
-from branchwise import client, phases
-from branchwise.grammars import Mode, MultiverseDetector, MultiverseTags, PhaseOpened
+from branchwise import client
+from branchwise.fork import phases
+from branchwise.fork.grammars import Mode, MultiverseDetector, MultiverseTags, PhaseOpened
 from frontends.common import (
     ProgramResult,
     RequestRecord,

@@ -15,8 +15,8 @@ import argparse
 from dataclasses import astuple, dataclass, field
 from typing import Any
 
-from branchwise import phases
-from branchwise.grammars import Mode, PhaseOpened, SprintDetector, SprintTags
+from branchwise.fork import phases
+from branchwise.fork.grammars import Mode, PhaseOpened, SprintDetector, SprintTags
 from frontends.common import (
     ProgramResult,
     RequestRecord,

@@ -21,7 +21,7 @@ from typing import Any
 import aiohttp
 
 from branchwise import request_meta
-from branchwise.dp_dispatch import affinity_key
+from branchwise.ingress.dp_dispatch import affinity_key
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 MAX_ROUTING_KEY_BYTES = 128  # smg ignores a longer key (and routes by the prompt instead)

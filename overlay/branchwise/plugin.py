@@ -51,18 +51,19 @@ def hook_table(HookType: type[HookKind],
     "albireo"), `albireo` is every mode but "stock" (Albireo's rows also need their flag declared by
     the ServerArgs patch), `timer` is env BRANCHWISE_STEP_TIMER. Where several components need one
     Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
-    from branchwise import deferral, fork, runtime
-    from branchwise import dp_dispatch as dp
+    from branchwise import deferral, runtime
     from branchwise import device_time as dt
     from branchwise import emulated_device as ed
     from branchwise import metrics as m
-    from branchwise import n_sampling as ns
     from branchwise import scheduler_hook as sh
     from branchwise import step_timer as t
-    from branchwise import validate as v
     from branchwise.albireo import async_output as ao
     from branchwise.albireo import forward_thread as ft
     from branchwise.albireo import sp_sampler_hook as sp
+    from branchwise.fork import hooks as fork
+    from branchwise.ingress import dp_dispatch as dp
+    from branchwise.ingress import n_sampling as ns
+    from branchwise.ingress import validate as v
 
     serving = timer_mode not in ("stock", "albireo")
     albireo = timer_mode != "stock"
@@ -85,21 +86,21 @@ def hook_table(HookType: type[HookKind],
         (serving, f"{SCHEDULER}.process_batch_result", runtime.after_process_batch_result),
         (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens",
          deferral.around_cumulate_penalty_output_tokens),
-        # fork.py: server-side fork/join (its per-token hook sits on each tracked Req instance)
+        # fork/hooks.py: server-side fork/join (its per-token hook sits on each tracked Req instance)
         (serving, f"{SCHEDULER}.ingest_requests", fork.after_ingest_requests),
         (serving, f"{SCHEDULER}.abort_request", fork.after_abort_request),
         (serving, f"{SCHEDULER}.send_abort_output", fork.around_send_abort_output),
         (serving, f"{SCHEDULER}.is_fully_idle", fork.after_is_fully_idle),
         (serving, f"{STREAMER}.stream_output", fork.around_stream_output),
-        # dp_dispatch.py: phase-affine placement, in the DP controller process
+        # ingress/dp_dispatch.py: phase-affine placement, in the DP controller process
         (serving, f"{DP_CONTROLLER}.__init__", dp.after_controller_init),
         (serving, f"{DP_CONTROLLER}.dispatching_with_trace", dp.around_dispatching_with_trace),
-        # n_sampling.py: SGLang's own n > 1 samples stamped as one phase, in the HTTP server process
+        # ingress/n_sampling.py: SGLang's own n > 1 samples stamped as one phase, in the HTTP server process
         (serving, f"{TOKENIZER_MANAGER}._handle_batch_request", ns.around_handle_batch_request),
         (serving, f"{GENERATE_REQ_INPUT}.regenerate_rid", ns.around_regenerate_rid),
         (serving, f"{TOKENIZER_MANAGER}._send_one_request", ns.around_send_one_request),
         (serving, f"{TOKENIZER_MANAGER}.abort_request", ns.around_abort_request),
-        # validate.py: malformed requests end as HTTP 400 in the HTTP server process
+        # ingress/validate.py: malformed requests end as HTTP 400 in the HTTP server process
         (serving, f"{GENERATE_REQ_INPUT}.normalize_batch_and_arguments",
          v.around_normalize_batch_and_arguments),
         (serving, f"{TOKENIZER_MANAGER}._create_tokenized_object", v.around_create_tokenized_object),

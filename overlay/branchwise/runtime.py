@@ -16,9 +16,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import dp_dispatch, emulated_device, fork, metrics, scheduler_hook, step_timer, support
+from branchwise import emulated_device, metrics, scheduler_hook, step_timer, support
 from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
 from branchwise.config import BranchwiseConfig
+from branchwise.fork import hooks as fork
+from branchwise.ingress import dp_dispatch
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GetInternalStateReqOutput, TokenizedGenerateReqInput
@@ -29,8 +31,8 @@ if TYPE_CHECKING:
     from branchwise.albireo.forward_thread import ForwardExecutor
     from branchwise.albireo.sp_sampler_hook import SPState
     from branchwise.device_model import DeviceStream
-    from branchwise.dp_dispatch import SchedulerDp
-    from branchwise.fork_state import ForkManager
+    from branchwise.fork.manager import ForkManager
+    from branchwise.ingress.dp_dispatch import SchedulerDp
     from branchwise.scheduler_hook import BranchwiseState
     from branchwise.step_timer import StepTimer
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
 
-    from branchwise.fork_state import Track
+    from branchwise.fork.manager import Track
     from branchwise.step_timer import StepTimer
 
 logger = logging.getLogger("branchwise")

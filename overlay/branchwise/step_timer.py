@@ -233,9 +233,6 @@ def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | 
     Built after Albireo's components: their worker threads report to it."""
     from sglang.srt.runtime_context import get_parallel
 
-    from branchwise.albireo.async_output import OrderedSender
-    from branchwise.albireo.forward_thread import ForwardExecutor
-
     if enabled() is None:
         return None
     path = records_path(scheduler.server_args.port, get_parallel().tp_rank)
@@ -247,8 +244,8 @@ def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | 
     setattr(scheduler.tp_worker.model_runner, ATTR, timer)
     setattr(scheduler.tree_cache, ATTR, timer)
     bw = scheduler.branchwise
-    for part in (getattr(bw.async_output, "sender", None), bw.forward):
-        if isinstance(part, OrderedSender | ForwardExecutor):
+    for part in (getattr(bw.async_output, "sender", None), bw.forward):  # Albireo's worker threads
+        if part is not None:
             part.timer = timer
     return timer
 

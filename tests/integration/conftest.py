@@ -6,8 +6,8 @@ from collections import OrderedDict
 
 import pytest
 
-from branchwise.launch import LocalServer
-from branchwise.tiny_model import build
+from branchwise.tools.launch import LocalServer
+from branchwise.tools.tiny_model import build
 
 MAX_ALIVE = 2  # each CPU server holds ~3 GB over 3 processes; the CI box has 24 GB
 

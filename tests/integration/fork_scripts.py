@@ -23,7 +23,7 @@ from typing import Any
 
 from sglang.srt.managers.io_struct import AbortReq
 
-from branchwise.phases import Stage
+from branchwise.fork.phases import Stage
 
 HANG_S = 60.0  # a condition not reached by then fails the script (never reached on a working server)
 

@@ -35,7 +35,7 @@ import pytest
 
 from bench.structure_driver import request as driven_request
 from bench.structure_driver import spec
-from branchwise.launch import get_json, merged_state, post_json
+from branchwise.tools.launch import get_json, merged_state, post_json
 
 PROMPTS = [f"request {i}: the plan is to" for i in range(6)]
 GREEDY = {"max_new_tokens": 24, "temperature": 0, "ignore_eos": True}

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 
 from branchwise import client, frontend_hook
-from branchwise.grammars import parse
-from branchwise.launch import branchwise_report, get_json
+from branchwise.fork.grammars import parse
+from branchwise.tools.launch import branchwise_report, get_json
 from frontends import fork_join, multiverse, sprint
 from frontends.common import prefix_hits, sgl
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from branchwise.launch import branchwise_report, post_json
 from branchwise.request_meta import stamp
+from branchwise.tools.launch import branchwise_report, post_json
 
 FANOUT = 3
 PENALTIES = [{"frequency_penalty": 1.5}, {"presence_penalty": 1.5},

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from branchwise.launch import cpu_env
+from branchwise.tools.launch import cpu_env
 
 ROOT = Path(__file__).resolve().parents[2]
 

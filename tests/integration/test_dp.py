@@ -10,7 +10,7 @@ import urllib.request
 import pytest
 
 from branchwise import client, frontend_hook
-from branchwise.launch import branchwise_reports, cpu_env, post_json
+from branchwise.tools.launch import branchwise_reports, cpu_env, post_json
 from frontends import fork_join
 from frontends.common import prefix_hits
 

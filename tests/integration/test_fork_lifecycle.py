@@ -20,7 +20,7 @@ import urllib.request
 import pytest
 
 from bench.structure_driver import request, spec
-from branchwise.launch import cpu_env, has_gpu
+from branchwise.tools.launch import cpu_env, has_gpu
 from tests.integration import fork_scripts
 
 POINTS = list(fork_scripts.POINTS)

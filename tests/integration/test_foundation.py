@@ -8,7 +8,7 @@ import subprocess
 import sys
 
 from branchwise import patcher
-from branchwise.launch import branchwise_report, cpu_env, post_json, scheduler_states
+from branchwise.tools.launch import branchwise_report, cpu_env, post_json, scheduler_states
 
 PROMPTS = ["the plan is", "first compute the sum of", "check the cache prefix and then", "a b c d e f"]
 

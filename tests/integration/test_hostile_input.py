@@ -14,9 +14,9 @@ import pytest
 from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
-from branchwise.launch import branchwise_report, get_json
+from branchwise.ingress.validate import MAX_N
 from branchwise.request_meta import KEY, MetaError, parse
-from branchwise.validate import MAX_N
+from branchwise.tools.launch import branchwise_report, get_json
 
 ARGS = ("--branch-policy", "taper")
 TIMEOUT_S = 60  # every HTTP call; a tame request takes well under a second

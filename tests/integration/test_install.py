@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from branchwise.launch import LocalServer, branchwise_report, post_json
 from branchwise.patcher import SGLANG_VERSION
+from branchwise.tools.launch import LocalServer, branchwise_report, post_json
 
 ROOT = Path(__file__).resolve().parents[2]
 PYTHON = os.environ.get("BRANCHWISE_INSTALL_PYTHON", "python3.11")

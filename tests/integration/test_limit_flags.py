@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from branchwise.launch import cpu_env
+from branchwise.tools.launch import cpu_env
 
 
 def launch_fails(model: str, args: list[str]) -> str:

@@ -21,9 +21,9 @@ from typing import Any
 
 import pytest
 
-from branchwise.launch import branchwise_report, get_json, post_json
+from branchwise.ingress.validate import MAX_N
 from branchwise.request_meta import KEY
-from branchwise.validate import MAX_N
+from branchwise.tools.launch import branchwise_report, get_json, post_json
 from tests.integration.test_albireo import stream
 from tests.integration.test_taper import budget_between
 

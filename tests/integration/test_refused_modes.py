@@ -7,7 +7,7 @@ import os
 import subprocess
 import time
 
-from branchwise.launch import LocalServer, cpu_env, free_port, has_gpu
+from branchwise.tools.launch import LocalServer, cpu_env, free_port, has_gpu
 
 # SGLang logs this once it starts loading weights (model_runner); a refusal at start never gets there
 WEIGHTS_LINE = "Load weight begin"

@@ -1,4 +1,4 @@
-"""Two Branchwise servers behind an smg router (branchwise.launch.LocalRouter, the flags of make
+"""Two Branchwise servers behind an smg router (branchwise.tools.launch.LocalRouter, the flags of make
 serve-cluster): unchanged frontend fork/join programs give the outputs of one server, every branch
 request reaches a worker stamped, each phase's rows are on one worker, the fork prefix is cached
 where its branches run, n > 1 and a malformed stamp pass through unchanged."""
@@ -14,7 +14,7 @@ from collections import defaultdict
 import pytest
 
 from branchwise import client, frontend_hook
-from branchwise.launch import (
+from branchwise.tools.launch import (
     LocalRouter,
     LocalServer,
     branchwise_report,

@@ -17,8 +17,8 @@ from transformers import AutoTokenizer
 
 from bench import fork_oracle
 from bench.structure_driver import request, spec
-from branchwise.grammars import parse
-from branchwise.launch import get_json, merged_state, post_json
+from branchwise.fork.grammars import parse
+from branchwise.tools.launch import get_json, merged_state, post_json
 
 ARGS = ("--branch-policy", "serial", "--enable-custom-logit-processor")
 PROMPT = "the plan is"

@@ -14,9 +14,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from bench.structure_driver import request, spec
-from branchwise.grammars import parse
-from branchwise.launch import branchwise_report, get_json, merged_state, post_json
+from branchwise.fork.grammars import parse
 from branchwise.request_meta import stamp
+from branchwise.tools.launch import branchwise_report, get_json, merged_state, post_json
 from frontends import fork_join
 from tests.integration.test_taper import budget_between, wait_idle
 

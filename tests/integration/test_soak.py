@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from bench import soak
-from branchwise.launch import get_json, post_json
+from branchwise.tools.launch import get_json, post_json
 
 
 @pytest.fixture(scope="module")

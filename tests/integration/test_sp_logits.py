@@ -21,7 +21,7 @@ from typing import Any
 
 import pytest
 
-from branchwise.launch import merged_state, post_json
+from branchwise.tools.launch import merged_state, post_json
 
 # eager pins which token a penalised row cumulates each step (deferral._pinned_cumulate): under overlap
 # SGLang's own rule takes output_ids[-1], whose lag shifts when a prefill step lands between decode

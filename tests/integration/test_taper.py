@@ -9,9 +9,9 @@ import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from branchwise.launch import branchwise_report, get_json, merged_state, post_json
 from branchwise.request_meta import stamp
 from branchwise.taper.predictor import LinearLatencyModel
+from branchwise.tools.launch import branchwise_report, get_json, merged_state, post_json
 
 # An SLO no step can meet: taper-paper's budget is below every step, so it runs one row per phase
 # (deferral in every step with a choice). taper would widen the late phases instead (policies.py);

@@ -18,7 +18,7 @@ from branchwise.albireo.async_output import (
     _may_finish,
     check_match_stop_str_prefix,
 )
-from branchwise.tiny_model import build_tokenizer
+from branchwise.tools.tiny_model import build_tokenizer
 
 
 class Recorder:

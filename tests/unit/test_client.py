@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from branchwise import client, frontend_hook, request_meta
-from branchwise.launch import free_port
+from branchwise.tools.launch import free_port
 
 
 # ---- stamps and rids ----------------------------------------------------------------------------
@@ -282,7 +282,7 @@ def test_no_import_cycles_and_no_hook_state_outside_sys_meta_path():
     import sys
 
     env = {**os.environ, "BRANCHWISE_FRONTEND_HOOK": "0"}  # the venv's .pth would import the hook
-    code = ("import sys, branchwise.client, branchwise.fork; "
+    code = ("import sys, branchwise.client, branchwise.fork.hooks; "
             "assert 'branchwise.frontend_hook' not in sys.modules, 'client imports frontend_hook'; "
             "assert 'branchwise.plugin' not in sys.modules, 'fork imports plugin'")
     subprocess.run([sys.executable, "-c", code], check=True, env=env)

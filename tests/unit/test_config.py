@@ -105,8 +105,10 @@ def test_runtime_parses_the_settings_once_and_builds_in_order(monkeypatch, timer
     fixed order, each seeing the ones before it on scheduler.branchwise."""
     from types import SimpleNamespace
 
-    from branchwise import dp_dispatch, fork, runtime, scheduler_hook, step_timer
+    from branchwise import runtime, scheduler_hook, step_timer
     from branchwise.albireo import async_output, forward_thread, sp_sampler_hook
+    from branchwise.fork import hooks as fork
+    from branchwise.ingress import dp_dispatch
 
     parsed: list[object] = []
     monkeypatch.setattr(BranchwiseConfig, "from_server_args",

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from branchwise import dp_dispatch as dp
+from branchwise.ingress import dp_dispatch as dp
 
 
 def cp(**fields: Any) -> dict:

@@ -9,9 +9,9 @@ import pytest
 
 from bench import fork_oracle
 from bench.structure_driver import StructureDriver, spec
-from branchwise.grammars import Mode, get_detector, parse
-from branchwise.phases import ReduceFormat, TextStream, branch_budget, needs_close
-from branchwise.tiny_model import build_tokenizer
+from branchwise.fork.grammars import Mode, get_detector, parse
+from branchwise.fork.phases import ReduceFormat, TextStream, branch_budget, needs_close
+from branchwise.tools.tiny_model import build_tokenizer
 
 
 @pytest.fixture(scope="module")

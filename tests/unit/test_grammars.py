@@ -8,7 +8,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from branchwise.grammars import (
+from branchwise.fork.grammars import (
     BranchClosed,
     GrammarError,
     Mode,
@@ -20,7 +20,7 @@ from branchwise.grammars import (
     get_detector,
     parse,
 )
-from branchwise.phases import PhaseRegistry
+from branchwise.fork.phases import PhaseRegistry
 
 MV = """<Think>
 Let me split this. Note 3 < 4 and a<b> is not a tag, nor is <Pathway>.

@@ -13,9 +13,11 @@ from types import SimpleNamespace
 
 import pytest
 
-from branchwise import fork, request_meta, runtime
+from branchwise import request_meta, runtime
 from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
+from branchwise.fork import hooks as fork
+from branchwise.fork import lifecycle
 from branchwise.taper.controller import StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel, OnlineRefit
@@ -117,12 +119,13 @@ def sglang_req():
     return make
 
 
-def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req):
+def test_fork_token_hook_runs_on_tracked_requests_only(sglang_req, monkeypatch):
     tracked, plain = sglang_req("t"), sglang_req("p")
     seen = []
-    mgr = SimpleNamespace(on_tokens=lambda t: seen.append((len(t.req.output_ids), t.req.finished())))
-    tracked.bw_fork = SimpleNamespace(mgr=mgr, req=tracked)
-    fork.hook_tracked_request(tracked)
+    monkeypatch.setattr(lifecycle, "on_tokens",
+                        lambda mgr, t: seen.append((len(t.req.output_ids), t.req.finished())))
+    tracked.bw_fork = SimpleNamespace(mgr=SimpleNamespace(), req=tracked)
+    lifecycle.hook_tracked_request(tracked)
     for r in (tracked, plain):
         for tok in (7, 8):
             r.output_ids.append(tok)

@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from branchwise import fork_state, request_meta
+from branchwise import request_meta
 from branchwise import scheduler_hook as sh
 from branchwise.config import BranchwiseConfig
-from branchwise.phases import fork_limit_error
+from branchwise.fork import manager
+from branchwise.fork.phases import fork_limit_error
 from branchwise.taper.controller import Delivery, StepController
 from branchwise.taper.policies import parse_policy
 from branchwise.taper.predictor import LinearLatencyModel
@@ -114,12 +115,12 @@ def test_fork_manager_encode_cache_is_bounded():
             return [len(text)]
 
     sched = SimpleNamespace(tokenizer=Tok(), max_total_num_tokens=16384)
-    mgr = fork_state.ForkManager(sched, BranchwiseConfig())
+    mgr = manager.ForkManager(sched, BranchwiseConfig())
     assert mgr.max_branch_tokens == 16384  # auto: the KV pool size
     assert mgr.cfg.branch_max_fanout == 16
-    for i in range(3 * fork_state.ENC_CACHE):  # headers carry client text: one new text per request
+    for i in range(3 * manager.ENC_CACHE):  # headers carry client text: one new text per request
         assert mgr.encode(f"<Path>\n{i}: ") == [len(f"<Path>\n{i}: ")]
-    assert mgr.report()["sizes"]["enc_cache"] == fork_state.ENC_CACHE
+    assert mgr.report()["sizes"]["enc_cache"] == manager.ENC_CACHE
     n = len(calls)
     assert mgr.encode("</Path>") == mgr.encode("</Path>") == [7] and len(calls) == n + 1  # still a cache
     assert mgr.encode("") == []

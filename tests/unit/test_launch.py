@@ -1,4 +1,4 @@
-"""branchwise.launch without servers: ports, a lost bind, merging several schedulers' reports, and
+"""branchwise.tools.launch without servers: ports, a lost bind, merging several schedulers' reports, and
 the router flags."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from branchwise import launch
-from branchwise.launch import ROUTER_ARGS, ServerError, ephemeral_ports, free_port, merge_reports
+from branchwise.tools import launch
+from branchwise.tools.launch import ROUTER_ARGS, ServerError, ephemeral_ports, free_port, merge_reports
 
 ROOT = Path(__file__).resolve().parents[2]
 

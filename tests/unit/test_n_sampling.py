@@ -6,7 +6,7 @@ from __future__ import annotations
 import copy
 from types import SimpleNamespace
 
-from branchwise import n_sampling as ns
+from branchwise.ingress import n_sampling as ns
 from branchwise.request_meta import KEY, parse
 
 

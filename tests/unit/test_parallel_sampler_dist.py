@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from branchwise.albireo.parallel_sampler import RowParams, sample_rows, sp_sample, sp_sample_full
-from branchwise.launch import free_port
+from branchwise.tools.launch import free_port
 
 WORLD = 4
 # (name, bs, vocab, row kinds): bs and vocab not multiples of t; bs = 3 leaves a t=4 rank only padding.

@@ -6,7 +6,7 @@ from array import array
 
 import pytest
 
-from branchwise.phases import (
+from branchwise.fork.phases import (
     ParallelPhase,
     PhaseError,
     PhaseRegistry,

@@ -29,7 +29,7 @@ from bench.workload import (
 )
 from branchwise import client, request_meta
 from branchwise.client import GenerateError, Generation
-from branchwise.launch import free_port
+from branchwise.tools.launch import free_port
 
 SIM_KEYS = {"goodput_tok_s", "raw_throughput_tok_s", "slo_attainment", "p99_tpot_serial_ms",
             "p99_tpot_parallel_ms", "admission_rate", "per_regime"}

@@ -88,7 +88,7 @@ def test_stamp_rejects_a_malformed_existing_custom_params():
 
 
 def test_http_side_hooks_answer_400_for_any_client_error():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     class Obj:
         sampling_params = [{"custom_params": {KEY: {"fanout": 0}}}]
@@ -110,7 +110,7 @@ def test_http_side_hooks_answer_400_for_any_client_error():
 
 
 def test_n_is_an_integer_in_range_before_sglang_copies_the_request():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     for n in (1, 2, validate.MAX_N):
         validate.check_sampling_params({"n": n})
@@ -122,7 +122,7 @@ def test_n_is_an_integer_in_range_before_sglang_copies_the_request():
 
 
 def test_values_that_would_make_the_sampler_logits_infinite_are_refused():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     validate.check_sampling_params({"logit_bias": {"5": -1e30, "6": 100}, "repetition_penalty": 1e-6})
     validate.check_sampling_params({"logit_bias": {"5": "x"}, "repetition_penalty": 0})  # SGLang's own 400s
@@ -133,7 +133,7 @@ def test_values_that_would_make_the_sampler_logits_infinite_are_refused():
 
 
 def test_values_that_overflow_scheduler_tensors_are_refused():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     validate.check_sampling_params({"top_k": 2**30, "min_new_tokens": 2**31 - 1})
     class Sub:
@@ -153,7 +153,7 @@ def test_values_that_overflow_scheduler_tensors_are_refused():
 
 
 def test_a_request_refused_before_normalization_leaves_nothing_to_abort():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     class Obj:
         rid = ["unhashable"]
@@ -166,7 +166,7 @@ def test_a_request_refused_before_normalization_leaves_nothing_to_abort():
 
 
 def test_an_empty_prompt_is_refused():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     class TM:
         class model_config:
@@ -180,7 +180,7 @@ def test_an_empty_prompt_is_refused():
 
 
 def test_rids_are_strings_after_normalization():
-    from branchwise import validate
+    from branchwise.ingress import validate
 
     def normalize(obj):
         obj.is_single = isinstance(obj.text, str)

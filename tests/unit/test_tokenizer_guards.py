@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from starlette.background import BackgroundTasks
 
-from branchwise import validate
+from branchwise.ingress import validate
 
 TM = SimpleNamespace(model_config=SimpleNamespace(vocab_size=10))
 

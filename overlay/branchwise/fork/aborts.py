@@ -18,14 +18,14 @@ import logging
 from http import HTTPStatus
 from typing import TYPE_CHECKING
 
-from branchwise.fork_lifecycle import finish_outside_batch
-from branchwise.phases import Stage
+from branchwise.fork.lifecycle import finish_outside_batch
+from branchwise.fork.phases import Stage
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import BaseFinishReason
 
-    from branchwise.fork_state import ForkManager, Track
+    from branchwise.fork.manager import ForkManager, Track
 
 logger = logging.getLogger("branchwise.fork")
 ORPHAN_MESSAGE = "Branchwise: a parked request lost its branches; freed by the idle leak check"

@@ -1,27 +1,25 @@
-"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the hook bodies and `build`.
+"""Server-side fork/join of parallel phases (Multiverse, SPRINT): the top of the fork package,
+with the hook bodies and `build`.
 
 A grammar detector watches a tracked request's text; the phase it opens goes FORKING -> PARALLEL ->
-REDUCE -> DONE (branchwise.phases). These bodies move SGLang requests and KV along it: detection
-runs on each tracked Req instance right after SGLang appends a step's tokens (`hook_tracked_request`),
-parking, spawning and joining run at the scheduling point (AFTER Scheduler.ingest_requests), and
-abort, idle and streaming hooks keep parked parents and branches out of SGLang's way. The state
-is in fork_state.py, the transitions in fork_lifecycle.py, aborts and the leak check in
-fork_aborts.py, which requests branch in fork_limits.py. Every decision depends on token ids,
-rids and event order only, so all TP ranks agree without a broadcast. The lifecycle, overlap
-scheduling, budgets and what is not branched: docs/design/server-fork.md.
+REDUCE -> DONE (phases.py). Detection runs per tracked Req after each step's tokens, parking,
+spawning and joining at the scheduling point, and the abort, idle and streaming hooks here keep
+parked parents and branches out of SGLang's way. State: manager.py; transitions: lifecycle.py;
+aborts and the leak check: aborts.py; which requests branch: limits.py. Decisions depend on token
+ids, rids and event order only, so TP ranks agree without a broadcast (docs/design/server-fork.md).
 """
 
 from __future__ import annotations
 
-import functools
 import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from branchwise.config import BranchwiseConfig
-from branchwise.fork_limits import grammar_for
-from branchwise.fork_state import ForkManager
-from branchwise.grammars import get_detector
+from branchwise.fork import aborts, lifecycle
+from branchwise.fork.grammars import get_detector
+from branchwise.fork.limits import grammar_for
+from branchwise.fork.manager import ForkManager
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
@@ -59,21 +57,21 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
         logger.info("Branchwise server-side fork/join off: %s", why)
         return None
     mgr = ForkManager(scheduler, config)
-    taper = getattr(getattr(scheduler, "branchwise", None), "taper", None)  # built before fork (runtime.py)
-    mgr.metrics = getattr(taper, "metrics", None)  # one set of Prometheus series per scheduler
+    state = getattr(getattr(scheduler, "branchwise", None), "taper", None)  # built before fork (runtime.py)
+    mgr.metrics = getattr(state, "metrics", None)  # one set of Prometheus series per scheduler
     scheduler.tree_cache._branchwise_fork = mgr  # the output streamer's handle (it is a slots dataclass)
     return mgr
 
 
 # Hook bodies (registered in plugin.py; after_create_generation_req is called by runtime.py). Scheduler
-# hooks find the manager at `self.branchwise.fork`.
+# hooks find the manager at `scheduler.branchwise.fork`.
 
 
-def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGenerateReqInput,
+def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: TokenizedGenerateReqInput,
                                 *args: Any, **kwargs: Any) -> Req:
     """A new client request (runtime calls it after taper has set `req.bw_meta`): a grammar the
     server refuses ends it with HTTP 400; a grammar it serves starts tracking its text."""
-    bw = self.branchwise
+    bw = scheduler.branchwise
     meta = getattr(req, "bw_meta", None)
     if meta is not None and meta.grammar is not None and req.to_finish is None:
         why = bw.config.client_grammar_error(meta.grammar)
@@ -85,70 +83,51 @@ def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGe
     mgr = bw.fork
     grammar = grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats) if mgr is not None else None
     if grammar is not None:
-        mgr.track(req, get_detector(grammar), grammar)
+        lifecycle.start_tracking(mgr, req, get_detector(grammar), grammar)
     return req
 
 
-def hook_tracked_request(req: Req) -> None:
-    """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
-    Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
-    (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
-    as resolved then (class-level hooks of plugins are applied before any Req exists, so they stay
-    inside)."""
-    cls_fn = type(req).update_finish_state
-    req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
-
-
-def around_update_finish_state(orig: Callable[..., None], req: Req, *args: Any, **kwargs: Any) -> None:
-    """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
-    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
-    out = orig(req, *args, **kwargs)
-    track = getattr(req, "bw_fork", None)
-    if track is not None:
-        track.mgr.on_tokens(track)
-    return out
-
-
-def after_ingest_requests(result: list, self: Scheduler, *args: Any, **kwargs: Any) -> list:
+def after_ingest_requests(result: list, scheduler: Scheduler, *args: Any, **kwargs: Any) -> list:
     """The scheduling point: park and spawn the phases cut at a fork, join those whose branches closed."""
-    mgr = self.branchwise.fork
+    mgr = scheduler.branchwise.fork
     if mgr is not None and mgr.reg.phases and mgr.pending():
-        mgr.reconcile()
+        lifecycle.reconcile(mgr)
     return result
 
 
-def after_abort_request(result: None, self: Scheduler, recv_req: AbortReq, *args: Any, **kwargs: Any) -> None:
-    mgr = self.branchwise.fork
+def after_abort_request(result: None, scheduler: Scheduler, recv_req: AbortReq,
+                        *args: Any, **kwargs: Any) -> None:
+    mgr = scheduler.branchwise.fork
     if mgr is not None and mgr.reg.phases:
-        mgr.abort(recv_req)
+        aborts.abort_parked(mgr, recv_req)
     return result
 
 
-def around_send_abort_output(orig: Callable[..., None], self: Scheduler, abort_req: AbortReq,
+def around_send_abort_output(orig: Callable[..., None], scheduler: Scheduler, abort_req: AbortReq,
                              req: Req) -> None:
     """Requests SGLang ends outside the output stream (aborted while queued, retraction OOM)."""
     track = getattr(req, "bw_fork", None)
-    mgr = self.branchwise.fork
+    mgr = scheduler.branchwise.fork
     if track is None or mgr is None:
-        return orig(self, abort_req, req)
+        return orig(scheduler, abort_req, req)
     if req.finished_reason is None:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         req.finished_reason = req.to_finish or FINISH_ABORT()
-    mgr.end(track)
+    lifecycle.end(mgr, track)
     if track.branch:
         return None  # internal rid: the tokenizer manager never heard of it
-    return orig(self, abort_req, req)
+    return orig(scheduler, abort_req, req)
 
 
-def around_stream_output(orig: Callable[..., None], self: SchedulerOutputStreamer, reqs: list[Req],
+def around_stream_output(orig: Callable[..., None], streamer: SchedulerOutputStreamer, reqs: list[Req],
                          *args: Any, **kwargs: Any) -> None:
     """Branch rows never reach the detokenizer; a parent is held back while a fork may cut it.
     Until the manager tracks a first request no row can need filtering: no per-row scan."""
-    mgr = getattr(getattr(self, "tree_cache", None), "_branchwise_fork", None)
+    mgr = getattr(getattr(streamer, "tree_cache", None), "_branchwise_fork", None)
     if mgr is not None and mgr.tracking and any(getattr(req, "bw_fork", None) is not None for req in reqs):
         reqs = [req for req in reqs if _streamable(req)]
-    return orig(self, reqs, *args, **kwargs)
+    return orig(streamer, reqs, *args, **kwargs)
 
 
 def _streamable(req: Req) -> bool:
@@ -160,14 +139,14 @@ def _streamable(req: Req) -> bool:
     return req.finished() or not track.undecided()
 
 
-def after_is_fully_idle(result: bool, self: Scheduler, *args: Any, **kwargs: Any) -> bool:
+def after_is_fully_idle(result: bool, scheduler: Scheduler, *args: Any, **kwargs: Any) -> bool:
     """Not idle while a request is parked or a fork/join waits for the next scheduling point: the
     idle sleeper would otherwise wait for a new request before joining. When SGLang itself is fully
     idle (a plain call: nothing running, waiting or in flight), this is where the leak check runs
-    (fork_aborts.idle): a parked request that nothing can resume is freed and counted."""
-    mgr = self.branchwise.fork
+    (aborts.idle): a parked request that nothing can resume is freed and counted."""
+    mgr = scheduler.branchwise.fork
     if not result or mgr is None or not mgr.reg.phases:
         return result
     if args or any(kwargs.values()):  # health-check / ignore-waiting variants: no leak check
         return not mgr.busy()
-    return mgr.idle()
+    return aborts.idle(mgr)

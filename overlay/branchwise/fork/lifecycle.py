@@ -1,7 +1,8 @@
 """The park/spawn/join lifecycle of a server-side fork: what happens to SGLang requests and KV as a
 phase goes FORKING -> PARALLEL -> REDUCE -> DONE (docs/design/server-fork.md).
 
-Per token (`on_tokens`, from Req.update_finish_state): a fork cuts the parent (FORKING), a close tag
+A tracked sequence (`start_tracking`) gets a per-instance hook on Req.update_finish_state. Per token
+(`on_tokens`, from that hook): a fork cuts the parent (FORKING), a close tag
 finishes a branch. When a sequence ends (`end`, whatever ended it) it leaves its phase: a branch's
 output is recorded in its phase at once, a sequence's own phases are released with their pins. At
 the scheduling point (`reconcile`, after Scheduler.ingest_requests) every phase whose state asks for
@@ -12,18 +13,57 @@ simply leaves nothing to do.
 
 from __future__ import annotations
 
+import functools
 from array import array
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from branchwise.grammars import BranchClosed, GrammarError, PhaseClosed, PhaseOpened
-from branchwise.phases import ParallelPhase, PhaseError, Stage, branch_budget, branch_seed, needs_close
+from branchwise.fork.grammars import BranchClosed, Detector, GrammarError, PhaseClosed, PhaseOpened
+from branchwise.fork.manager import ForkManager, Track
+from branchwise.fork.phases import (
+    ParallelPhase,
+    PhaseError,
+    Stage,
+    TextStream,
+    branch_budget,
+    branch_seed,
+    needs_close,
+)
 from branchwise.request_meta import RequestMeta
+from branchwise.scheduler_hook import note_phase_requests
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import BaseFinishReason, Req
     from sglang.srt.managers.scheduler import Scheduler
 
-    from branchwise.fork_state import ForkManager, Track
+
+def start_tracking(mgr: ForkManager, req: Req, det: Detector | None, grammar: str, branch: bool = False) -> Track:
+    """Start tracking a sequence's text: its `Track` at `req.bw_fork` and the per-token hook."""
+    tracked = Track(mgr=mgr, req=req, det=det, text=TextStream(mgr.decode), grammar=grammar, branch=branch)
+    req.bw_fork = tracked
+    hook_tracked_request(req)
+    mgr.tracking = True
+    return tracked
+
+
+def hook_tracked_request(req: Req) -> None:
+    """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
+    Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
+    (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
+    as resolved then (class-level hooks of plugins are applied before any Req exists, so they stay
+    inside)."""
+    cls_fn = type(req).update_finish_state
+    req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
+
+
+def around_update_finish_state(orig: Callable[..., None], req: Req, *args: Any, **kwargs: Any) -> None:
+    """Runs right after SGLang appended a step's tokens and checked stops, before KV release and
+    streaming: a close tag finishes a branch like a stop string, a fork cuts the parent."""
+    out = orig(req, *args, **kwargs)
+    tracked = getattr(req, "bw_fork", None)
+    if tracked is not None:
+        on_tokens(tracked.mgr, tracked)
+    return out
 
 
 # ---- per token (Req.update_finish_state) ----------------------------------------------------------
@@ -222,8 +262,6 @@ def _park(mgr: ForkManager, track: Track, phase: ParallelPhase) -> None:
 
 def _spawn(mgr: ForkManager, track: Track, phase: ParallelPhase) -> None:
     """One Req per branch (input: the shared prefix and its own header) into the waiting queue."""
-    from branchwise.scheduler_hook import note_phase_requests
-
     sched, req = mgr.sched, track.req
     prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: phase.keep])
     parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
@@ -236,7 +274,7 @@ def _spawn(mgr: ForkManager, track: Track, phase: ParallelPhase) -> None:
                                          slo_tpot_ms=parent_meta.slo_tpot_ms, weight=parent_meta.weight,
                                          grammar=track.grammar)
         branch_det = track.det.branch(i, branch.label, phase.depth) if track.det is not None else None
-        mgr.track(branch_req, branch_det, track.grammar, branch=True)
+        start_tracking(mgr, branch_req, branch_det, track.grammar, branch=True)
         sched.init_req_max_new_tokens(branch_req)
         sched._add_request_to_queue(branch_req)
     mgr.record(phase)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from branchwise.phases import PhaseRegistry, fork_limit_error
+from branchwise.fork.phases import PhaseRegistry, fork_limit_error
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput

@@ -1,5 +1,5 @@
 """What one scheduler keeps for server-side fork/join: a `Track` per tracked sequence, the phase
-registry, counters, and the entry points the hooks in fork.py call.
+registry, counters and the views derived from them. The work on them is in lifecycle.py and aborts.py.
 
 Where a sequence stands is recorded once, in phases.py: a parent's place is its phase's `state`
 (FORKING: cut at the fork, to be parked; PARALLEL: parked; REDUCE: decoding after its join), a
@@ -17,14 +17,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise import fork_aborts, fork_lifecycle
 from branchwise.config import BranchwiseConfig
-from branchwise.fork_limits import ForkLimits
-from branchwise.grammars import Detector
-from branchwise.phases import ParallelPhase, PhaseRegistry, Stage, TextStream
+from branchwise.fork.grammars import Detector
+from branchwise.fork.limits import ForkLimits
+from branchwise.fork.phases import ParallelPhase, PhaseRegistry, Stage, TextStream
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.io_struct import AbortReq
     from sglang.srt.managers.schedule_batch import Req
     from sglang.srt.managers.scheduler import Scheduler
 
@@ -78,9 +76,8 @@ class Track:
 
 
 class ForkManager:
-    """Server-side fork/join of one scheduler. The hooks call `on_tokens`, `end`, `reconcile`,
-    `abort` and `idle`; the work is done by fork_lifecycle (fork, park, spawn, close, join) and
-    fork_aborts (aborts of parked parents, the idle leak check)."""
+    """Server-side fork/join state of one scheduler: the registry, counters and text codec that
+    lifecycle.py (fork, park, spawn, close, join) and aborts.py (parked aborts, leak check) work on."""
 
     def __init__(self, sched: Scheduler, cfg: BranchwiseConfig) -> None:
         self.sched = sched
@@ -114,32 +111,6 @@ class ForkManager:
 
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False))
-
-    def track(self, req: Req, det: Detector | None, grammar: str, branch: bool = False) -> Track:
-        from branchwise.fork import hook_tracked_request
-
-        track = Track(mgr=self, req=req, det=det, text=TextStream(self.decode), grammar=grammar,
-                      branch=branch)
-        req.bw_fork = track
-        hook_tracked_request(req)
-        self.tracking = True
-        return track
-
-    # ---- entry points (hooks in fork.py) ----------------------------------------------------------
-    def on_tokens(self, track: Track) -> None:
-        fork_lifecycle.on_tokens(self, track)
-
-    def end(self, track: Track) -> None:
-        fork_lifecycle.end(self, track)
-
-    def reconcile(self) -> None:
-        fork_lifecycle.reconcile(self)
-
-    def abort(self, recv_req: AbortReq) -> None:
-        fork_aborts.abort_parked(self, recv_req)
-
-    def idle(self) -> bool:
-        return fork_aborts.idle(self)
 
     # ---- derived views ----------------------------------------------------------------------------
     def busy(self) -> bool:

@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise.dp_dispatch import affinity_key
+from branchwise.ingress.dp_dispatch import affinity_key
 from branchwise.request_meta import KEY
 
 if TYPE_CHECKING:

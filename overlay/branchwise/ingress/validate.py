@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     ReqInput = GenerateReqInput | EmbeddingReqInput
 
-logger = logging.getLogger("branchwise.validate")
+logger = logging.getLogger("branchwise.ingress.validate")
 MAX_MESSAGE = 300
 MAX_N = 128  # parallel samples per request (OpenAI's limit for n)
 # The sampler divides float32 logits by the repetition penalty (seen tokens) and by the temperature

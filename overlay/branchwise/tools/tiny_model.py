@@ -4,7 +4,7 @@ No hub access: the tokenizer is trained here on generated text and the weights c
 so the same seed always gives the same folder. Branch tags (Multiverse, SPRINT) are added tokens,
 which lets tests force a tag skeleton one token at a time.
 
-    python -m branchwise.tiny_model OUT [--seed 0] [--size tiny|small]
+    python -m branchwise.tools.tiny_model OUT [--seed 0] [--size tiny|small]
 
 `small` (1024 hidden, 4 layers, ~50M parameters) is for overhead measurements only: its decode step
 is dominated by matmuls, which run with the GIL released, unlike the tiny model's Python-bound step.

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any
 
-from branchwise.grammars.base import (
+from branchwise.fork.grammars.base import (
     BranchClosed,
     Detector,
     Event,
@@ -25,8 +25,8 @@ from branchwise.grammars.base import (
     PhaseOpened,
     fill_text,
 )
-from branchwise.grammars.multiverse import MultiverseDetector, MultiverseTags
-from branchwise.grammars.sprint import SprintDetector, SprintTags
+from branchwise.fork.grammars.multiverse import MultiverseDetector, MultiverseTags
+from branchwise.fork.grammars.sprint import SprintDetector, SprintTags
 
 DETECTORS: Mapping[str, type[Detector]] = MappingProxyType({"multiverse": MultiverseDetector,
                                                             "sprint": SprintDetector})

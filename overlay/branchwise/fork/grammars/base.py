@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any, ClassVar
 
-from branchwise.phases import ReduceFormat
+from branchwise.fork.phases import ReduceFormat
 
 
 class GrammarError(ValueError):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 
-from branchwise.grammars.base import (
+from branchwise.fork.grammars.base import (
     BranchClosed,
     Detector,
     GrammarError,
@@ -22,7 +22,7 @@ from branchwise.grammars.base import (
     PhaseClosed,
     PhaseOpened,
 )
-from branchwise.phases import ReduceFormat
+from branchwise.fork.phases import ReduceFormat
 
 _ID = re.compile(r"\s*(\d+(?:\.\d+)*)\s*:")
 
