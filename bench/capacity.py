@@ -35,11 +35,12 @@ from bench import confidence, emulated
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
+from bench.prefill import TTFT_TARGET_S, engine_for, parse_variant, ttft_attainment, variant_name
 from bench.programs import Scaling
 from bench.regimes import get_regime, regime_specs
 from bench.report import Col, blank, fmt, num, render, write_json
 from bench.workload import PRESETS, load_trace, workload_stats
-from branchwise.taper import LinearLatencyModel, load_model, parse_policy_name
+from branchwise.taper import LinearLatencyModel, load_model
 
 GRID = (0.25, 0.4, 0.55, 0.7, 0.85, 1.0, 1.15)  # x the fluid bound
 TARGET = 0.95  # attainment over all arrivals that counts as holding the SLO; 1 - TARGET: the most
@@ -106,6 +107,7 @@ class SimSetup:
     drain_s: float = DRAIN_S
     scaling: Scaling | None = None  # the regime's program scaling (bench.regimes); None: trace lengths
     drain_arrivals: bool = True  # False: arrivals stop when the window ends (live points)
+    ttft_target_s: float | None = TTFT_TARGET_S  # the TTFT column's SLO and taper-prefill's TTFT clause
 
 
 @functools.cache
@@ -127,16 +129,20 @@ class _SimPoint:
         arrivals_s = t_end if setup.drain_arrivals else setup.warmup_s + setup.window_s
         specs = regime_specs(trace, rate, arrivals_s, seed, setup.preset, setup.scaling)
         model = LinearLatencyModel(*setup.model)
-        ctl = build_controller(policy, model, setup.rho, setup.calibrated)
-        res = Simulator(specs, ctl, model, setup.cfg, t_end, seed).run()
+        var = parse_variant(policy)  # POLICY@chunk and taper-prefill (bench.prefill)
+        cfg = engine_for(setup.cfg, var, model, setup.rho, setup.ttft_target_s)
+        ctl = build_controller(var.policy, model, setup.rho, setup.calibrated)
+        res = Simulator(specs, ctl, model, cfg, t_end, seed).run()
         window = (setup.warmup_s, setup.warmup_s + setup.window_s)
+        ttft = np.array([rec.ttft_s for rec in res.records if window[0] <= rec.arrival_s < window[1]])
         metrics = summarize(res.records, setup.slo_s, window, steps=res.steps, slo_ttft_s=setup.slo_ttft_s,
                             horizon_s=t_end)
         extra = ("requests", "raw_throughput_tok_s", "slo_attainment_gap", "ttft_p50_s",
                  "step_latency_mean_ms", "admission_rate", "decomp_decode_p50_s", "serial_decode_p50_s")
         steady = {"queue_growth": metrics["queue_growth"]} if setup.warmup_s > 0 else {}
         return (load_point(rate, metrics) | {key: metrics.get(key) for key in extra}
-                | steady | {"cpu_s": res.stats["cpu_s"]})
+                | steady | {"cpu_s": res.stats["cpu_s"]}
+                | ({"ttft_attainment": ttft_attainment(ttft, setup.ttft_target_s)} if setup.ttft_target_s else {}))
 
 
 def seed_list(text: str) -> list[int]:
@@ -165,7 +171,7 @@ def sim_engine(opts: CapacityOptions) -> Engine:
     cfg = reg.engine_for(slo_s, resolve_max_running(opts.max_running, model, slo_s, ref))
     setup = SimSetup(opts.trace, opts.preset, slo_s, opts.slo_ttft_s, opts.rho, model.coefs(),
                      bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s,
-                     reg.drain_s, reg.scaling, reg.drain_arrivals)
+                     reg.drain_s, reg.scaling, reg.drain_arrivals, opts.ttft_target_s)
     bound = fluid_bound_rps(model, slo_s, ref)
     conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound,
             "window_bounds_rps": {seed: window_bound_rps(setup, model, bound, seed)
@@ -662,6 +668,7 @@ class CapacityOptions:
     max_total_tokens: int = 65536
     rates: str = ""  # comma-separated req/s instead of the grid (no bisection)
     regime: str = "default"  # sim: bench.regimes (latency model, SLO, engine costs, program scale)
+    ttft_target_s: float | None = TTFT_TARGET_S  # sim: TTFT attainment's target, taper-prefill's clause
 
 
 def _rates(text: str) -> list[float]:
@@ -705,6 +712,9 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     parser.add_argument("--device", default=None, metavar="PRESET|FILE[@xS]",
                         help="sim: --regime device:PRESET, the emulated device's T(S) and SLO (as make bench "
                              "with --emulate-device PRESET)")
+    parser.add_argument("--ttft-target-s", type=float, default=TTFT_TARGET_S,
+                        help="sim: TTFT target of the ttft_attainment figure and of taper-prefill's TTFT "
+                             "clause (attainment itself requires TTFT only with --slo-ttft-s)")
     parser.add_argument("--no-plot", action="store_true")
     args = parser.parse_args(argv)
     if args.device:
@@ -717,13 +727,14 @@ def parse_args(argv: list[str] | None) -> CapacityOptions:
     return CapacityOptions(args.trace, args.out, args.policies, args.slo_tpot_ms, args.slo_ttft_s,
                            args.seeds, args.engine, args.preset, args.rho, args.max_running,
                            args.latency_model, args.jobs, args.launch, args.url, args.server_args,
-                           not args.no_plot, rates=args.rates, regime=args.regime)
+                           not args.no_plot, rates=args.rates, regime=args.regime,
+                           ttft_target_s=args.ttft_target_s)
 
 
 def main(argv: list[str] | None = None) -> int:
     opts = parse_args(argv)
     try:
-        policies = [parse_policy_name(name) for name in opts.policies.split(",") if name.strip()]
+        policies = [variant_name(name) for name in opts.policies.split(",") if name.strip()]
         seeds = seed_list(opts.seeds)
         rates = _rates(opts.rates) if opts.rates else None
         if not policies or not seeds:

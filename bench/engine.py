@@ -26,6 +26,7 @@ from bench.metrics import RequestRecord, StageRecord, StepLog
 from bench.workload import RequestSpec
 from branchwise.taper import POLICY_NAMES, LinearLatencyModel, OnlineRefit, Policy, parse_policy
 from branchwise.taper.controller import Delivery, Row, StepController
+from branchwise.taper.prefill_budget import PrefillRule, least_slack, prefill_tokens, stage_slack, ttft_due
 
 _BIG = 1 << 62
 # Steps in the noise table: step k of a run draws entry k mod this, however the steps are grouped
@@ -104,6 +105,9 @@ class EngineConfig:
     client_programs: bool = False
     client_gap_s: float = 0.0
     host: HostCosts = HostCosts()
+    # None: every step's prefill chunk is chunk_tokens (stock). A rule: each step's chunk is sized by
+    # the decoding requests' slack (branchwise.taper.prefill_budget; its chunk_max caps the chunk)
+    prefill_rule: PrefillRule | None = None
 
     @property
     def running_cap(self) -> int:
@@ -534,12 +538,28 @@ class Simulator:
         self.dirty, self.fresh, self.cached_widths = False, True, None
         self.gen += 1
 
-    def _prefill_chunk(self) -> tuple[int, list[_Req], int]:
-        """The chunked prefill of this step: its tokens, the requests it completes and how many
-        SGLang requests it touches. A prompt (or a retracted request's KV) goes into the request's
-        context, a fork's headers into its branches' (set when the phase opened), a join's tokens
-        replace KV the branches already hold."""
-        chunk_max = self.cfg.chunk_tokens
+    def _chunk_limit(self, rows: int, ctx: int, host_s: float = 0.0) -> int:
+        """The most prefill tokens this step may carry: chunk_tokens, or under a prefill rule what
+        the decoding requests' least slack leaves above T(rows, ctx) (prefill_budget)."""
+        rule = self.cfg.prefill_rule
+        if rule is None or not self.prefilling:
+            return self.cfg.chunk_tokens
+        model = self.policy.model if isinstance(self.policy.model, LinearLatencyModel) else self.model
+        now, slo = self.now, self.cfg.slo_s
+        lag = self.lag
+        slacks = [stage_slack(slo, req.stage_tok + lag, now - req.stage_start) for req in self.serial]
+        slacks += [stage_slack(slo, req.phase_tok, now - req.phase_start) for req in self.phased]
+        head = self.prefilling[0]
+        due = (head.prefill_kind == "prompt" and head.saved_ctx < 0
+               and ttft_due(rule.ttft_slo_s, now - head.spec.arrival_s, head.prefill_left, model.c_tok))
+        return prefill_tokens(rule, model, rows, ctx, least_slack(slacks), due, host_s)
+
+    def _prefill_chunk(self, chunk_max: int | None = None) -> tuple[int, list[_Req], int]:
+        """The chunked prefill of this step (at most chunk_max tokens, default chunk_tokens): its
+        tokens, the requests it completes and how many SGLang requests it touches. A prompt (or a
+        retracted request's KV) goes into the request's context, a fork's headers into its
+        branches' (set when the phase opened), a join's tokens replace KV the branches already hold."""
+        chunk_max = self.cfg.chunk_tokens if chunk_max is None else chunk_max
         chunk, new_kv, reqs, filled = 0, 0, 0, []
         for req in self.prefilling:
             take = min(req.prefill_left, chunk_max - chunk)
@@ -564,13 +584,13 @@ class Simulator:
         and growth per further step; n_steps = steps until some row ends its stage."""
         model, host = self.model, self.host
         if self.cfg.prefill_steps and self.prefilling:
-            chunk, filled, reqs = self._prefill_chunk()
+            # a prefill forward of its own delays every decoding request by its whole time
+            chunk, filled, reqs = self._prefill_chunk(self._chunk_limit(0, 0))
             step = _Step(chunk, filled, 0, 0, 1, prefill_only=True)
             step.host = host.prefill(reqs)
             step.base = model.predict(0, 0, chunk) + step.host
         else:
-            chunk, filled, reqs = self._prefill_chunk()
-            step = _Step(chunk, filled, len(self.serial), self.serial_ctx, self.serial_steps)
+            step = _Step(0, [], len(self.serial), self.serial_ctx, self.serial_steps)
             if self.wide:  # otherwise every width is 1 and the hook never calls select
                 self._plan_phases(step)
             else:
@@ -578,8 +598,12 @@ class Simulator:
                     step.ctx += req.branch_ctx[0]
                     step.n_steps = min(step.n_steps, req.branch_left[0])
                 step.rows += len(self.phased)
+            decode_host = self._host_s(step)
+            # the rows first (the SLO protects them), then the chunk in what their budget leaves
+            chunk, filled, reqs = self._prefill_chunk(self._chunk_limit(step.rows, step.ctx, decode_host))
+            step.chunk, step.filled = chunk, filled
             prefill_host = host.prefill(reqs) - host.prefill.fixed_s if chunk else 0.0
-            step.host = self._host_s(step) + prefill_host
+            step.host = decode_host + prefill_host
             step.base = model.predict(step.rows, step.ctx, chunk) + step.host
             step.growth = model.c_ctx * step.rows  # every run row's context grows by one per step
         return step

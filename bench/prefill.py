@@ -1,0 +1,189 @@
+"""The prefill budget in the simulator: policy variants, the long-prompt workload, the TTFT table.
+
+bench.capacity takes these names in --policies beside the plain ones:
+
+* `POLICY@N`: POLICY (serial, eager, taper, ...) with a fixed --chunked-prefill-size of N tokens:
+  the baselines, the prefill analogue of cap:K (`BASELINES`: {serial, eager, taper} x CHUNKS).
+* `taper-prefill` (or `taper-prefill@N`): taper, with each step's chunk sized by the decoding
+  requests' slack (branchwise.taper.prefill_budget) under a cap of N (default: the engine's
+  chunk_tokens, 8192). The floor is min_chunk_for(SLO, rho, c_tok); the TTFT clause uses the run's
+  TTFT target (--ttft-target-s).
+
+    python -m bench.prefill longprompt OUT.csv      # the long-prompt workload (docstring of long_prompt_trace)
+    python -m bench.prefill report DIR              # TTFT beside TPOT attainment from a capacity run
+
+The rule and the workload's statistics: docs/design/prefill-budget.md; results: docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import numpy as np
+
+from bench.engine import EngineConfig
+from bench.workload import DEFAULT_TRACE, Trace, load_trace, write_trace
+from branchwise.taper import LinearLatencyModel, parse_policy_name
+from branchwise.taper.prefill_budget import PrefillRule, min_chunk_for
+
+CHUNKS = (512, 1024, 2048, 4096, 8192)
+BASELINES = tuple(f"{policy}@{chunk}" for policy in ("serial", "eager", "taper") for chunk in CHUNKS)
+RULED = "taper-prefill"
+TTFT_TARGET_S = 2.5  # the TTFT SLO of the tables and of the rule's TTFT clause (fixed before any result)
+# The long-prompt workload (long_prompt_trace): the Azure 2023 code trace's published median prompt
+# (Patel et al., Splitwise, ISCA 2024: 1500 tokens for coding, 1020 for conversation) with the
+# spread of the conversation trace's own prompts (lognormal sigma from its quartiles)
+CODE_MEDIAN_PROMPT = 1500
+MAX_PROMPT = 16000
+
+
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """A --policies entry: the controller's policy, its chunk cap, and whether the rule sizes it."""
+
+    policy: str
+    chunk: int | None = None  # None: the engine's chunk_tokens
+    ruled: bool = False
+
+
+def parse_variant(name: str) -> Variant:
+    """`POLICY`, `POLICY@N` or `taper-prefill[@N]` (ValueError on anything else)."""
+    base, _, chunk_text = name.strip().partition("@")
+    chunk = None
+    if chunk_text:
+        try:
+            chunk = int(chunk_text)
+        except ValueError:
+            chunk = 0
+        if chunk < 1:
+            raise ValueError(f"{name!r}: the chunk after @ must be an integer >= 1")
+    if base == RULED:
+        return Variant("taper", chunk, True)
+    return Variant(parse_policy_name(base), chunk)
+
+
+def variant_name(name: str) -> str:
+    """The canonical --policies name (parse_policy_name's for the base)."""
+    var = parse_variant(name)
+    base = RULED if var.ruled else var.policy
+    return base if var.chunk is None else f"{base}@{var.chunk}"
+
+
+def engine_for(cfg: EngineConfig, var: Variant, model: LinearLatencyModel, rho: float,
+               ttft_target_s: float | None) -> EngineConfig:
+    """The engine a variant runs on: its chunk cap, and the rule for taper-prefill."""
+    chunk = var.chunk or cfg.chunk_tokens
+    rule = None
+    if var.ruled:
+        rule = PrefillRule(chunk, min_chunk_for(cfg.slo_s, rho, model.c_tok, chunk), rho, ttft_target_s)
+    return replace(cfg, chunk_tokens=chunk, prefill_rule=rule)
+
+
+def ttft_attainment(ttft_s: np.ndarray, target_s: float) -> float | None:
+    """Share of the window's arrivals whose first token came within target_s (never: a miss)."""
+    if not len(ttft_s):
+        return None
+    return float(np.mean(np.nan_to_num(ttft_s, nan=np.inf) <= target_s * (1 + 1e-9)))
+
+
+# --------------------------------------------------------------------------------- the workload
+def long_prompt_trace(base: Trace, seed: int = 0) -> Trace:
+    """The Azure conversation trace's arrivals and outputs with long prompts: lognormal, median
+    CODE_MEDIAN_PROMPT (the published median of the Azure 2023 code trace), sigma of the
+    conversation trace's own log prompts (from its interquartile range), clipped to
+    [1, MAX_PROMPT]. With sigma 0.815 the mean is ~2.1k tokens, P90 ~4.3k, P99 ~10k."""
+    q25, q75 = np.percentile(np.log(np.maximum(base.prompt_tokens, 1)), [25, 75])
+    sigma = float((q75 - q25) / 1.3489795)
+    rng = np.random.default_rng(seed)
+    prompts = np.clip(rng.lognormal(math.log(CODE_MEDIAN_PROMPT), sigma, len(base)), 1, MAX_PROMPT)
+    return Trace(base.arrival_s, prompts.astype(np.int64), base.output_tokens,
+                 f"long-prompt(median={CODE_MEDIAN_PROMPT},sigma={sigma:.3f},seed={seed})")
+
+
+# ------------------------------------------------------------------------------------ the table
+def _pct(value: float | None, pct: bool = False) -> str:
+    if value is None or not math.isfinite(value):
+        return "-"
+    return f"{100 * value:.0f}%" if pct else f"{value:.2f}"
+
+
+def report(detail: dict, means: dict | None = None) -> str:
+    """Per policy: capacity (mean and per seed), then at each grid rate TPOT attainment, TTFT
+    attainment (target in the config), TTFT P50 / P99 (s) and decomposable P50 end to end (s),
+    means over the seeds."""
+    conf = detail["config"]
+    bound = conf.get("fluid_bound_rps")
+    target = conf.get("ttft_target_s")
+    lines = [f"fluid bound {bound:.3f} req/s (prefill work included); TTFT target {target} s",
+             "per rate: TPOT att / TTFT att / TTFT P50 / TTFT P99 / decomposable P50 e2e (s), means over seeds"]
+    policies = detail["policies"]
+    rates = sorted({pt["rate"] for entry in policies.values() for pt in entry["points"]})
+    grid = [rate for rate in rates if all(any(pt["rate"] == rate for pt in entry["points"])
+                                          for entry in policies.values())]
+    lines.append(f"{'policy':<16}{'capacity':>9} {'x bound':>7}  per seed" + "".join(
+        f"{rate:>31.3f}" for rate in grid))
+    for name, entry in policies.items():
+        caps = list(entry["capacity_per_seed"].values())
+        mean = float(np.mean(caps))
+        cells = []
+        for rate in grid:
+            pts = [pt for pt in entry["points"] if pt["rate"] == rate]
+
+            def avg(key: str, pts: list[dict] = pts) -> float | None:
+                vals = [pt[key] for pt in pts if pt.get(key) is not None]
+                return float(np.mean(vals)) if vals else None
+            cells.append(f"{_pct(avg('attainment'), True)}/{_pct(avg('ttft_attainment'), True)}/"
+                         f"{_pct(avg('ttft_p50_s'))}/{_pct(avg('p99_ttft_s'))}/{_pct(avg('decomp_e2e_p50_s'))}")
+        of_bound = f"{mean / bound:.3f}" if bound else "-"
+        lines.append(f"{name:<16}{mean:>9.3f} {of_bound:>7}  " + "/".join(f"{cap:.3f}" for cap in caps)
+                     + "".join(f"{cell:>31}" for cell in cells))
+    lines += verdict_lines(detail, means)
+    return "\n".join(lines)
+
+
+def verdict_lines(detail: dict, means: dict | None = None, focus: str = RULED) -> list[str]:
+    """bench.capacity's two-axis verdict with `focus` (taper-prefill) against every other entry, on
+    the means (capacity.json's document) and in each seed."""
+    from bench.capacity import verdict  # bench.capacity imports this module
+
+    out = []
+    for seed, doc in [("means", means), *detail.get("per_seed", {}).items()]:
+        if doc is None:
+            continue
+        result = verdict(doc, focus)
+        if result is None:
+            return []
+        fails = "; ".join(result.failed()) if result.failed() else ""
+        out.append(f"seed {seed}: {result.outcome}" + (f" ({fails})" if fails else ""))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n\n")[0])
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    longp = sub.add_parser("longprompt", help="write the long-prompt workload's trace CSV")
+    longp.add_argument("out")
+    longp.add_argument("--base", default=DEFAULT_TRACE)
+    longp.add_argument("--seed", type=int, default=0)
+    rep = sub.add_parser("report", help="TTFT beside TPOT attainment from a bench.capacity run")
+    rep.add_argument("dir")
+    args = parser.parse_args(argv)
+    if args.cmd == "longprompt":
+        trace = long_prompt_trace(load_trace(args.base), args.seed)
+        write_trace(args.out, trace)
+        prompts = trace.prompt_tokens
+        print(f"{args.out}: {len(trace)} requests, {trace.source}; prompt mean {prompts.mean():.0f}, "
+              f"P50/P90/P99 {' / '.join(f'{v:.0f}' for v in np.percentile(prompts, [50, 90, 99]))}")
+        return 0
+    detail = json.loads((Path(args.dir) / "capacity_detail.json").read_text())
+    means = json.loads((Path(args.dir) / "capacity.json").read_text())
+    print(report(detail, means))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
