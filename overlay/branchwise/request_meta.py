@@ -44,6 +44,11 @@ class RequestMeta:
 SERIAL = RequestMeta()
 
 
+def of(req: object) -> RequestMeta:
+    """A Req's parsed stamp (`req.bw_meta`, set when the scheduler creates it); SERIAL before that."""
+    return getattr(req, "bw_meta", SERIAL)
+
+
 def show(value: object) -> str:
     """A short repr of a client value for an error message (never raises: ints past Python's
     4300-digit str limit cannot be repr'd)."""

@@ -207,12 +207,7 @@ def note_phase_requests(scheduler: Scheduler) -> None:
 def _has_phase_rows(taper: BranchwiseState, reqs: list[Req]) -> bool:
     """Whether a row belongs to a parallel phase: only then can a step defer rows, and only then
     does TAPER need per-row bookkeeping. A function of batch composition, so TP ranks agree."""
-    serial = request_meta.SERIAL
-    return taper.phases_seen and any(getattr(req, "bw_meta", serial).phase is not None for req in reqs)
-
-
-def _meta(req: Req) -> request_meta.RequestMeta:
-    return getattr(req, "bw_meta", request_meta.SERIAL)
+    return taper.phases_seen and any(request_meta.of(req).phase is not None for req in reqs)
 
 
 def _key(req: Req) -> str:
@@ -220,7 +215,7 @@ def _key(req: Req) -> str:
     it, a serial request has its own. Request ids, client phase ids and server-side fork phases
     are all client-chosen strings, so each gets its own prefix: no rid or phase id a client picks
     can group with another request's rows."""
-    meta = _meta(req)
+    meta = request_meta.of(req)
     if meta.phase is None:
         return "rid:" + req.rid
     track = getattr(req, "bw_fork", None)
@@ -243,7 +238,7 @@ class RowFields:
 
 def _fields(req: Req, cfg: BranchwiseConfig) -> RowFields:
     fields = getattr(req, "bw_row", None)
-    meta, fork = getattr(req, "bw_meta", request_meta.SERIAL), getattr(req, "bw_fork", None)
+    meta, fork = request_meta.of(req), getattr(req, "bw_fork", None)
     if fields is None or fields.meta is not meta or fields.fork is not fork or fields.config is not cfg:
         fields = RowFields(meta=meta, fork=fork, config=cfg, key=_key(req), slo_s=cfg.slo_s(meta.slo_tpot_ms),
                            weight=cfg.weight(meta.weight))

@@ -15,6 +15,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from branchwise import request_meta
 from branchwise.config import BranchwiseConfig
 from branchwise.fork import aborts, lifecycle
 from branchwise.fork.grammars import get_detector
@@ -72,9 +73,9 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
     """A new client request (runtime calls it after taper has set `req.bw_meta`): a grammar the
     server refuses ends it with HTTP 400; a grammar it serves starts tracking its text."""
     bw = scheduler.branchwise
-    meta = getattr(req, "bw_meta", None)
-    if meta is not None and meta.grammar is not None and req.to_finish is None:
-        why = bw.config.client_grammar_error(meta.grammar)
+    asked = request_meta.of(req).grammar
+    if asked is not None and req.to_finish is None:
+        why = bw.config.client_grammar_error(asked)
         if why is not None:  # --branch-grammar-clients deny: HTTP 400, as for any malformed stamp
             req.set_finish_with_abort(f"Branchwise: {why}")
             if bw.taper is not None:

@@ -18,6 +18,7 @@ from array import array
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
+from branchwise import request_meta
 from branchwise.fork.grammars import BranchClosed, Detector, GrammarError, PhaseClosed, PhaseOpened
 from branchwise.fork.manager import ForkManager, Track
 from branchwise.fork.phases import (
@@ -264,7 +265,7 @@ def _spawn(mgr: ForkManager, track: Track, phase: ParallelPhase) -> None:
     """One Req per branch (input: the shared prefix and its own header) into the waiting queue."""
     sched, req = mgr.sched, track.req
     prefix = array("q", req.origin_input_ids) + array("q", req.output_ids[: phase.keep])
-    parent_meta: RequestMeta = getattr(req, "bw_meta", None) or RequestMeta()
+    parent_meta = request_meta.of(req)
     note_phase_requests(sched)  # before they can reach a batch: TAPER must see their phase
     for branch in phase.branches:
         i = branch.index

@@ -18,6 +18,8 @@ from collections.abc import Callable, Container
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from branchwise import request_meta
+
 if TYPE_CHECKING:
     from sglang.srt.managers.data_parallel_controller import DataParallelController
     from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
@@ -163,9 +165,9 @@ class SchedulerDp:
 
     def on_request_created(self, req: Req) -> None:
         """After scheduler_hook has set `req.bw_meta`."""
-        meta = getattr(req, "bw_meta", None)
-        if meta is not None and meta.phase:
-            self.phase_rows.add(meta.phase)
+        phase = request_meta.of(req).phase
+        if phase:
+            self.phase_rows.add(phase)
 
     def report(self) -> dict[str, Any]:
         """Merged into the scheduler's "branchwise" report."""
