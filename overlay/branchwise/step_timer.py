@@ -252,25 +252,25 @@ def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | 
 
 # ---- hook bodies (targets named in plugin.py) ----
 
-def around_ingest(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
-    timer = self.branchwise.timer
+def around_ingest(orig: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any) -> Any:
+    timer = scheduler.branchwise.timer
     if timer is not None:
         timer.begin_iteration(time.perf_counter())
-    return _timed(timer, "recv", orig, self, *args, **kwargs)
+    return _timed(timer, "recv", orig, scheduler, *args, **kwargs)
 
 
-def around_get_next_batch(orig: Callable[..., Any], self: Scheduler, *args: Any, **kwargs: Any) -> Any:
-    return _timed(self.branchwise.timer, "sched", orig, self, *args, **kwargs)
+def around_get_next_batch(orig: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any) -> Any:
+    return _timed(scheduler.branchwise.timer, "sched", orig, scheduler, *args, **kwargs)
 
 
-def around_run_batch(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+def around_run_batch(orig: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch,
                      *args: Any, **kwargs: Any) -> Any:
-    timer = self.branchwise.timer
+    timer = scheduler.branchwise.timer
     if timer is None:
-        return orig(self, batch, *args, **kwargs)
+        return orig(scheduler, batch, *args, **kwargs)
     timer.run = _batch_key(batch)
     try:
-        return _timed(timer, "prep", orig, self, batch, *args, **kwargs)
+        return _timed(timer, "prep", orig, scheduler, batch, *args, **kwargs)
     finally:
         timer.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
 
@@ -283,12 +283,12 @@ def around_sample(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwa
     return _timed(getattr(self, ATTR, None), "sample", orig, self, *args, **kwargs)
 
 
-def around_process_batch_result(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+def around_process_batch_result(orig: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch,
                                 *args: Any, **kwargs: Any) -> Any:
-    timer = self.branchwise.timer
+    timer = scheduler.branchwise.timer
     if timer is not None:
         timer.res = _batch_key(batch)
-    return _timed(timer, "result", orig, self, batch, *args, **kwargs)
+    return _timed(timer, "result", orig, scheduler, batch, *args, **kwargs)
 
 
 def around_stream_output(orig: Callable[..., Any], self: SchedulerOutputStreamer,

@@ -463,7 +463,7 @@ def around_check_match_stop_str_prefix(orig: Callable[[Req], bool], req: Req) ->
 SWITCH_KEY = "branchwise_async_output"  # POST /set_internal_state {"server_args": {SWITCH_KEY: 0 | 1}}
 
 
-def around_set_internal_state(orig: Callable[..., Any], self: Scheduler, recv_req: SetInternalStateReq,
+def around_set_internal_state(orig: Callable[..., Any], scheduler: Scheduler, recv_req: SetInternalStateReq,
                               *args: Any, **kwargs: Any) -> SetInternalStateReqOutput:
     """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang.
 
@@ -471,10 +471,10 @@ def around_set_internal_state(orig: Callable[..., Any], self: Scheduler, recv_re
     the reason in the log, like SGLang's own rejected updates); the caller may retry."""
     req_args = getattr(recv_req, "server_args", None) or {}
     if SWITCH_KEY not in req_args:
-        return orig(self, recv_req, *args, **kwargs)
+        return orig(scheduler, recv_req, *args, **kwargs)
     from sglang.srt.managers.io_struct import SetInternalStateReqOutput
 
-    branchwise = self.branchwise
+    branchwise = scheduler.branchwise
     state = branchwise.async_output
     why = None if state is None else set_enabled(state, bool(req_args[SWITCH_KEY]), SWITCH_DRAIN_S,
                                                  branchwise.forward)
@@ -484,5 +484,5 @@ def around_set_internal_state(orig: Callable[..., Any], self: Scheduler, recv_re
     rest = {key: value for key, value in req_args.items() if key != SWITCH_KEY}
     if rest:
         recv_req.server_args = rest
-        return orig(self, recv_req, *args, **kwargs)
+        return orig(scheduler, recv_req, *args, **kwargs)
     return SetInternalStateReqOutput(updated=state is not None)

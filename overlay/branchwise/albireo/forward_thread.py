@@ -471,20 +471,20 @@ def _torch_threads() -> int:
 
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
-def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
-    executor = self.branchwise.forward
+def around_run_batch(orig: Hook, scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
+    executor = scheduler.branchwise.forward
     if executor is None:
-        return orig(self, batch, *args, **kwargs)
-    why = "switched off" if not executor.enabled else batch_reason(batch, self, executor.checkpoint_guarded)
+        return orig(scheduler, batch, *args, **kwargs)
+    why = "switched off" if not executor.enabled else batch_reason(batch, scheduler, executor.checkpoint_guarded)
     if why is not None:
         executor.drain()  # an inline forward must come after every queued one (one stream)
         executor.stats.inline += 1
         executor.stats.count(executor.stats.reasons, f"{mode_name(batch)}: {why}")
         executor.last_end = None  # the next decode gap is not a decode-to-decode gap
-        return orig(self, batch, *args, **kwargs)
+        return orig(scheduler, batch, *args, **kwargs)
     executor.launching = batch
     try:
-        result = orig(self, batch, *args, **kwargs)
+        result = orig(scheduler, batch, *args, **kwargs)
     finally:
         executor.launching = None
     if executor.job is not None:  # SGLang took another path than its overlap forward: its result has no event
@@ -566,19 +566,19 @@ def _count_job(stats: ForwardStats, batch: ScheduleBatch) -> None:
             stats.count(stats.features, f"{mode}: {feature}")
 
 
-def around_relay_forward_payload(orig: Hook, self: Scheduler, batch: ScheduleBatch,
+def around_relay_forward_payload(orig: Hook, scheduler: Scheduler, batch: ScheduleBatch,
                                  future_indices: torch.Tensor, result: GenerationBatchResult,
                                  *args: Any, **kwargs: Any) -> None:
     if getattr(result, "_branchwise_job", False):
         return None
-    return orig(self, batch, future_indices, result, *args, **kwargs)
+    return orig(scheduler, batch, future_indices, result, *args, **kwargs)
 
 
-def around_copy_result_to_cpu(orig: Hook, self: Scheduler, result: GenerationBatchResult,
+def around_copy_result_to_cpu(orig: Hook, scheduler: Scheduler, result: GenerationBatchResult,
                               batch: ScheduleBatch, *args: Any, **kwargs: Any) -> None:
-    executor = self.branchwise.forward
+    executor = scheduler.branchwise.forward
     if executor is None or not getattr(result, "_branchwise_job", False):
-        return orig(self, result, batch, *args, **kwargs)
+        return orig(scheduler, result, batch, *args, **kwargs)
     job, executor.job = executor.job, None
     if job is None or job.placeholder is not result:
         raise RuntimeError("Branchwise forward thread: result copy without its launched job")
