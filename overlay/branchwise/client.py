@@ -1,12 +1,4 @@
 """Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
-
-Stamps go into `sampling_params.custom_params["branchwise"]` (request_meta), which the scheduler
-reads when it creates the request. Rids are structured ("<group>/b<branch>/<turn>", nested forks
-"<group>/b<branch>/f<k>/...") so that SGLang's abort-by-prefix reaches whole groups and no sibling
-by accident. Behind an smg router, generate() sends a stamped request's root phase as the
-`X-SMG-Routing-Key` header, so every request of a phase reaches one worker. SGLang frontend
-programs get the same stamps from branchwise.frontend_hook. The rid scheme and the routing:
-docs/design/client-phases.md.
 """
 
 from __future__ import annotations

@@ -1,9 +1,4 @@
 """Run a chosen subset of a decode batch for one step; the rest stay in running_batch, untouched.
-
-Deferred rows never leave `running_batch`, so aborts, retraction, prefill reservation and SGLang's
-memory checks still see them; their KV, radix locks and pending next token (FutureMap slot keyed by
-req_pool_idx) stay put. Only the sub-batch is prepared; its new seq_lens are written back into the
-full batch.
 """
 
 from __future__ import annotations
@@ -72,13 +67,7 @@ def batch_needs_full_step(batch: ScheduleBatch) -> str | None:
 @dataclass(slots=True)
 class KeptSubset:
     """The sub-batch of the last deferring step, kept to be prepared again at the next one (as
-    SGLang prepares its one running batch again every step) while the same rows run.
-
-    It serves a step only while the full batch is exactly as that step left it: the same object
-    with the same `seq_lens` and `req_pool_indices` tensors. Every SGLang path that changes a batch
-    (filter_batch, merge_batch, retraction, a full prepare_for_decode, mixed chunked prefill)
-    replaces those tensors, and `_write_back` assigns `seq_lens` itself, so a step that did not go
-    through the kept sub leaves a mismatch behind."""
+    SGLang prepares its one running batch again every step) while the same rows run."""
 
     batch: ScheduleBatch | None = None
     seq_lens: torch.Tensor | None = None
@@ -98,12 +87,6 @@ class KeptSubset:
 def run_subset(scheduler: Scheduler, batch: ScheduleBatch, active: set[Req], finishing: list[Req],
                kept: KeptSubset) -> ScheduleBatch | None:
     """Prepare and return a sub-batch of the `active` reqs; None means "use the full path".
-
-    Mirrors Scheduler.update_running_batch for the subset: the memory check covers only the rows
-    that run (on failure the caller takes SGLang's own retract path over the full batch), finishing
-    rows leave the running batch as there (and a batch that shrank is no longer full, so waiting
-    requests can be admitted), and the allocator only gives slots to active rows. The sub-batch is
-    the one `kept` holds when it still fits (KeptSubset), else a new cut of the batch.
     """
     idx = [i for i, req in enumerate(batch.reqs) if req in active]
     if not batch.check_decode_mem(selected_indices=idx):
@@ -160,10 +143,6 @@ def _write_back(batch: ScheduleBatch, sub: ScheduleBatch, idx: list[int], rows: 
 
 def _fork_penalizers(orch: BatchedPenalizerOrchestrator, sub: ScheduleBatch) -> BatchedPenalizerOrchestrator:
     """A shallow copy of the orchestrator (and each penalizer) bound to `sub`.
-
-    SGLang's orchestrator is shared by every copy of a batch and `filter` replaces its tensors in
-    place, so filtering the sub directly would drop the deferred rows' penalty state. Penalizer
-    `_filter` re-binds attributes (`t[keep]` is a new tensor), so on copies it leaves `orch` intact.
     """
     forked = copy.copy(orch)
     forked.penalizers = {}
@@ -179,10 +158,6 @@ def _fork_penalizers(orch: BatchedPenalizerOrchestrator, sub: ScheduleBatch) -> 
 def _write_back_penalizers(orch: BatchedPenalizerOrchestrator, forked: BatchedPenalizerOrchestrator,
                            rows: torch.Tensor) -> None:
     """Copy the sub's updated accumulators into the rows of the full batch that ran.
-
-    In place is safe: overlap forwards read penalties through copies taken in copy_for_forward.
-    A penalizer the sub tore down (no active row needs it) has nothing to write: for rows with a
-    neutral parameter its accumulator is never read.
     """
     for cls, pen in orch.penalizers.items():
         mine = forked.penalizers.get(cls)
@@ -194,13 +169,6 @@ def _write_back_penalizers(orch: BatchedPenalizerOrchestrator, forked: BatchedPe
 
 def _pinned_cumulate(batch: ScheduleBatch) -> None:
     """Cumulate, per row, the token an every-step (eager) schedule would cumulate at this step.
-
-    Under overlap SGLang cumulates `output_ids[-1]`, which for a row that ran in the previous step
-    is the second-newest token (the newest is still in flight). A row that sat out the previous
-    step already has its newest token in output_ids; taking it would count one token twice and
-    skip another. Such rows take the second-newest, so every row cumulates one token per step it
-    runs, in order, whatever the rows around it did. (Non-overlap needs nothing: every row's
-    newest token is always in output_ids, and SGLang takes exactly that.)
     """
     tokens = []
     for req in batch.reqs:
@@ -225,9 +193,6 @@ def pin_penalty_tokens(scheduler: Scheduler) -> None:
 def around_cumulate_penalty_output_tokens(orig: Callable[[ScheduleBatch], None],
                                           batch: ScheduleBatch) -> None:
     """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on).
-
-    Covers every decode preparation: sub-batches, full steps, and mixed chunked prefill steps,
-    which prepare the running batch without going through update_running_batch.
     """
     if getattr(batch.req_to_token_pool, PIN_ATTR, False):
         _pinned_cumulate(batch)

@@ -1,13 +1,4 @@
 """Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`).
-
-`import branchwise.frontend_hook` (or `install()`) patches SGLang's frontend in this process:
-`StreamExecutor.fork` syncs before stock fork decides on the fork-point prefix hint, each child of
-a fork(n > 1) is tagged (phase, branch, fanout), and `RuntimeEndpoint` stamps a tagged child's
-/generate body (`custom_params.branchwise`, a structured rid) and sends every request of a program
-with its router key (`X-SMG-Routing-Key`). The frontend never runs SGLang's plugin loader, so these
-targets are patched here, lazily: a `FrontendHook` in `sys.meta_path` patches the two frontend
-modules as they load, so importing this module never pulls in torch. The race the sync fixes, the
-routing and where a pending stamp lives: docs/design/client-phases.md.
 """
 
 from __future__ import annotations
@@ -109,11 +100,7 @@ class _Loader(importlib.abc.Loader):
 
 
 class FrontendHook(importlib.abc.MetaPathFinder):
-    """The installed frontend patch of this process (it lives in sys.meta_path while installed).
-
-    As a finder it wraps the real loader of the two frontend modules, so the patch runs right after
-    they are imported; it keeps the stamp defaults and the (owner, attribute, original) triples that
-    uninstall() restores."""
+    """The installed frontend patch of this process (it lives in sys.meta_path while installed)."""
 
     def __init__(self) -> None:
         self.defaults: dict[str, float] = {}

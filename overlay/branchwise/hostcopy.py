@@ -1,11 +1,5 @@
 """Host values onto the device without stalling the scheduler: the one way the overlay's per-step
 code builds a device tensor from host data (tests/unit/test_hostcopy.py holds every module to it).
-
-A copy from pageable host memory is synchronous on a GPU: it waits for the stream it is queued on,
-which under SGLang's overlap schedule is tied to the forward in flight. SGLang stages its own
-per-step copies in pinned memory and queues them with non_blocking=True (utils.common.async_h2d);
-`to_device` does the same, and on a CPU device (nothing to copy, nothing to pin) builds the tensor
-in place.
 """
 
 from __future__ import annotations

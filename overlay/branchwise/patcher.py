@@ -1,15 +1,4 @@
 """Apply, revert and check Branchwise's patch series on the installed SGLang.
-
-    branchwise-patch apply|revert|check [--patches DIR]
-    python -m branchwise.patcher apply|revert|check [--patches DIR]
-
-The series ships inside the package (branchwise/patches, a link to the checkout's top-level
-patches/ that the wheel build copies in), so a `pip install`ed Branchwise patches the environment
-it runs in without the checkout; --patches DIR applies another copy of the series.
-
-Pristine means "byte-identical to the wheel": each file's sha256 is checked against sglang's own
-dist-info RECORD, so no manifest of ours can drift. Applying keeps a pristine copy of every touched
-file next to the environment; `revert` restores those bytes and verifies them against RECORD.
 """
 
 from __future__ import annotations

@@ -1,10 +1,4 @@
 """SGLang plugin entry point (`sglang.srt.plugins` group) and the table of every HookRegistry target.
-
-`load_plugins()` runs `register()` in every SGLang process (HTTP server, scheduler, detokenizer)
-before the Scheduler is built. Registration must stay cheap and must not log: logging is not yet
-configured here, so the scheduler logs Branchwise's settings from inside its __init__ hook. On any
-SGLang version other than the one the hook targets and patches are written for, register() installs
-nothing and writes one line to stderr (`_note_once`).
 """
 
 from __future__ import annotations

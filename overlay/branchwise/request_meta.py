@@ -1,11 +1,4 @@
 """Per-request Branchwise metadata carried in `sampling_params.custom_params["branchwise"]`.
-
-Clients stamp it (branchwise.client, the frontend fork hook); the scheduler parses it once when it
-creates the Req. Pure: no SGLang import. Keys:
-
-    {"branchwise": {"phase": "grp42", "branch": 0, "fanout": 4,      # client-side fork/join
-                    "slo_tpot_ms": 50, "weight": 1.0,                 # TAPER inputs
-                    "grammar": "multiverse" | "sprint" | "none"}}      # server-side phases
 """
 
 from __future__ import annotations

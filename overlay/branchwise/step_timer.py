@@ -1,13 +1,4 @@
 """Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only).
-
-Registered only when env BRANCHWISE_STEP_TIMER is set ("1": on top of Branchwise; "stock": the
-timer alone, so stock SGLang is measured with the same instrument; "albireo": plus Albireo only).
-Every scheduler loop iteration becomes one JSON line of exclusive spans (`sched` T1, `prep` T2,
-`forward` T3, `sample` T4, `result` T5, `stream`, `taper_*`, ...), the same spans in
-scheduler-thread CPU time and the thread's run-queue wait. `build` makes one StepTimer per
-scheduler and attaches it to the model runner and the tree cache, whose hooks do not receive the
-scheduler. bench.overhead and bench.step_account read the records (`records_path`).
-The record's fields and what each span times: docs/design/step-timer.md.
 """
 
 from __future__ import annotations
@@ -228,9 +219,7 @@ ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
 def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | None:
     """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file
     and, beside it (`path + ".meta.json"`), the server's Branchwise settings, so a reader can tell
-    which policy wrote which records.
-
-    Built after Albireo's components: their worker threads report to it."""
+    which policy wrote which records."""
     from sglang.srt.runtime_context import get_parallel
 
     if enabled() is None:

@@ -1,14 +1,4 @@
 """Which SGLang modes Branchwise runs with, checked once at argument resolution, before a model loads.
-
-A step controller (every --branch-policy but stock) returns a sub-batch from
-Scheduler.update_running_batch; --parallel-sampling replaces ModelRunner.sample. Each needs SGLang's
-plain loop, and a mode outside it must not make either fall back in silence, so such a server
-refuses to start, with a message that names the mode and what to do. `stock` keeps every mode.
-
-The rules here are pure (no SGLang import): `ServingModes` holds the resolved facts they read and
-`refusals` says what is refused. `around_last_resolution_step`, registered by plugin.py on SGLang's
-resolution pipeline, reads those facts from the resolved arguments and raises. The scheduler-side
-checks (deferral.why_unsupported, sp_sampler_hook._unsupported_mode) stay as guards behind it.
 """
 
 from __future__ import annotations

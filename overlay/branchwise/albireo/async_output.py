@@ -1,16 +1,4 @@
 """--async-output (Albireo): result processing off the scheduler's critical path, outputs unchanged.
-
-SGLang's result processing has a send half and a state half. The send half (payload pickling and
-the ZMQ send to the detokenizer) moves to one ordered worker thread (`OrderedSender`, which
-replaces the scheduler's detokenizer sender). The state half stays on the scheduler thread and
-gets cheaper: a lean decode loop for plain batches (`fast_decode_result`), stop-string checks
-through a byte lookup table (`TableTokenizer`) and a hold-back scan that visits only candidate
-positions (`suffix_is_prefix`). Every batch the lean paths do not qualify for runs SGLang's code.
-
-`build` returns the scheduler's `AsyncOutput` (`scheduler.branchwise.async_output`) and attaches
-it, as `_branchwise_async_output`, to the result processor's tree cache (the processor is a
-frozen slotted dataclass); requests reach the stop-string switch through `req.tokenizer`. Why each
-half is safe where it runs, and the runtime switch: docs/design/albireo-async-output.md.
 """
 
 from __future__ import annotations
@@ -47,9 +35,6 @@ SEND_ENV = "BRANCHWISE_ASYNC_SEND"  # auto (default) | thread | inline
 
 class OrderedSender:
     """Drop-in for SGLang's SenderWrapper: send_output() enqueues, one worker thread sends in order.
-
-    A send that fails in the worker is re-raised on the scheduler thread at the next send (SGLang
-    would have raised in place), so a broken socket still stops the scheduler.
     """
 
     def __init__(self, inner: SenderWrapper, name: str = "branchwise-output") -> None:
@@ -126,8 +111,6 @@ def _byte_decoder() -> dict[str, int]:
 @dataclass(slots=True)
 class TokenTable:
     """token id -> raw bytes; decode(ids) = concatenated bytes decoded as UTF-8 with replacement.
-
-    A dict, not a list: an id outside the table (negative, padded vocab) raises KeyError.
     """
 
     table: dict[int, bytes]
@@ -171,9 +154,6 @@ class TokenTable:
 
 def suffix_is_prefix(tail: str, stop: str) -> bool:
     """Whether some non-empty suffix of `tail` is a prefix of `stop` (SGLang's streaming hold-back).
-
-    Same answer as SGLang's loop `any(tail[-i:] == stop[:i] for i in 1..min(len))`, but it only
-    visits the places where `stop[0]` occurs in the window, found by str.find.
     """
     window = min(len(tail), len(stop))
     if window == 0:
@@ -336,12 +316,7 @@ SWITCH_DRAIN_S = 10.0  # how long a runtime switch waits for the queued sends
 
 def set_enabled(state: AsyncOutput, on: bool, drain_timeout_s: float = SWITCH_DRAIN_S,
                 forward: ForwardExecutor | None = None) -> str | None:
-    """Switch every part at once, between steps; None when switched, else why not (nothing changed).
-
-    `forward` is the CPU forward thread, part of --async-output: it stops taking new batches
-    (queued ones finish). The sender drains first, so order is kept and only one thread ever sends
-    on the socket. Called on the scheduler thread, the only one that queues sends, so nothing is
-    queued after the drain."""
+    """Switch every part at once, between steps; None when switched, else why not (nothing changed)."""
     if state.sender is not None:
         if not state.sender.drain(drain_timeout_s):
             why = "its send worker failed" if state.sender.error is not None else \
@@ -375,9 +350,6 @@ def _qualifies(state: AsyncOutput, batch: ScheduleBatch, result: GenerationBatch
 
 def _may_finish(state: AsyncOutput, req: Req, token: int) -> bool:
     """A superset of Req.update_finish_state's conditions (grammar excluded by _qualifies).
-
-    Rows tracked by Branchwise's server-side fork (`req.bw_fork`) always qualify: its hook on
-    update_finish_state scans every step's tokens for branch tags.
     """
     params = req.sampling_params
     return (req.to_finish is not None or getattr(req, "bw_fork", None) is not None
@@ -392,10 +364,6 @@ def _may_finish(state: AsyncOutput, req: Req, token: int) -> bool:
 def fast_decode_result(state: AsyncOutput, proc: SchedulerBatchResultProcessor, batch: ScheduleBatch,
                        result: GenerationBatchResult) -> None:
     """SchedulerBatchResultProcessor.process_batch_result_decode for a qualifying batch.
-
-    Mirrors SGLang 0.5.23 step by step (batch_result_processor.py:952-1109); the per-row calls it
-    skips are no-ops for such batches (mamba, customized info, logprobs, hidden states, grammar,
-    beam commit), and rows that can finish go through SGLang's own finish check and handling.
     """
     from sglang.srt.runtime_context import get_observability
 
@@ -465,10 +433,7 @@ SWITCH_KEY = "branchwise_async_output"  # POST /set_internal_state {"server_args
 
 def around_set_internal_state(orig: Callable[..., Any], scheduler: Scheduler, recv_req: SetInternalStateReq,
                               *args: Any, **kwargs: Any) -> SetInternalStateReqOutput:
-    """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang.
-
-    A switch that cannot drain the queued sends is refused as a whole (updated=False to the caller,
-    the reason in the log, like SGLang's own rejected updates); the caller may retry."""
+    """Runtime on/off switch of --async-output (bench A/B in one server); other keys go to SGLang."""
     req_args = getattr(recv_req, "server_args", None) or {}
     if SWITCH_KEY not in req_args:
         return orig(scheduler, recv_req, *args, **kwargs)

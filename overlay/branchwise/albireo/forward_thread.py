@@ -1,17 +1,7 @@
-"""CPU forward thread (Albireo): a worker thread as SGLang's forward stream, so overlap overlaps.
-
-On CPU SGLang's overlap loop runs every forward inline on the scheduler thread. For an eligible
-batch, `run_batch` here hands what SGLang would queue on the forward stream (input resolve,
-forward, sample, FutureMap stash, copy to CPU) to one FIFO worker thread and returns a placeholder
-result whose `copy_done` is a `HostEvent`, so SGLang's own `copy_done.synchronize()` in result
-processing stays the only wait. Grammar batches take two jobs (forward, then sampling once the
-scheduler thread built the mask); other batches (`batch_reason`) run inline after draining the
-worker, so no two forwards ever overlap. Opt-in: --async-output on a CPU device and env
-BRANCHWISE_FORWARD_THREAD=1 (`static_reason`: what else rules it out).
-
-`build` attaches the executor, as `_branchwise_forward`, to the TP worker, the FutureMap and a
-guarded tree cache (the non-Scheduler hooks receive those); Scheduler hooks read
-`scheduler.branchwise.forward`. Race-freedom, cost, TP, failures: docs/design/albireo-forward-thread.md.
+"""CPU forward thread (Albireo): one FIFO worker thread plays SGLang's forward stream on CPU, so
+the overlap loop overlaps; its placeholder result's `copy_done` is the only wait. Opt-in
+(--async-output on CPU, env BRANCHWISE_FORWARD_THREAD=1). Race-freedom, cost, TP, failures:
+docs/design/albireo-forward-thread.md.
 """
 
 from __future__ import annotations
@@ -43,21 +33,16 @@ if TYPE_CHECKING:
     from branchwise.config import BranchwiseConfig
     from branchwise.step_timer import StepTimer
 
-Hook = Callable[..., Any]  # the hooked SGLang function an AROUND body wraps
+Hook = Callable[..., Any]
 
 logger = logging.getLogger("branchwise")
-# "1" = on where --async-output qualifies (opt-in: costs throughput on tiny CPU models)
-ENV = "BRANCHWISE_FORWARD_THREAD"
-# CPython's GIL switch interval (ms) while the forward thread runs; unset = CPython's 5 ms
-SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"
-# Longest wait for one job (seconds): a forward that takes longer, or a worker that hangs (e.g. in
-# a collective whose peer died), stops the scheduler with the worker's stack instead of hanging it.
+ENV = "BRANCHWISE_FORWARD_THREAD"  # "1": on where --async-output qualifies
+SWITCH_ENV = "BRANCHWISE_FORWARD_SWITCH_MS"  # GIL switch interval while it runs
 TIMEOUT_ENV = "BRANCHWISE_FORWARD_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 600.0
-_POLL_S = 1.0  # how often a waiting scheduler thread checks that the worker is still alive
+_POLL_S = 1.0
 _STOP = object()
-# fields the scheduler thread itself sets on the placeholder before it synchronises
-# (run_batch sets the extend_* lists after forward_batch_generation returns; the worker's result has None)
+# placeholder fields the scheduler thread sets itself before it synchronises
 _SCHEDULER_OWNED = frozenset({"copy_done", "delay_sample_func", "future_indices", "extra_keep_alive_refs",
                               "extend_input_len_per_req", "extend_logprob_start_len_per_req"})
 
@@ -67,22 +52,17 @@ class ForwardThreadError(RuntimeError):
 
 
 class HostEvent:
-    """Drop-in for a `copy_done` device event: set by the worker when the job is complete.
-
-    `synchronize()` re-raises a failure of the job on the scheduler thread (SGLang would have
-    raised in place), so a broken forward still stops the scheduler. It never waits forever: it
-    raises as soon as the worker thread it was submitted to is dead (chained to the worker's own
-    exception and traceback), and after the executor's timeout with the worker's current stack.
-    """
+    """Drop-in for a `copy_done` device event, set by the worker when the job is complete;
+    `synchronize()` re-raises the job's failure, a dead worker or a timeout on the scheduler thread."""
 
     __slots__ = ("_done", "error", "_worker")
 
     def __init__(self) -> None:
         self._done = threading.Event()
         self.error: BaseException | None = None
-        self._worker: ForwardExecutor | None = None  # bound at submit
+        self._worker: ForwardExecutor | None = None
 
-    def record(self, stream: object = None) -> None:  # the worker sets it; recording is a no-op
+    def record(self, stream: object = None) -> None:
         return None
 
     def set(self) -> None:
@@ -117,27 +97,25 @@ class HostEvent:
 class ForwardJob:
     """One launched batch on its way through the worker (one job, or two with delayed sampling)."""
 
-    snapshot: ScheduleBatch  # shallow copy of the batch at launch (`snapshot`)
+    snapshot: ScheduleBatch  # the batch at launch
     placeholder: GenerationBatchResult  # what the scheduler holds; filled in before `done` is set
-    run: Callable[[ScheduleBatch], GenerationBatchResult]  # forward_batch_generation(snapshot)
+    run: Callable[[ScheduleBatch], GenerationBatchResult]
     done: HostEvent
-    rows: int  # the batch's size (for error messages)
-    # delayed sampling (grammar): the forward job stops before sampling and sets `forwarded`; a
-    # second job, queued by _launch_sampling once the mask is built, samples and sets `done`
+    rows: int
+    # delayed sampling (grammar): a second job samples once the scheduler thread built the mask
     forwarded: HostEvent | None = None
-    unsampled: GenerationBatchResult | None = None  # the worker's result between the two jobs
+    unsampled: GenerationBatchResult | None = None
 
 
 @dataclass
 class ForwardStats:
-    jobs: int = 0  # forward jobs
-    samples: int = 0  # sampling jobs of delayed-sampling (grammar) forwards
-    inline: int = 0  # batches run on the scheduler thread after draining the worker
+    jobs: int = 0
+    samples: int = 0  # sampling jobs of delayed (grammar) forwards
+    inline: int = 0  # batches run on the scheduler thread after a drain
     busy_s: float = 0.0
-    idle_s: float = 0.0  # gaps between consecutive forwards of the worker (reset by an inline batch)
+    idle_s: float = 0.0  # gaps between consecutive worker forwards
     reasons: dict[str, int] = field(default_factory=dict)  # "<mode>: <why>" -> inline batches
-    modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode (decode/extend/mixed)
-    # "<mode>: <feature>" -> worker jobs (penalties, ...)
+    modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode
     features: dict[str, int] = field(default_factory=dict)
     checkpoint_drains: int = 0  # radix checkpoints that rewrote a row while a forward was queued or running
 
@@ -151,18 +129,17 @@ class ForwardExecutor:
     def __init__(self, scheduler: Scheduler | None, name: str = "branchwise-forward",
                  timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
         self.scheduler = scheduler
-        self.timeout_s = timeout_s  # longest wait for one job (HostEvent.synchronize)
-        self.fatal: BaseException | None = None  # why the worker thread stopped (it runs no more jobs)
+        self.timeout_s = timeout_s
+        self.fatal: BaseException | None = None  # why the worker thread stopped
         self.queue: queue.SimpleQueue[tuple[ForwardJob, bool] | object] = queue.SimpleQueue()
-        self.enabled = True  # runtime switch (follows --async-output's)
-        self.launching: ScheduleBatch | None = None  # the batch run_batch is launching (scheduler thread)
-        self.job: ForwardJob | None = None  # the job run_batch is launching
+        self.enabled = True  # follows --async-output's runtime switch
+        self.launching: ScheduleBatch | None = None
+        self.job: ForwardJob | None = None
         self.last: HostEvent | None = None  # the newest job's event: set => the worker is idle
-        self.last_end: float | None = None  # when the previous job ended (None: after an inline batch)
+        self.last_end: float | None = None
         self.stats = ForwardStats()
-        self.timer: StepTimer | None = None  # the step timer (bench), set by its build
-        # chunked prefill on the worker needs every checkpoint of this tree cache to pass through
-        # around_checkpoint (RadixCache's own; other caches keep chunked batches inline)
+        self.timer: StepTimer | None = None  # set by the step timer's build (bench)
+        # chunked prefill on the worker needs every checkpoint to pass through around_checkpoint
         self.checkpoint_guarded = _guarded_checkpoint(scheduler)
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
@@ -207,11 +184,9 @@ class ForwardExecutor:
 
     # ---- worker thread
     def _run(self) -> None:
-        # Everything in here, start-up included, ends in `fatal`: a waiting scheduler thread then
-        # raises with this traceback (check_alive) instead of waiting for a job that never runs.
+        # any failure, start-up included, ends in `fatal`: a waiting scheduler thread raises with it
         try:
-            # grad mode is per thread: run under the scheduler loop's (no_grad, or inference_mode with
-            # SGLANG_ENABLE_TORCH_INFERENCE_MODE, whose tensors cannot be written in place outside it)
+            # grad mode is per thread: the scheduler loop's
             from sglang.srt.utils.common import DynamicGradMode
 
             if self.scheduler is not None:
@@ -281,8 +256,7 @@ class ForwardExecutor:
 
 
 def bind_worker_threads() -> None:
-    """Bind this thread's OpenMP team as SGLang binds the scheduler thread's on AMX / arm64 CPUs
-    (bootstrap._init_cpu_threads_env): a team belongs to the thread that starts it."""
+    """Bind this thread's OpenMP team as SGLang binds the scheduler thread's (a team is per thread)."""
     import torch
     from sglang.srt.distributed import bootstrap
 
@@ -334,11 +308,7 @@ def mode_name(batch: ScheduleBatch) -> str:
 
 def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
                  checkpoint_guarded: bool = False) -> str | None:
-    """Why this batch runs inline (None: it goes to the worker). A function of the batch only.
-
-    Not reasons: penalties (the forward reads only the accumulators copy_for_forward materialised at
-    launch), custom logit processors (they get a launch-time view of their Req, `snapshot`) and
-    grammars (their sampling is a second job, `samples_later`)."""
+    """Why this batch runs inline (None: it goes to the worker). A function of the batch only."""
     mode = batch.forward_mode.name
     if mode not in WORKER_MODES:
         return f"{mode.lower()} batch"
@@ -351,8 +321,7 @@ def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
         # the worker's resolve_forward_inputs copies the prefill ids from the host staging
         (not decode and (batch.input_ids is not None or batch.prefill_input_ids_cpu is None),
          "prefill ids not staged on the host"),
-        # the next planning checkpoints the chunked request (radix dedup may rewrite its req_to_token
-        # row below seq_len); only a guarded checkpoint (around_checkpoint) waits for this forward
+        # radix dedup may rewrite a chunked request's row: only a guarded checkpoint waits for it
         (not decode and batch.chunked_req is not None and not checkpoint_guarded,
          "chunked prefill"),
         (not decode and _embeds(batch), "multimodal or embedding inputs"),
@@ -369,8 +338,7 @@ def batch_reason(batch: ScheduleBatch, scheduler: Scheduler | None = None,
 
 
 def samples_later(worker: TpModelWorker, batch: ScheduleBatch) -> bool:
-    """Whether TpModelWorker.forward_batch_generation will leave this batch's sampling for later
-    (`delay_sample_func`): its condition for a non-speculative overlap launch, read at launch."""
+    """Whether the TP worker will leave this batch's sampling for later (`delay_sample_func`)."""
     from sglang.srt.environ import envs
 
     # ForwardBatch.init_new sets sampling_info.grammars from has_grammar, which the worker then tests
@@ -386,10 +354,8 @@ def _embeds(batch: ScheduleBatch) -> bool:
 
 
 def snapshot(batch: ScheduleBatch) -> ScheduleBatch:
-    """The batch as launched: a shallow copy whose lists are copied too (merge_batch extends
-    `reqs` and the logprob lists in place; SGLang rebinds the per-row tensors out of place).
-    Custom logit processors, which read `custom_params[i]["__req__"]` when the worker samples, get
-    the Req as it was at launch (`req_view`)."""
+    """The batch as launched: a shallow copy with its lists copied (merge_batch extends them in
+    place); custom logit processors see their Req as at launch (`req_view`)."""
     snap = copy.copy(batch)
     for name, value in vars(snap).items():
         if type(value) is list:
@@ -410,10 +376,7 @@ def _frozen_params(params: dict[str, Any] | None, req: Req) -> dict[str, Any] | 
 
 
 def req_view(req: Req) -> Req:
-    """A shallow copy of a Req with its per-step state copied: what a processor reads at launch.
-
-    The scheduler thread appends to output_ids and advances kv (kv_committed_len, ...) in place
-    after launch; scalar attributes are rebound, so the shallow copy already keeps their values."""
+    """A shallow copy of a Req with its in-place per-step state (output_ids, kv) copied."""
     view = copy.copy(req)
     for name in ("output_ids", "origin_input_ids"):
         if (value := getattr(req, name, None)) is not None:
@@ -427,10 +390,8 @@ ATTR = "_branchwise_forward"  # on the TP worker, the FutureMap and (guarded) th
 
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForwardExecutor | None:
-    """The scheduler's CPU forward thread (None unless --async-output is on and it qualifies here).
-
-    Its hooks on the TP worker, `resolve_forward_inputs` (which receives the FutureMap) and the
-    tree cache's checkpoint find it there, as `_branchwise_forward`."""
+    """The scheduler's CPU forward thread, attached as ATTR where its non-Scheduler hooks look
+    (None unless --async-output is on and it qualifies here)."""
     if not config.async_output:
         return None
     why = static_reason(scheduler)
@@ -513,9 +474,7 @@ def around_forward_batch_generation(orig: Hook, self: TpModelWorker, batch: Sche
     delayed = samples_later(self, batch)
     job = ForwardJob(snapshot=snapshot(batch), placeholder=placeholder, run=lambda snap: orig(self, snap),
                      done=HostEvent(), rows=len(batch.seq_lens), forwarded=HostEvent() if delayed else None)
-    # Stock resolve_forward_inputs consumes the prefill staging on the launched batch; the worker
-    # consumes the snapshot's, so clear the live batch's as stock would have (it is merged into
-    # running_batch next step, whose decode must gather from the FutureMap, not re-read prompts).
+    # the worker consumes the snapshot's prefill staging: clear the live batch's as stock would
     batch.prefill_input_ids_cpu = None
     batch.mix_running_indices = None
     if delayed:  # run_batch then skips relay and copy; launch_batch_sample_if_needed calls this
@@ -532,10 +491,8 @@ def around_forward_batch_generation(orig: Hook, self: TpModelWorker, batch: Sche
 
 
 def _launch_sampling(executor: ForwardExecutor, job: ForwardJob) -> GenerationBatchResult:
-    """The placeholder's delay_sample_func (scheduler thread, after step n-1's result processing
-    advanced the grammars): build the vocab mask here, as stock does in this call, and queue the
-    sampling behind the forward on the worker. SGLang's launch_batch_sample_if_needed then calls
-    _relay_forward_payload and _copy_result_to_cpu, which hand `copy_done` = `done` to result processing."""
+    """The placeholder's delay_sample_func: build the vocab mask on the scheduler thread, as stock
+    does here, and queue the sampling behind the forward on the worker."""
     info = job.snapshot.sampling_info  # the launch's forward-only copy, which the worker samples with
     info.update_regex_vocab_mask()
     info._branchwise_mask_ready = True  # around_update_regex_vocab_mask: the worker's sample keeps this mask
@@ -545,8 +502,7 @@ def _launch_sampling(executor: ForwardExecutor, job: ForwardJob) -> GenerationBa
 
 
 def around_update_regex_vocab_mask(orig: Hook, self: SamplingBatchInfo, *args: Any, **kwargs: Any) -> None:
-    """SamplingBatchInfo.update_regex_vocab_mask: keep a mask _launch_sampling built on the scheduler
-    thread (the worker must not read the grammars, which the scheduler thread advances)."""
+    """Keep the mask _launch_sampling built: the worker must not read the advancing grammars."""
     if self.__dict__.pop("_branchwise_mask_ready", False):
         return None
     return orig(self, *args, **kwargs)
@@ -598,10 +554,8 @@ def _guarded_checkpoint(scheduler: Scheduler | None) -> bool:
 
 
 def around_checkpoint(orig: Hook, self: RadixCache, req: Req, *args: Any, **kwargs: Any) -> None:
-    """(Unified)RadixCache.checkpoint: radix dedup may rewrite the request's req_to_token row with
-    the tree's indices, which a queued or running forward may still read (on a GPU SGLang's WAR
-    barrier orders them). So the write is checked: if it changes the row while the worker is busy,
-    drain first. Unchanged rows (the common case) cost a compare, no wait."""
+    """(Unified)RadixCache.checkpoint: a write that changes a req_to_token row a queued forward may
+    still read drains the worker first; unchanged rows cost a compare."""
     executor = getattr(self, ATTR, None)
     if executor is None or not executor.busy():
         return orig(self, req, *args, **kwargs)

@@ -1,12 +1,4 @@
 """Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import.
-
-Each of the t TP ranks samples only its block of ceil(bs/t) rows and the token ids are
-all-gathered, so the sampler's cost per rank drops by ~t. `sample_rows` mirrors SGLang 0.5.23's
-`Sampler.forward`; with per-request seeds its noise is the counter-based `multinomial_with_seed`
-(seeded_rng.py), so a row's token does not depend on the rank that samples it and t = 1, 2, 4 ...
-give identical tokens. `exchange_rows` is the all-to-all that turns vocab-sharded logits into
-batch-sharded ones. The math, the two deviations from stock that the guarantee needs, and the
-exchange's traffic: docs/design/albireo-parallel-sampling.md.
 """
 
 from __future__ import annotations
@@ -35,9 +27,6 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 @dataclass(frozen=True)
 class RowParams:
     """Per-row sampling parameters (SGLang's SamplingBatchInfo row tensors) + batch-wide switches.
-
-    The switches must come from the FULL batch: SGLang picks the code path per batch (and with it
-    the noise's column order: vocab id or sorted rank), so a row slice has to inherit them.
     """
 
     temperatures: torch.Tensor  # [n] float32, greedy rows already normalised to 1.0
@@ -135,9 +124,6 @@ class RowParams:
 
 def sample_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
     """[n, V] logits (penalties, logit_bias, grammar masks already applied) -> [n] token ids.
-
-    int64 ids when the batch is all greedy, int32 otherwise, as SGLang returns. Does not modify
-    `logits`.
     """
     assert logits.shape[0] == params.n, (logits.shape, params.n)
     if params.all_greedy:
@@ -225,10 +211,6 @@ AllToAll = Callable[[torch.Tensor, torch.Tensor], object]  # all_to_all_single(o
 
 def exchange_rows(shard: torch.Tensor, tp_size: int, all_to_all: AllToAll) -> torch.Tensor:
     """Vocab-sharded [bs, Vs] (every row, my columns) -> batch-sharded [r, t*Vs] (my rows, every column).
-
-    The batch is padded to r*t rows (r = ceil(bs/t)); row block j is sent to rank j and block j of
-    what arrives is rank j's columns of my rows (SGLang's `_reassemble_tp_lm_head_all_to_all_output`).
-    `all_to_all(out, inp)` is an `all_to_all_single` with equal splits over the TP group.
     """
     block = rows_per_rank(shard.shape[0], tp_size)
     send = _pad_rows(shard, block * tp_size).contiguous()
@@ -255,10 +237,6 @@ def sp_sample(
     transform: RowTransform | None = None,
 ) -> torch.Tensor:
     """Albireo path: this rank's vocab shard [bs, Vpad/t] of the lm_head -> [bs] ids on every rank.
-
-    Shards are contiguous column blocks in rank order (SGLang's ParallelLMHead layout); columns past
-    `vocab_size` are padding and trimmed. `params` holds the FULL batch's rows (every TP rank has
-    them). `transform` (penalties, bias) runs on each rank's own rows only, after the exchange.
     """
     tp_size, rank = _group_info(group)
     batch_size = shard.shape[0]

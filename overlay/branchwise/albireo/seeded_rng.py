@@ -1,12 +1,4 @@
 """Counter-based, row-independent RNG: bit-exact port of SGLang's seeded sampling noise.
-
-SGLang's `multinomial_with_seed` (srt/layers/sampler.py) derives each cell's Gumbel noise from
-`murmur_hash32(seed, position, column)` (kernels/ops/sampling/murmur_hash.py): MurmurHash3_x86_32
-with hash seed 0 over the 16-byte key (seed_lo, seed_hi, position, column). A cell's noise depends
-only on those three numbers, never on the row's place in the batch or on the rank that samples it,
-which is what sequence-parallel sampling needs. SGLang only ships this as a Triton kernel and an
-sgl_kernel CPU op (absent on CPU installs); this is the same algorithm in int64 torch ops, values
-kept in [0, 2**32), so it runs on any device.
 """
 
 import torch

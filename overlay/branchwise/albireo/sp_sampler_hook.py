@@ -1,17 +1,4 @@
 """--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample.
-
-Each TP rank samples only its block of rows and the ids are all-gathered
-(`parallel_sampler.sp_sample_full`). AROUND ModelRunner.sample: SGLang's own pre-processing
-(logit_bias, penalties, NaN sanitising) still runs, only the sampler call is replaced. Rows are
-sampled with per-request seeds (an AFTER hook on SamplingBatchInfo.from_schedule_batch gives
-unseeded requests `request_seed(nonce, rid)`), so outputs equal single-rank sampling at any TP
-degree. Batches SP does not cover (`_batch_reason`) take SGLang's sampler with the injected seeds
-hidden. For covered decode batches at tp > 1, AROUNDs on ModelRunner.forward and
-LogitsProcessor._get_logits swap the logits all-gather for an all-to-all (`_AllToAll`).
-
-`build` returns the scheduler's `SPState` (`scheduler.branchwise.sampler`) and attaches it, as
-`_branchwise_sp`, to the model runner, the model's LogitsProcessors and the tree cache. The seeds,
-the exchange and why every TP rank makes the same collective call: docs/design/albireo-parallel-sampling.md.
 """
 
 from __future__ import annotations
@@ -213,11 +200,6 @@ def _row_view(penalizer: _BatchedPenalizer, rows: slice) -> _BatchedPenalizer:
 
 def apply_row_transforms(info: SamplingBatchInfo, logits: torch.Tensor, rows: slice) -> None:
     """SamplingBatchInfo.apply_logits_bias for the batch rows `rows` only, whose logits are `logits`.
-
-    Same tensors (sliced), same in-place ops, same order as stock on the full [bs, V] logits, so each
-    row's floats are bit-identical: accumulated additive penalties, scaling penalties, the penalizers
-    themselves (non-overlap style, orchestrator present), then logit_bias. No grammar mask: grammar
-    batches are not covered.
     """
     if info.acc_additive_penalties is not None:
         logits.add_(info.acc_additive_penalties[rows])

@@ -1,10 +1,4 @@
 """CPU-only stand-in for the CUDA package `sgl_kernel` (never installed on a GPU machine).
-
-SGLang 0.5.23's CPU code path imports names from `sgl_kernel` at module load. PyPI's build is
-CUDA-only, so on CPU machines `make install` puts this directory on sys.path instead. Every name
-resolves to a stub that raises when called: plain decoding takes SGLang's pure-torch paths and never
-calls one (only speculative decoding and AMX kernels would). Deliberately a single module with no
-submodules: quantization/utils.py falls back only on ImportError of `sgl_kernel.scalar_type`.
 """
 
 from __future__ import annotations

@@ -1,15 +1,4 @@
 """Ending parked parents from outside the stream: aborts, and the idle leak check.
-
-A parked parent is in no SGLang queue or batch, so SGLang's abort (by rid prefix, or abort_all)
-reaches its branches but not the parent itself: `abort_parked` ends it. Ending a parent releases
-its phases and every phase nested in them, so one pass over the parked phases ends each parked
-request exactly once, nested ones included.
-
-The leak check runs when SGLang reports its scheduler idle (no running, waiting, chunked or
-in-flight request). Then no branch can be running, so a parked parent whose phase has no join or
-park pending waits for branches that no queue holds: it is an orphan. It is logged with its rid,
-ended with an error (its prefix pin released), and counted (`orphans_freed` in /server_info,
-Prometheus `branchwise:orphans_freed`). Nothing is freed while SGLang still holds a request.
 """
 
 from __future__ import annotations

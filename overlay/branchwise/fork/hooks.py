@@ -1,12 +1,5 @@
 """Server-side fork/join of parallel phases (Multiverse, SPRINT): the top of the fork package,
 with the hook bodies and `build`.
-
-A grammar detector watches a tracked request's text; the phase it opens goes FORKING -> PARALLEL ->
-REDUCE -> DONE (phases.py). Detection runs per tracked Req after each step's tokens, parking,
-spawning and joining at the scheduling point, and the abort, idle and streaming hooks here keep
-parked parents and branches out of SGLang's way. State: manager.py; transitions: lifecycle.py;
-aborts and the leak check: aborts.py; which requests branch: limits.py. Decisions depend on token
-ids, rids and event order only, so TP ranks agree without a broadcast (docs/design/server-fork.md).
 """
 
 from __future__ import annotations

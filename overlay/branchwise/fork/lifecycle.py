@@ -1,14 +1,5 @@
 """The park/spawn/join lifecycle of a server-side fork: what happens to SGLang requests and KV as a
 phase goes FORKING -> PARALLEL -> REDUCE -> DONE (docs/design/server-fork.md).
-
-A tracked sequence (`start_tracking`) gets a per-instance hook on Req.update_finish_state. Per token
-(`on_tokens`, from that hook): a fork cuts the parent (FORKING), a close tag
-finishes a branch. When a sequence ends (`end`, whatever ended it) it leaves its phase: a branch's
-output is recorded in its phase at once, a sequence's own phases are released with their pins. At
-the scheduling point (`reconcile`, after Scheduler.ingest_requests) every phase whose state asks for
-it is parked and spawned, or joined. Nothing is queued between these steps: the work of a
-scheduling point is read off the phases, so an abort that ends a sequence anywhere in between
-simply leaves nothing to do.
 """
 
 from __future__ import annotations
@@ -363,10 +354,7 @@ def annotate(reason: BaseFinishReason, msg: str) -> BaseFinishReason:
 
 
 def _evict(sched: Scheduler, req: Req) -> None:
-    """Take a parked request out of the batches that still list it (filter_batch frees nothing).
-
-    running_batch may be the in-flight batch (overlap): SGLang filters it in place every step too;
-    the result queue holds a shallow copy. last_batch may be an extend batch not merged yet."""
+    """Take a parked request out of the batches that still list it (filter_batch frees nothing)."""
     seen: set[int] = set()
     for batch in (sched.running_batch, sched.last_batch):
         if batch is None or id(batch) in seen or req not in batch.reqs:

@@ -1,11 +1,4 @@
 """Which client requests branch server-side, and how much one request's forks may take.
-
-One client must not take the server: a fork of more than --branch-max-fanout branches, or one whose
-branches would together be granted more than --branch-max-branch-tokens decode tokens (counting
-the request's live branches of all its phases, nested ones included), is not taken; the request
-continues serially and its finish_reason says why in `branchwise_error`. What a request holds is
-derived from its open phases (`ParallelPhase.granted`), so a branch that ends gives its grant back
-by ending, whatever ended it.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """What one scheduler keeps for server-side fork/join: a `Track` per tracked sequence, the phase
 registry, counters and the views derived from them. The work on them is in lifecycle.py and aborts.py.
-
-Where a sequence stands is recorded once, in phases.py: a parent's place is its phase's `state`
-(FORKING: cut at the fork, to be parked; PARALLEL: parked; REDUCE: decoding after its join), a
-branch's is its `Branch` in its phase (finished or not), and whether a sequence ended is SGLang's
-own `req.finished()`. Parked parents, live branches and the work of the next scheduling point are
-derived from the registry when asked (`parked`, `live_branches`, `pending`), never kept in lists
-of their own, so no race can leave two records that disagree.
 """
 
 from __future__ import annotations

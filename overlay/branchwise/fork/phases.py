@@ -1,13 +1,5 @@
 """The parallel-phase lifecycle, pure (no SGLang import): what a phase is, the one state machine it
 goes through from fork to join, and the text a sequence's detector reads.
-
-A phase (shared prefix, phase header, branch headers, fanout) is the one record of where its
-sequences stand: `state` (FORKING -> PARALLEL -> REDUCE -> DONE, driven by branchwise.fork), each
-`Branch` open until closed, and the next scheduling point's work derived from them (`pending`).
-Isolation (`ParallelPhase.branch_input`: branch i reads prefix + its own header) and canonical
-reduce (`reduce`: branch-index order) make any schedule give a serial writer's output. Branch rids
-are f"{parent_rid}/p{n}/b{i}", so SGLang's abort-by-prefix reaches every branch.
-The states and invariants: docs/design/server-fork.md.
 """
 
 from __future__ import annotations
@@ -38,9 +30,6 @@ WAITING = frozenset({Stage.FORKING, Stage.PARALLEL})  # the parent does not deco
 @dataclass(frozen=True, slots=True)
 class ReduceFormat:
     """How branch outputs are stitched back into the parent (per grammar).
-
-    Each branch contributes header + output (+ `close` if the branch stopped without writing it,
-    e.g. hit max tokens) + `sep`; `suffix` follows the last branch (Multiverse forces <Conclusion>).
     """
 
     close: str = ""
@@ -185,9 +174,6 @@ def branch_seed(seed: int, branch_rid: str) -> int:
 
 class PhaseRegistry:
     """Open phases keyed by phase id, branch rid and parent rid.
-
-    A parent has at most one open phase at a time (it waits at the fork until its phase is
-    released); a branch may itself be the parent of a nested phase, one level deeper.
     """
 
     def __init__(self, max_depth: int = 3) -> None:
@@ -279,10 +265,6 @@ class PhaseRegistry:
 @dataclass(slots=True)
 class TextStream:
     """Incremental detokenizer for one sequence's output ids, with per-token character ends.
-
-    `ends[j]` is the detector offset just after output token j; tokens decoding to an incomplete
-    UTF-8 character are held back (at most HOLD ids, so invalid bytes cannot stall the detector)
-    and get the end of the text they complete.
     """
 
     HOLD = 4
@@ -343,10 +325,7 @@ def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:
 
 def fork_limit_error(fanout: int, grants: Sequence[int], granted: int, max_fanout: int,
                      max_tokens: int) -> str | None:
-    """Why a fork may not be taken (the request then continues serially), or None.
-
-    grants: decode tokens each new branch would be granted; granted: what the request's live
-    branches already hold."""
+    """Why a fork may not be taken (the request then continues serially), or None."""
     if fanout > max_fanout:
         return f"fork of {fanout} branches exceeds --branch-max-fanout {max_fanout}; continued serially"
     total = sum(grants)

@@ -1,13 +1,4 @@
 """Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
-
-Under `--dp-size N` SGLang's DataParallelController would spread a client-side phase's requests
-over ranks (its prefix prefilled on each, each rank's TAPER seeing part of the phase). Here the
-controller's own dispatch places a phase's first request; the rank is remembered in a bounded LRU
-under the phase's affinity key (the group before the first "/" of the stamp's phase, else of
-SGLang's routing_key), and later requests of that key carry it as `routed_dp_rank`. Requests
-without a key, or routed by the client, are untouched. The pure parts (affinity_key, PhaseRanks)
-import no SGLang; the hook bodies run in the DP controller process, and each scheduler keeps a
-SchedulerDp (built by runtime.py). Why, and the key's rules: docs/design/dp-dispatch.md.
 """
 
 from __future__ import annotations

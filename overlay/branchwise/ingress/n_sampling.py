@@ -1,13 +1,4 @@
 """SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process.
-
-SGLang expands an `n > 1` request per prompt into a prefix pass and n copies with fresh uuids, which
-the scheduler would see as n unrelated serial requests. Four hooks make them one phase: each
-prompt's sub-request gets an `Expansion` (phase id = the prompt's rid, fanout n, the client's
-SLO/weight/grammar, a routing key); sample i gets rid f"{phase}/b{i}/0" instead of a uuid (so keyed
-seeds follow the client's rid and abort-by-prefix reaches every sample); each sample is sent
-stamped, the prefix pass unstamped, both with the routing key; and an abort of the client's rid
-ends every live sample it prefixes. A stamp naming a phase is kept; `phase = null` opts out.
-The pure part (`plan`) imports no SGLang. The hooks in detail: docs/design/n-sampling.md.
 """
 
 from __future__ import annotations

@@ -1,13 +1,4 @@
 """Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
-
-SGLang answers HTTP 400 only for a ValueError raised while it prepares a request (anything else is
-a 500), and lets through values that later raise inside the scheduler loop (an int32 overflow, an
-id past the vocabulary, an empty prefill) and take every other request with them. Four hooks
-close that: normalization (the custom_params stamp, `n`), the tokenized object (token ids in
-sampling params, empty prompts, any other error as a ValueError), `_validate_one_request`
-(`input_ids` within the vocabulary) and `create_abort_task` (no abort task for a request that was
-refused before it was normalized). The scheduler parses the stamp again, so a request arriving by
-another path cannot raise there either. Each hook's reason: docs/design/request-validation.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,5 @@
 """Start and stop a real SGLang server with Branchwise, or an smg router in front of several (used
 by tests, bench and the demo), and read their schedulers' Branchwise reports.
-
-On a machine without an NVIDIA GPU a server gets the CPU settings from cpu-sglang.md: the CPU
-engine gate, torch_native attention, fp32 and --sleep-on-idle (else the idle scheduler spins a core).
-
-A URL may name one server or an smg router (README "Scale-out"): `scheduler_states` reads every
-scheduler behind it (each DP rank of each worker), and `branchwise_report` merges their reports.
 """
 
 from __future__ import annotations
@@ -211,10 +205,7 @@ ROUTER_ARGS = ("--policy", "prefix_hash", "--prefix-hash-load-factor", "1000000"
 
 @dataclass
 class LocalRouter(_Process):
-    """`smg launch` in front of `workers` (server URLs); ready once every worker is registered.
-
-    smg answers /health before it has registered its workers, and a request in between gets HTTP
-    404 model_not_found, so readiness is its /workers list holding every worker as ready."""
+    """`smg launch` in front of `workers` (server URLs); ready once every worker is registered."""
 
     workers: list[str]
     args: list[str] = field(default_factory=list)

@@ -1,13 +1,4 @@
 """Build the embedded default model: a tiny random-weight Llama and a locally trained tokenizer.
-
-No hub access: the tokenizer is trained here on generated text and the weights come from a seed,
-so the same seed always gives the same folder. Branch tags (Multiverse, SPRINT) are added tokens,
-which lets tests force a tag skeleton one token at a time.
-
-    python -m branchwise.tools.tiny_model OUT [--seed 0] [--size tiny|small]
-
-`small` (1024 hidden, 4 layers, ~50M parameters) is for overhead measurements only: its decode step
-is dominated by matmuls, which run with the GIL released, unlike the tiny model's Python-bound step.
 """
 
 from __future__ import annotations

@@ -1,11 +1,4 @@
 """Incremental branch-structure detectors (pure; no SGLang import).
-
-Server-side use, one detector per sequence:
-  det = get_detector("multiverse")              # parent stream, Mode.PARENT
-  for ev in det.feed(new_text): ...              # PhaseOpened -> fork; det pauses
-  bdet = det.branch(i, ev.labels[i], ev.depth)   # branch stream, starts after ev.headers[i]
-  bdet.feed(...)                                 # BranchClosed -> branch done (output = bdet.text)
-  det.join(phase.join())                         # parent resumes (Multiverse: at <Conclusion>)
 """
 
 from __future__ import annotations

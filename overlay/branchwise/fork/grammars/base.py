@@ -1,11 +1,4 @@
 """Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure).
-
-A detector reads one sequence's generated text in arbitrary chunks and reports structure as events
-(`PhaseOpened`, `BranchClosed`, `PhaseClosed`); decisions depend only on the text, never on how it
-was chunked. Modes: OBSERVE watches a complete text and never pauses, PARENT pauses at a fork
-until `join(reduce text)`, BRANCH reads one branch's stream and stops at its close tag. The
-grammars (multiverse.py, sprint.py) implement the stack machine's hooks. Modes, offsets and the
-state the server side reads: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations

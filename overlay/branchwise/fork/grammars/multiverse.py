@@ -1,10 +1,4 @@
 """Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags).
-
-A <Parallel> holds a <Goal> whose <Outline>s number the branches ("1:", "2:"; nested "1.1:"), one
-<Path> per outline and a final <Conclusion>. Fork point: the end of the `</Goal>` line; branch i
-starts with "<Path>\\nK: " (K the i-th outline id) and ends at its own `</Path>`; the parent resumes
-from prefix + paths in outline order + "<Conclusion>\\n" (`fmt`). The tag format and every check
-this detector makes: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations

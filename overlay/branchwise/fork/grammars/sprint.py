@@ -1,10 +1,4 @@
 """SPRINT detector: rounds of planning and parallel execution (tags via SprintTags).
-
-A <Plan> announces <Task id=K> prompts; one <Execution id=K> per task follows, in task order, then
-the planner continues with the next <Plan> or an <Answer>. Fork point: the end of the `</Plan>`
-line; branch i starts with "<Execution id=K>\\n" and ends at `</Execution>`; executions are
-joined in task order (`fmt`) and the round's phase closes with its last execution. SPRINT does not
-nest. The tag format and every check this detector makes: docs/design/branch-grammars.md.
 """
 
 from __future__ import annotations
