@@ -1,5 +1,4 @@
-"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
-"""
+"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Run a chosen subset of a decode batch for one step; the rest stay in running_batch, untouched.
-"""
+"""Run a chosen subset of a decode batch for one step; the rest stay in running_batch, untouched."""
 
 from __future__ import annotations
 
@@ -86,8 +85,7 @@ class KeptSubset:
 
 def run_subset(scheduler: Scheduler, batch: ScheduleBatch, active: set[Req], finishing: list[Req],
                kept: KeptSubset) -> ScheduleBatch | None:
-    """Prepare and return a sub-batch of the `active` reqs; None means "use the full path".
-    """
+    """Prepare and return a sub-batch of the `active` reqs; None means "use the full path"."""
     idx = [i for i, req in enumerate(batch.reqs) if req in active]
     if not batch.check_decode_mem(selected_indices=idx):
         kept.clear()
@@ -142,8 +140,7 @@ def _write_back(batch: ScheduleBatch, sub: ScheduleBatch, idx: list[int], rows: 
 
 
 def _fork_penalizers(orch: BatchedPenalizerOrchestrator, sub: ScheduleBatch) -> BatchedPenalizerOrchestrator:
-    """A shallow copy of the orchestrator (and each penalizer) bound to `sub`.
-    """
+    """A shallow copy of the orchestrator (and each penalizer) bound to `sub`."""
     forked = copy.copy(orch)
     forked.penalizers = {}
     ref = weakref.ref(forked)
@@ -157,8 +154,7 @@ def _fork_penalizers(orch: BatchedPenalizerOrchestrator, sub: ScheduleBatch) -> 
 
 def _write_back_penalizers(orch: BatchedPenalizerOrchestrator, forked: BatchedPenalizerOrchestrator,
                            rows: torch.Tensor) -> None:
-    """Copy the sub's updated accumulators into the rows of the full batch that ran.
-    """
+    """Copy the sub's updated accumulators into the rows of the full batch that ran."""
     for cls, pen in orch.penalizers.items():
         mine = forked.penalizers.get(cls)
         if not pen.is_prepared() or mine is None or not mine.is_prepared():
@@ -168,8 +164,7 @@ def _write_back_penalizers(orch: BatchedPenalizerOrchestrator, forked: BatchedPe
 
 
 def _pinned_cumulate(batch: ScheduleBatch) -> None:
-    """Cumulate, per row, the token an every-step (eager) schedule would cumulate at this step.
-    """
+    """Cumulate, per row, the token an every-step (eager) schedule would cumulate at this step."""
     tokens = []
     for req in batch.reqs:
         out = req.output_ids
@@ -192,8 +187,7 @@ def pin_penalty_tokens(scheduler: Scheduler) -> None:
 
 def around_cumulate_penalty_output_tokens(orig: Callable[[ScheduleBatch], None],
                                           batch: ScheduleBatch) -> None:
-    """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on).
-    """
+    """AROUND ScheduleBatch.cumulate_penalty_output_tokens (only called when penalties are on)."""
     if getattr(batch.req_to_token_pool, PIN_ATTR, False):
         _pinned_cumulate(batch)
     else:

@@ -1,5 +1,4 @@
-"""Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`).
-"""
+"""Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Apply, revert and check Branchwise's patch series on the installed SGLang.
-"""
+"""Apply, revert and check Branchwise's patch series on the installed SGLang."""
 
 from __future__ import annotations
 

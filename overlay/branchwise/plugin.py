@@ -1,5 +1,4 @@
-"""SGLang plugin entry point (`sglang.srt.plugins` group) and the table of every HookRegistry target.
-"""
+"""SGLang plugin entry point (`sglang.srt.plugins` group) and the table of every HookRegistry target."""
 
 from __future__ import annotations
 

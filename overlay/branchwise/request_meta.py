@@ -1,5 +1,4 @@
-"""Per-request Branchwise metadata carried in `sampling_params.custom_params["branchwise"]`.
-"""
+"""Per-request Branchwise metadata carried in `sampling_params.custom_params["branchwise"]`."""
 
 from __future__ import annotations
 

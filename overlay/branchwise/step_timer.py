@@ -1,5 +1,4 @@
-"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only).
-"""
+"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Which SGLang modes Branchwise runs with, checked once at argument resolution, before a model loads.
-"""
+"""Which SGLang modes Branchwise runs with, checked once at argument resolution, before a model loads."""
 
 from __future__ import annotations
 

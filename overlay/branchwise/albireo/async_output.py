@@ -1,5 +1,4 @@
-"""--async-output (Albireo): result processing off the scheduler's critical path, outputs unchanged.
-"""
+"""--async-output (Albireo): result processing off the scheduler's critical path, outputs unchanged."""
 
 from __future__ import annotations
 
@@ -34,8 +33,7 @@ SEND_ENV = "BRANCHWISE_ASYNC_SEND"  # auto (default) | thread | inline
 # ---------------------------------------------------------------- send half: ordered worker
 
 class OrderedSender:
-    """Drop-in for SGLang's SenderWrapper: send_output() enqueues, one worker thread sends in order.
-    """
+    """Drop-in for SGLang's SenderWrapper: send_output() enqueues, one worker thread sends in order."""
 
     def __init__(self, inner: SenderWrapper, name: str = "branchwise-output") -> None:
         self.inner = inner
@@ -110,8 +108,7 @@ def _byte_decoder() -> dict[str, int]:
 
 @dataclass(slots=True)
 class TokenTable:
-    """token id -> raw bytes; decode(ids) = concatenated bytes decoded as UTF-8 with replacement.
-    """
+    """token id -> raw bytes; decode(ids) = concatenated bytes decoded as UTF-8 with replacement."""
 
     table: dict[int, bytes]
 
@@ -153,8 +150,7 @@ class TokenTable:
 
 
 def suffix_is_prefix(tail: str, stop: str) -> bool:
-    """Whether some non-empty suffix of `tail` is a prefix of `stop` (SGLang's streaming hold-back).
-    """
+    """Whether some non-empty suffix of `tail` is a prefix of `stop` (SGLang's streaming hold-back)."""
     window = min(len(tail), len(stop))
     if window == 0:
         return False
@@ -349,8 +345,7 @@ def _qualifies(state: AsyncOutput, batch: ScheduleBatch, result: GenerationBatch
 
 
 def _may_finish(state: AsyncOutput, req: Req, token: int) -> bool:
-    """A superset of Req.update_finish_state's conditions (grammar excluded by _qualifies).
-    """
+    """A superset of Req.update_finish_state's conditions (grammar excluded by _qualifies)."""
     params = req.sampling_params
     return (req.to_finish is not None or getattr(req, "bw_fork", None) is not None
             or params.max_new_tokens is None or len(req.output_ids) >= params.max_new_tokens
@@ -363,8 +358,7 @@ def _may_finish(state: AsyncOutput, req: Req, token: int) -> bool:
 
 def fast_decode_result(state: AsyncOutput, proc: SchedulerBatchResultProcessor, batch: ScheduleBatch,
                        result: GenerationBatchResult) -> None:
-    """SchedulerBatchResultProcessor.process_batch_result_decode for a qualifying batch.
-    """
+    """SchedulerBatchResultProcessor.process_batch_result_decode for a qualifying batch."""
     from sglang.srt.runtime_context import get_observability
 
     if result.copy_done is not None:

@@ -1,5 +1,4 @@
-"""Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import.
-"""
+"""Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import."""
 
 from __future__ import annotations
 
@@ -26,8 +25,7 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 
 @dataclass(frozen=True)
 class RowParams:
-    """Per-row sampling parameters (SGLang's SamplingBatchInfo row tensors) + batch-wide switches.
-    """
+    """Per-row sampling parameters (SGLang's SamplingBatchInfo row tensors) + batch-wide switches."""
 
     temperatures: torch.Tensor  # [n] float32, greedy rows already normalised to 1.0
     top_ps: torch.Tensor  # [n] float32
@@ -123,8 +121,7 @@ class RowParams:
 
 
 def sample_rows(logits: torch.Tensor, params: RowParams) -> torch.Tensor:
-    """[n, V] logits (penalties, logit_bias, grammar masks already applied) -> [n] token ids.
-    """
+    """[n, V] logits (penalties, logit_bias, grammar masks already applied) -> [n] token ids."""
     assert logits.shape[0] == params.n, (logits.shape, params.n)
     if params.all_greedy:
         return torch.argmax(logits, -1)
@@ -210,8 +207,7 @@ AllToAll = Callable[[torch.Tensor, torch.Tensor], object]  # all_to_all_single(o
 
 
 def exchange_rows(shard: torch.Tensor, tp_size: int, all_to_all: AllToAll) -> torch.Tensor:
-    """Vocab-sharded [bs, Vs] (every row, my columns) -> batch-sharded [r, t*Vs] (my rows, every column).
-    """
+    """Vocab-sharded [bs, Vs] (every row, my columns) -> batch-sharded [r, t*Vs] (my rows, every column)."""
     block = rows_per_rank(shard.shape[0], tp_size)
     send = _pad_rows(shard, block * tp_size).contiguous()
     recv = torch.empty_like(send)
@@ -236,8 +232,7 @@ def sp_sample(
     group: dist.ProcessGroup | None = None,
     transform: RowTransform | None = None,
 ) -> torch.Tensor:
-    """Albireo path: this rank's vocab shard [bs, Vpad/t] of the lm_head -> [bs] ids on every rank.
-    """
+    """Albireo path: this rank's vocab shard [bs, Vpad/t] of the lm_head -> [bs] ids on every rank."""
     tp_size, rank = _group_info(group)
     batch_size = shard.shape[0]
     if tp_size == 1 or batch_size == 0:

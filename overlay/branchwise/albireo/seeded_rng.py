@@ -1,5 +1,4 @@
-"""Counter-based, row-independent RNG: bit-exact port of SGLang's seeded sampling noise.
-"""
+"""Counter-based, row-independent RNG: bit-exact port of SGLang's seeded sampling noise."""
 
 import torch
 

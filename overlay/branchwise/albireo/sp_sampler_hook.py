@@ -1,5 +1,4 @@
-"""--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample.
-"""
+"""--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample."""
 
 from __future__ import annotations
 
@@ -199,8 +198,7 @@ def _row_view(penalizer: _BatchedPenalizer, rows: slice) -> _BatchedPenalizer:
 
 
 def apply_row_transforms(info: SamplingBatchInfo, logits: torch.Tensor, rows: slice) -> None:
-    """SamplingBatchInfo.apply_logits_bias for the batch rows `rows` only, whose logits are `logits`.
-    """
+    """SamplingBatchInfo.apply_logits_bias for the batch rows `rows` only, whose logits are `logits`."""
     if info.acc_additive_penalties is not None:
         logits.add_(info.acc_additive_penalties[rows])
     if info.acc_scaling_penalties is not None:

@@ -1,5 +1,4 @@
-"""CPU-only stand-in for the CUDA package `sgl_kernel` (never installed on a GPU machine).
-"""
+"""CPU-only stand-in for the CUDA package `sgl_kernel` (never installed on a GPU machine)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Ending parked parents from outside the stream: aborts, and the idle leak check.
-"""
+"""Ending parked parents from outside the stream: aborts, and the idle leak check."""
 
 from __future__ import annotations
 

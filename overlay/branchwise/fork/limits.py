@@ -1,5 +1,4 @@
-"""Which client requests branch server-side, and how much one request's forks may take.
-"""
+"""Which client requests branch server-side, and how much one request's forks may take."""
 
 from __future__ import annotations
 

@@ -29,8 +29,7 @@ WAITING = frozenset({Stage.FORKING, Stage.PARALLEL})  # the parent does not deco
 
 @dataclass(frozen=True, slots=True)
 class ReduceFormat:
-    """How branch outputs are stitched back into the parent (per grammar).
-    """
+    """How branch outputs are stitched back into the parent (per grammar)."""
 
     close: str = ""
     sep: str = ""
@@ -173,8 +172,7 @@ def branch_seed(seed: int, branch_rid: str) -> int:
 
 
 class PhaseRegistry:
-    """Open phases keyed by phase id, branch rid and parent rid.
-    """
+    """Open phases keyed by phase id, branch rid and parent rid."""
 
     def __init__(self, max_depth: int = 3) -> None:
         self.max_depth = max_depth
@@ -264,8 +262,7 @@ class PhaseRegistry:
 
 @dataclass(slots=True)
 class TextStream:
-    """Incremental detokenizer for one sequence's output ids, with per-token character ends.
-    """
+    """Incremental detokenizer for one sequence's output ids, with per-token character ends."""
 
     HOLD = 4
 

@@ -1,5 +1,4 @@
-"""Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
-"""
+"""Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process.
-"""
+"""SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
-"""
+"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Build the embedded default model: a tiny random-weight Llama and a locally trained tokenizer.
-"""
+"""Build the embedded default model: a tiny random-weight Llama and a locally trained tokenizer."""
 
 from __future__ import annotations
 

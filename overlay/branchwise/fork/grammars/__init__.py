@@ -1,5 +1,4 @@
-"""Incremental branch-structure detectors (pure; no SGLang import).
-"""
+"""Incremental branch-structure detectors (pure; no SGLang import)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure).
-"""
+"""Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure)."""
 
 from __future__ import annotations
 

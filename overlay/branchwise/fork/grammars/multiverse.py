@@ -1,5 +1,4 @@
-"""Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags).
-"""
+"""Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""SPRINT detector: rounds of planning and parallel execution (tags via SprintTags).
-"""
+"""SPRINT detector: rounds of planning and parallel execution (tags via SprintTags)."""
 
 from __future__ import annotations
 
