@@ -23,7 +23,7 @@ from branchwise.config import BranchwiseConfig
 from branchwise.metrics import BranchwiseMetrics
 from branchwise.taper.controller import Delivery, Row, StepController
 from branchwise.taper.policies import parse_policy
-from branchwise.taper.predictor import OnlineRefit, default_model, load_model
+from branchwise.taper.predictor import LinearLatencyModel, OnlineRefit, default_model, load_model
 
 if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
@@ -110,6 +110,7 @@ class BranchwiseState:
                 "last_predicted_s": stats.last_predicted_s, "bubble_steps": stats.bubble_steps,
                 "planner_errors": stats.planner_errors, "terms": dict(stats.terms),
                 "model": ctl.policy.model.to_json() if ctl.policy.model is not None else None,
+                "graph_batch_sizes": list(getattr(ctl.policy.model, "graph_batch_sizes", ())),
             }
             rep["taper"]["refit"] = self._refit_report()
             rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed),  # leak checks (soak)
@@ -160,9 +161,14 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     if cfg.step_controller:  # stock: no controller, SGLang's schedule (phases still counted)
         taper.controller = _build_controller(cfg)  # a mode it cannot run in was refused (support.py)
         bw = getattr(scheduler, "branchwise", None)  # runtime.build: the emulated device is built first
-        source = device_time.source_of(scheduler, emulated=getattr(bw, "device", None) is not None)
+        device = getattr(bw, "device", None)
+        source = device_time.source_of(scheduler, emulated=device is not None)
         if source is not None and taper.controller.refit is not None and taper.tp_rank == 0:
             taper.device_times = device_time.StepDeviceTimes(source)
+        model = taper.controller.policy.model
+        if isinstance(model, LinearLatencyModel):  # T(S) pads decode rows as the device does (none on CPU)
+            model.graph_batch_sizes = (device.preset.graph_batch_sizes if device is not None
+                                       else device_time.captured_batch_sizes(scheduler) if source else ())
     # Branch rows can sit out steps under every policy (serial runs one branch per phase per step), so
     # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
     # previous step feeds the penalizers what SGLang's own rule feeds them.

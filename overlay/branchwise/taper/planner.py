@@ -4,6 +4,9 @@
 marginal predicted latency while T(S) fits the budget; `plan_capped` is the static rules' fixed
 width. Why the sort gives the greedy order and where it stops: docs/design/taper-planner.md.
 Hot path: one sort, one cumsum and one binary search per step over flat arrays, no per-row objects.
+With captured CUDA-graph sizes (`graph_batch_sizes` on the model) a decode step costs its padded
+rows: each prefix of the greedy order is priced with the padding it reaches (`_Padding`), so rows
+inside the current bucket cost their context only, and over budget the rows that add no time run.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from branchwise.taper.predictor import LatencyModel
+from branchwise.taper.predictor import LatencyModel, padded_rows
 from branchwise.taper.utility import LINEAR, Utility
 
 # greedy_order packs (price, row index) into one int64: the price's float bits (order-preserving
@@ -26,6 +29,7 @@ _Q_BITS = 63 - _ROW_BITS  # price bits: 0x7FF0... (inf) >> 20 < 2^43
 _ROW_MASK = (1 << _ROW_BITS) - 1
 _ROWS = np.arange(1 << 12, dtype=np.int64)  # 0..4095, sliced for the common batch sizes
 _ROWS.flags.writeable = False
+_PAD_TOL = 1e-9  # relative: a padded prefix's sum of row costs and padding that cancel is not above 0
 # the price of deferring: (per step that defers, per deferred row) seconds, or a function giving it
 Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
@@ -107,6 +111,34 @@ class _RowArrays:
     rank: np.ndarray
 
 
+@dataclass(frozen=True, slots=True)
+class _Padding:
+    """A decode step's graph padding: the seconds it adds at each row count, c_seq x (padded - rows)."""
+
+    sizes: tuple[int, ...]
+    c_seq: float
+
+    def at(self, rows: int) -> float:
+        return self.c_seq * (padded_rows(self.sizes, rows) - rows)
+
+    def after(self, forced: int, added: np.ndarray) -> np.ndarray:
+        """What the padding adds beyond its value at `forced` rows, with `added` more rows (each)."""
+        rows = added + float(forced)
+        table = np.array(self.sizes, dtype=np.float64)
+        index = np.searchsorted(table, rows, side="left")
+        padded = np.where(index < len(table), table[np.minimum(index, len(table) - 1)], rows)
+        return self.c_seq * (padded - rows) - self.at(forced)
+
+
+def _padding(model: LatencyModel, extra_tokens: int) -> _Padding | None:
+    """The model's graph padding for a decode step; None where T is linear in rows (no captured
+    sizes: CPU; extra tokens: a mixed step runs no graph)."""
+    sizes = getattr(model, "graph_batch_sizes", ())
+    if not sizes or extra_tokens:
+        return None
+    return _Padding(sizes, model.c_seq)
+
+
 def _ones(count: int) -> np.ndarray:
     return np.ones(count, dtype=np.int64)
 
@@ -149,6 +181,7 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
     count = len(rids)
     if count == 0:
         return StepPlan(rids, _ones(0), 0.0, budget_s)
+    padding = _padding(model, batch.extra_tokens)  # None on CPU: every line below as without graphs
     ready, ctx, starts = batch.ready, batch.ctx, batch.starts
     least = None  # rows per request that run no matter what; None: one (the protected row)
     fixed = batch.fixed_width if options.pinned else None
@@ -165,7 +198,8 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
         least = np.minimum(np.maximum(floor, 1), ready)
     else:
         base_s = model.predict(count, batch.protected_ctx, batch.extra_tokens)  # T(S0)
-        if base_s > budget_s and deferral is None:  # the protected composition alone is over budget: it runs
+        # the protected composition alone is over budget: it runs (and, padded, the rows that add nothing)
+        if base_s > budget_s and deferral is None and padding is None:
             return StepPlan(rids, _ones(count), predicted_s=base_s, budget_s=budget_s,
                             notes={"protected_s": base_s})
 
@@ -181,13 +215,17 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
     else:
         forced = (rank < least[owner]).nonzero()[0]
         base_s = model.predict(0, 0, batch.extra_tokens) + float(cost[forced].sum())  # T is separable
-        if base_s > budget_s and deferral is None:
+        if padding is not None:
+            base_s += padding.at(len(forced))
+        if base_s > budget_s and deferral is None and padding is None:
             return StepPlan(rids, least, predicted_s=base_s, budget_s=budget_s,
                             notes={"protected_s": base_s})
     notes = {"protected_s": base_s}
     cost[forced] = 0.0  # in base_s already
     considered = total - len(forced)
     extra_s = float(cost.sum())
+    if padding is not None:
+        extra_s += padding.at(total) - padding.at(len(forced))
     if base_s + extra_s <= budget_s:  # everything ready fits (also taper-no-slack's infinite budget)
         return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
                         considered=considered, notes=notes)
@@ -197,7 +235,8 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
         start_s = base_s + per_step + per_row * considered
         cost = np.maximum(cost - per_row, 0.0)
         cost[forced] = 0.0
-        if float(cost.sum()) <= per_step:  # no plan that defers beats running every row: no greedy pass
+        # no plan that defers beats running every row: no greedy pass (padded: a bucket may save more)
+        if padding is None and float(cost.sum()) <= per_step:
             notes["defer_cost"] = 1.0
             return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
                             considered=considered, notes=notes)
@@ -212,13 +251,27 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
     order = greedy_order(price, owner)
     cumulative = cost[order].cumsum()
     room = budget_s - start_s
-    taken = int(cumulative.searchsorted(room, side="right"))
+    if padding is None:
+        taken = int(cumulative.searchsorted(room, side="right"))
+    else:  # each prefix with the padding it reaches (not monotone under a per-row price: the last fit)
+        added = np.ones(total)
+        added[forced] = 0.0  # in base_s already
+        added = added[order].cumsum()
+        cumulative += padding.after(len(forced), added)
+        room = max(room, 0.0) + _PAD_TOL * max(start_s, 0.0)  # over budget, rows adding nothing run
+        fits = np.flatnonzero(cumulative <= room)
+        taken = int(fits[-1]) + 1 if len(fits) else 0
     width = np.bincount(owner[order[:taken]], minlength=count)
-    if deferral is not None:  # over budget (room < 0) the forced rows still run
+    if deferral is not None or padding is not None:  # over budget (room < 0) the forced rows still run
         width = np.maximum(width, 1 if least is None else least)
     used = float(cumulative[taken - 1]) if taken else 0.0
     if options.fill and taken < total:
-        used += _fill(order[taken:], _RowArrays(cost, owner, rank), width, room - used)
+        rows = _RowArrays(cost, owner, rank)
+        if padding is None:
+            used += _fill(order[taken:], rows, width, room - used)
+        else:
+            running = len(forced) + (int(added[taken - 1]) if taken else 0)
+            used += _fill_padded(order[taken:], rows, width, room - used, (padding, running))
     if deferral is not None and base_s + extra_s <= start_s + used:  # deferring would not shorten the step
         notes["defer_cost"] = 1.0
         return StepPlan(rids, ready, predicted_s=base_s + extra_s, budget_s=budget_s,
@@ -259,6 +312,30 @@ def _fill(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float) ->
         if row_cost <= room - added:
             done[request] += 1
             added += row_cost
+        else:
+            dropped[request] = True
+    width[:] = done
+    return added
+
+
+def _fill_padded(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float,
+                 padded: tuple[_Padding, int]) -> float:
+    """_fill where a row adds its cost and the padding it moves (`padded`: the padding and the rows
+    that run so far); a row inside the bucket may fit where its linear cost would not."""
+    padding, running = padded
+    done = width.tolist()
+    dropped = np.zeros(len(done), dtype=bool)
+    dropped[rows.owner[rest[0]]] = True  # the row that ended the prefix did not fit
+    added = 0.0
+    for row in rest.tolist():
+        request = int(rows.owner[row])
+        if dropped[request] or rows.rank[row] != done[request]:  # dropped, or an earlier row was skipped
+            continue
+        step = float(rows.cost[row]) + padding.at(running + 1) - padding.at(running)
+        if step <= room - added:
+            done[request] += 1
+            added += step
+            running += 1
         else:
             dropped[request] = True
     width[:] = done

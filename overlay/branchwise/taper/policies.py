@@ -185,8 +185,8 @@ class Policy:
         """Deferring every opportunistic row saves no more than one step's deferral price, so
         plan_step would run every row (linear T with its row slope above the per-row price)."""
         model = self.model
-        if not self.prices_deferral or not isinstance(model, LinearLatencyModel):
-            return False
+        if not self.prices_deferral or not isinstance(model, LinearLatencyModel) or model.graph_batch_sizes:
+            return False  # padded T: a row crossing a graph size saves more than its slope (plan it)
         per_step, per_row = self.deferral_price()
         if model.c_seq < per_row:
             return False
@@ -195,6 +195,8 @@ class Policy:
     def _price_beats_saving(self, view: StepView, budget: float, floor: list[int] | None) -> bool:
         """The held deferral price beats what deferring could save (docs/design/taper-rule.md)."""
         model = self.model
+        if model.graph_batch_sizes:  # padded T: the saving below is the linear one (plan it)
+            return False
         t_floor = view.floor_cost(floor)
         room = budget - t_floor
         held = max(1.0, (view.t_all - view.t_protected) / room) if room > 0 else _HELD_FOREVER

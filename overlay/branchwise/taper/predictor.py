@@ -3,10 +3,14 @@
 The planner needs T monotone in rows (NNLS keeps every coefficient >= 0) and separable (a row
 adds `row_costs(L)` whatever else runs); a linear model also holds the deferral price apart from
 T. Why, the default's calibration and the refit's rules: docs/design/taper-predictor.md. Seconds.
+On a device that replays captured CUDA graphs a decode step's rows cost as the next captured size
+up (`graph_batch_sizes`): separable but for that padding, which the planner adds back
+(`padding_s`); none on CPU. docs/design/emulated-device.md, "Graph sizes in T(S)".
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 from collections import deque
@@ -34,7 +38,8 @@ class LatencyModel(Protocol):
 
 @dataclass(slots=True)
 class LinearLatencyModel:
-    """T(S) = c0 + c_seq rows + c_ctx ctx + c_tok extra tokens; deferring d rows adds c_defer + c_deferred d."""
+    """T(S) = c0 + c_seq rows + c_ctx ctx + c_tok extra tokens; deferring d rows adds c_defer + c_deferred d.
+    With `graph_batch_sizes` a decode step's rows (no extra tokens) count as the next size up."""
 
     c0: float
     c_seq: float
@@ -42,15 +47,37 @@ class LinearLatencyModel:
     c_tok: float = 0.0
     c_defer: float = 0.0
     c_deferred: float = 0.0
+    # decode batch sizes captured as CUDA graphs, increasing (past the largest a step runs eagerly,
+    # unpadded); () on CPU: T is linear in rows. Not part of the JSON: the device says it at start.
+    graph_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("c0", "c_seq", "c_ctx", "c_tok", "c_defer", "c_deferred"):
             value = getattr(self, name)
             if not (math.isfinite(value) and value >= 0.0):
                 raise ValueError(f"latency model coefficient {name} must be finite and >= 0, got {value!r}")
+        self.graph_batch_sizes = _graph_sizes(self.graph_batch_sizes)
 
     def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float:
+        if self.graph_batch_sizes and not extra_tokens:
+            n_seqs = padded_rows(self.graph_batch_sizes, n_seqs)
         return self.c0 + self.c_seq * n_seqs + self.c_ctx * ctx_tokens + self.c_tok * extra_tokens
+
+    def padded(self, seqs: np.ndarray) -> np.ndarray:
+        """Decode rows as the captured graph sizes they replay at (float64; unchanged without sizes)."""
+        seqs = np.asarray(seqs, dtype=np.float64)
+        sizes = self.graph_batch_sizes
+        if not sizes:
+            return seqs
+        table = np.array(sizes, dtype=np.float64)
+        index = np.searchsorted(table, seqs, side="left")
+        inside = (index < len(table)) & (seqs > 0)
+        return np.where(inside, table[np.minimum(index, len(table) - 1)], seqs)
+
+    def padding_s(self, seqs: np.ndarray) -> np.ndarray:
+        """Seconds the graph padding adds to a decode step of each row count (0 without sizes)."""
+        seqs = np.asarray(seqs, dtype=np.float64)
+        return (self.padded(seqs) - seqs) * self.c_seq
 
     def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
         out = ctx_lens * self.c_ctx
@@ -131,6 +158,19 @@ class ConstantLatencyModel:
     @classmethod
     def load(cls, path: str | Path) -> ConstantLatencyModel:
         return _expect(cls, load_model(path))
+
+
+def padded_rows(sizes: tuple[int, ...], rows: int) -> int:
+    """The captured size a decode step of `rows` replays at: the next one up, itself past the largest."""
+    index = bisect.bisect_left(sizes, rows)
+    return sizes[index] if rows > 0 and index < len(sizes) else rows
+
+
+def _graph_sizes(sizes: Iterable[int]) -> tuple[int, ...]:
+    out = tuple(int(size) for size in sizes)
+    if any(size < 1 for size in out) or any(later <= earlier for earlier, later in zip(out, out[1:], strict=False)):
+        raise ValueError(f"graph_batch_sizes must be increasing integers >= 1, got {out!r}")
+    return out
 
 
 def _expect(cls: type, model: object) -> Any:
@@ -401,6 +441,8 @@ class OnlineRefit:
             return self._skip(f"fewer than {self.min_samples} samples")
         seqs, ctx, lat, _ = _columns(self._buf)
         model = self.model
+        if isinstance(model, LinearLatencyModel):  # decode steps cost their padded rows
+            seqs = model.padded(seqs)
         if isinstance(model, ConstantLatencyModel):
             changed = model.value_s != float(lat.max())
             model.value_s = float(lat.max())
