@@ -166,19 +166,16 @@ def _version_mismatch() -> str | None:
 
 
 def _note_once(line: str) -> None:
-    """One line on stderr per server: logging is not configured yet in any SGLang process when
-    plugins load, so a log record here would be dropped. The process that loads plugins first (the
-    launcher, before it spawns the scheduler and detokenizer) writes it; the env var keeps its
-    children quiet."""
+    """One line on stderr per server (logging is not configured yet when plugins load); the env var
+    keeps the launcher's children quiet."""
     if os.environ.get(VERSION_NOTED_ENV) != "1":
         os.environ[VERSION_NOTED_ENV] = "1"
         print(f"WARNING {line}", file=sys.stderr, flush=True)
 
 
 def _register_support_check() -> None:
-    """The launcher loads plugins before it resolves the arguments: modes Branchwise does not run
-    with fail the launch at resolution, before a model loads (support.py). Once per process (a
-    second register() in one process, as in tests, adds no second check)."""
+    """Refused modes fail the launch at argument resolution, before a model loads (support.py);
+    registered once per process."""
     from sglang.srt.arg_groups import resolution_hooks
 
     from branchwise import support

@@ -43,9 +43,8 @@ def _plain_mode(sched: Scheduler) -> str | None:
 
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
-    """The scheduler's fork manager, or None where server-side branching cannot run. It counts freed
-    orphans in taper's Prometheus series (under --enable-metrics). The scheduler's tree cache, which
-    the output streamer shares, gets a reference to it for the stream_output hook."""
+    """The scheduler's fork manager (None where server-side branching cannot run), also hung on the
+    tree cache, which the output streamer shares, for the stream_output hook."""
     why = _plain_mode(scheduler)
     if why is not None:
         logger.info("Branchwise server-side fork/join off: %s", why)
@@ -134,10 +133,8 @@ def _streamable(req: Req) -> bool:
 
 
 def after_is_fully_idle(result: bool, scheduler: Scheduler, *args: Any, **kwargs: Any) -> bool:
-    """Not idle while a request is parked or a fork/join waits for the next scheduling point: the
-    idle sleeper would otherwise wait for a new request before joining. When SGLang itself is fully
-    idle (a plain call: nothing running, waiting or in flight), this is where the leak check runs
-    (aborts.idle): a parked request that nothing can resume is freed and counted."""
+    """Not idle while a request is parked or a fork/join is pending (the idle sleeper would not join);
+    when SGLang itself is fully idle, the leak check runs (aborts.idle)."""
     mgr = scheduler.branchwise.fork
     if not result or mgr is None or not mgr.reg.phases:
         return result

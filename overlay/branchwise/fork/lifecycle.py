@@ -39,11 +39,8 @@ def start_tracking(mgr: ForkManager, req: Req, det: Detector | None, grammar: st
 
 
 def hook_tracked_request(req: Req) -> None:
-    """Per-request hook on `Req.update_finish_state`, set on the instance of each tracked request.
-    Not a HookRegistry target on purpose: a class-level AROUND runs for every row of every batch
-    (~1 us per row per step on CPU), this runs only for tracked rows. It wraps the class's method
-    as resolved then (class-level hooks of plugins are applied before any Req exists, so they stay
-    inside)."""
+    """Per-request hook on `Req.update_finish_state`, set on each tracked instance; hot path: a
+    class-level hook would run for every row of every batch."""
     cls_fn = type(req).update_finish_state
     req.update_finish_state = functools.partial(around_update_finish_state, cls_fn, req)
 

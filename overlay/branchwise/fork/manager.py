@@ -82,13 +82,11 @@ class ForkManager:
         self.limits = ForkLimits(max_fanout=cfg.branch_max_fanout,
                                  max_branch_tokens=cfg.branch_max_branch_tokens
                                  or getattr(sched, "max_total_num_tokens", None) or 1 << 62)
-        # fork.build hands over taper's, under --enable-metrics)
+        # hooks.build hands over taper's, under --enable-metrics)
         self.metrics: BranchwiseMetrics | None = None
-        # Set by the first track() and never reset: until then no output row can need filtering,
-        # later a finished branch may still sit in an in-flight batch whose output must be dropped.
+        # set by the first tracked request, never reset: until then no output row needs filtering
         self.tracking = False
         self._tok = sched.tokenizer
-        # headers, close tags, separators: bounded, since headers carry each request's own text
         self._enc = functools.lru_cache(maxsize=ENC_CACHE)(self._encode_uncached)
 
     @property
