@@ -86,3 +86,21 @@ def test_the_refit_fits_padded_rows():
         refit.observe(rows, ctx, truth.predict(rows, ctx))
     assert padded.c0 == pytest.approx(50e-3, rel=1e-6) and padded.c_seq == pytest.approx(1e-3, rel=1e-6)
     assert padded.c_ctx == pytest.approx(2e-7, rel=1e-4) and padded.graph_batch_sizes == truth.graph_batch_sizes
+
+
+def test_a_padded_plan_predicts_what_the_model_predicts_for_its_rows():
+    """Random batches and budgets: the plan's predicted time is T(S) of the rows it runs (padded), and
+    it is within budget unless the protected rows alone are over it and nothing it added costs time."""
+    rng = np.random.default_rng(1)
+    padded = model(c_ctx=2e-7)
+    for _ in range(300):
+        ready = rng.integers(1, 5, size=int(rng.integers(1, 8))).tolist()
+        step = ArrayBatch(rids=[f"r{i}" for i in range(len(ready))], ready=np.array(ready, dtype=np.int64),
+                          ctx=rng.integers(10, 3000, size=sum(ready)).astype(np.int64), slack_s=np.zeros(len(ready)))
+        budget = float(rng.uniform(10e-3, 30e-3))
+        for options in (PlanOptions(), PlanOptions(fill=True)):
+            plan = plan_step(step, padded, budget, options)
+            keep = np.arange(len(step.ctx)) < (step.starts + plan.widths).repeat(step.ready)
+            assert plan.predicted_s == pytest.approx(padded.predict(plan.rows, int(step.ctx[keep].sum())), rel=1e-9)
+            protected_s = padded.predict(len(ready), step.protected_ctx)
+            assert plan.predicted_s <= max(budget, protected_s) * (1 + 1e-9)
