@@ -1,4 +1,5 @@
-"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate."""
+"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
+Design: docs/design/client-phases.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`)."""
+"""Branch phases for unchanged SGLang frontend programs (`s.fork(n)` ... `join`).
+Design: docs/design/client-phases.md."""
 
 from __future__ import annotations
 

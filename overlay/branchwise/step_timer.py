@@ -1,4 +1,5 @@
-"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only)."""
+"""Per-iteration time split of the SGLang scheduler loop: a diagnostics instrument (benchmarks only).
+Design: docs/design/step-timer.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""--async-output (Albireo): result processing off the scheduler's critical path, outputs unchanged."""
+"""--async-output (Albireo): result processing off the scheduler's critical path, outputs unchanged.
+Design: docs/design/albireo-async-output.md."""
 
 from __future__ import annotations
 

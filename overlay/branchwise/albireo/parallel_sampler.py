@@ -1,4 +1,5 @@
-"""Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import."""
+"""Sequence-parallel sampling (Albireo) for SGLang's torch sampling path; no SGLang import.
+Design: docs/design/albireo-parallel-sampling.md."""
 
 from __future__ import annotations
 

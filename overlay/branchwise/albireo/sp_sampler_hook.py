@@ -1,4 +1,5 @@
-"""--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample."""
+"""--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample.
+Design: docs/design/albireo-parallel-sampling.md."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Server-side fork/join of parallel phases (Multiverse, SPRINT): the top of the fork package,
-with the hook bodies and `build`.
+with the hook bodies and `build` (docs/design/server-fork.md).
 """
 
 from __future__ import annotations

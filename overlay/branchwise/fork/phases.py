@@ -1,5 +1,5 @@
 """The parallel-phase lifecycle, pure (no SGLang import): what a phase is, the one state machine it
-goes through from fork to join, and the text a sequence's detector reads.
+goes through from fork to join, and the text a sequence's detector reads (docs/design/server-fork.md).
 """
 
 from __future__ import annotations

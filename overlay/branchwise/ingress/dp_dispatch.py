@@ -1,4 +1,5 @@
-"""Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank."""
+"""Phase-affine data-parallel dispatch: every request of one phase goes to one DP rank.
+Design: docs/design/dp-dispatch.md."""
 
 from __future__ import annotations
 

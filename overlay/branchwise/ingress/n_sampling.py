@@ -1,4 +1,5 @@
-"""SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process."""
+"""SGLang's own parallel samples (`n > 1`) as one Branchwise phase, stamped in the HTTP server process.
+Design: docs/design/n-sampling.md."""
 
 from __future__ import annotations
 

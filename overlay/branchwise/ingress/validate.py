@@ -1,4 +1,5 @@
-"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler."""
+"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
+Design: docs/design/request-validation.md."""
 
 from __future__ import annotations
 

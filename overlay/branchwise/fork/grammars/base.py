@@ -1,4 +1,5 @@
-"""Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure)."""
+"""Shared machinery of the branch-structure detectors: events, tag lexer, stack machine (pure).
+Design: docs/design/branch-grammars.md."""
 
 from __future__ import annotations
 

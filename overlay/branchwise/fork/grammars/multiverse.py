@@ -1,4 +1,5 @@
-"""Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags)."""
+"""Multiverse detector: Map / Process / Reduce phases in <Parallel> blocks (tags via MultiverseTags).
+Design: docs/design/branch-grammars.md."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""SPRINT detector: rounds of planning and parallel execution (tags via SprintTags)."""
+"""SPRINT detector: rounds of planning and parallel execution (tags via SprintTags).
+Design: docs/design/branch-grammars.md."""
 
 from __future__ import annotations
 
