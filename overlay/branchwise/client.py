@@ -13,7 +13,7 @@ from typing import Any
 import aiohttp
 
 from branchwise import request_meta
-from branchwise.ingress.dp_dispatch import affinity_key
+from branchwise.request_meta import affinity_key, branch_rid
 
 ROUTING_HEADER = "X-SMG-Routing-Key"
 MAX_ROUTING_KEY_BYTES = 128  # smg ignores a longer key (and routes by the prompt instead)
@@ -25,15 +25,6 @@ def new_group(prefix: str = "fork") -> str:
     if not prefix or "/" in prefix:
         raise ValueError(f"group prefix must be non-empty and free of '/', got {prefix!r}")
     return f"{prefix}-{uuid.uuid4().hex[:12]}"
-
-
-def branch_rid(group: str, branch: int, turn: int = 0) -> str:
-    """Rid of branch `branch`'s `turn`-th request in `group` (abort prefix of the group: f"{group}/")."""
-    if not group:
-        raise ValueError("group must be a non-empty string")
-    if branch < 0 or turn < 0:
-        raise ValueError(f"branch and turn must be >= 0, got {branch}, {turn}")
-    return f"{group}/b{branch}/{turn}"
 
 
 def stamp_branch(sampling_params: dict[str, Any] | None, group: str, branch: int, fanout: int,
@@ -51,7 +42,7 @@ def stamp_serial(sampling_params: dict[str, Any] | None, slo_tpot_ms: float | No
 
 def routing_headers(sampling_params: dict[str, Any] | None, routing_key: str | None = None) -> dict[str, str]:
     """The router header of a request: `routing_key`, else its stamp's phase, each up to its first
-    "/" (dp_dispatch.affinity_key: the key a DP server places it by too); {} for neither."""
+    "/" (request_meta.affinity_key: the key a DP server places it by too); {} for neither."""
     custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
     key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(custom)
     if key is None:

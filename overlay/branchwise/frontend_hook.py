@@ -164,12 +164,10 @@ class FrontendHook(importlib.abc.MetaPathFinder):
 
     def _arm(self, executor: StreamExecutor) -> None:
         """Queue the stamp for the next /generate body the executor sends (a tagged branch only)."""
-        from branchwise.client import branch_rid
-
         tag: BranchTag | None = getattr(executor, "_bw_tag", None)
         if tag is None:
             return
-        rid = branch_rid(tag.group, tag.index, executor._bw_turn)
+        rid = request_meta.branch_rid(tag.group, tag.index, executor._bw_turn)
         executor._bw_turn += 1
         executor._bw_stamp = (rid, {"phase": tag.group, "branch": tag.index, "fanout": tag.fanout,
                                     **self.defaults})

@@ -11,6 +11,7 @@ _FIELDS = frozenset({"phase", "branch", "fanout", "slo_tpot_ms", "weight", "gram
 INT_MAX = 2**31 - 1  # branch/fanout: far above any real fanout, and a plain int everywhere downstream
 FLOAT_MAX = 1e9  # slo_tpot_ms/weight: finite, and its products with token counts stay finite
 MAX_SHOWN = 40  # characters of an offending value quoted in an error
+MAX_KEY_CHARS = 256  # a longer routing key is truncated: what keys it stays bounded whatever clients send
 
 
 class MetaError(ValueError):
@@ -96,6 +97,32 @@ def parse(custom_params: object) -> RequestMeta:
     return RequestMeta(phase=phase, branch=branch, fanout=fanout,
                        slo_tpot_ms=_num(fields, "slo_tpot_ms", float, 1e-3, FLOAT_MAX, None),
                        weight=_num(fields, "weight", float, 0.0, FLOAT_MAX, 1.0), grammar=grammar)
+
+
+# ---- rids and routing keys: the scheme client and server share ----------------------------------
+def branch_rid(group: str, branch: int, turn: int = 0) -> str:
+    """Rid of branch `branch`'s `turn`-th request in `group` (abort prefix of the group: f"{group}/")."""
+    if not group:
+        raise ValueError("group must be a non-empty string")
+    if branch < 0 or turn < 0:
+        raise ValueError(f"branch and turn must be >= 0, got {branch}, {turn}")
+    return f"{group}/b{branch}/{turn}"
+
+
+def _root(value: object) -> str | None:
+    if not isinstance(value, str) or not value:
+        return None
+    return value.split("/", 1)[0][:MAX_KEY_CHARS] or None
+
+
+def affinity_key(custom_params: object, routing_key: object = None) -> str | None:
+    """The key that keeps a request with its phase, or None (the configured method places it).
+    Total over client input: anything malformed is None here; the scheduler rejects bad stamps."""
+    if isinstance(custom_params, dict):
+        meta = custom_params.get(KEY)
+        if isinstance(meta, dict) and (key := _root(meta.get("phase"))) is not None:
+            return key
+    return _root(routing_key)
 
 
 def stamp(sampling_params: dict[str, Any] | None, **fields: Any) -> dict[str, Any]:

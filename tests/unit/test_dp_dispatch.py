@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 
+from branchwise import request_meta
 from branchwise.ingress import dp_dispatch as dp
 
 
@@ -29,7 +30,7 @@ def cp(**fields: Any) -> dict:
     ({"other": 1}, None, None),
 ])
 def test_affinity_key(custom_params: Any, routing_key: Any, key: str | None) -> None:
-    assert dp.affinity_key(custom_params, routing_key) == key
+    assert request_meta.affinity_key(custom_params, routing_key) == key
 
 
 @pytest.mark.parametrize("custom_params", [
@@ -37,11 +38,11 @@ def test_affinity_key(custom_params: Any, routing_key: Any, key: str | None) -> 
     cp(phase="/leading"), {"branchwise": {"phase": ["a"]}},
 ])
 def test_affinity_key_is_total_over_malformed_input(custom_params: Any) -> None:
-    assert dp.affinity_key(custom_params, routing_key=7) is None
+    assert request_meta.affinity_key(custom_params, routing_key=7) is None
 
 
 def test_affinity_key_length_is_bounded() -> None:
-    assert len(dp.affinity_key(cp(phase="x" * 10_000))) == dp.MAX_KEY_CHARS
+    assert len(request_meta.affinity_key(cp(phase="x" * 10_000))) == request_meta.MAX_KEY_CHARS
 
 
 def test_phase_ranks_remembers_and_routes() -> None:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from branchwise import request_meta
+from branchwise.request_meta import affinity_key
 
 if TYPE_CHECKING:
     from sglang.srt.managers.data_parallel_controller import DataParallelController
@@ -21,29 +22,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-KEY = "branchwise"
 MAX_PHASES = 4096  # keys remembered by the controller (oldest evicted)
 MAX_REPORTED = 256  # phases a scheduler lists in /server_info (its most recent)
-MAX_KEY_CHARS = 256  # a longer key is truncated: the map's memory stays bounded whatever clients send
 
 
 # ---- pure logic ----------------------------------------------------------------------------------
-def _root(value: object) -> str | None:
-    if not isinstance(value, str) or not value:
-        return None
-    return value.split("/", 1)[0][:MAX_KEY_CHARS] or None
-
-
-def affinity_key(custom_params: object, routing_key: object = None) -> str | None:
-    """The key that keeps a request with its phase, or None (the configured method places it).
-    Total over client input: anything malformed is None here; the scheduler rejects bad stamps."""
-    if isinstance(custom_params, dict):
-        meta = custom_params.get(KEY)
-        if isinstance(meta, dict) and (key := _root(meta.get("phase"))) is not None:
-            return key
-    return _root(routing_key)
-
-
 @dataclass
 class PhaseRanks:
     """Affinity key -> DP rank, least recently used evicted past `capacity`."""

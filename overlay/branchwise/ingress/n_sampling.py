@@ -7,8 +7,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise.ingress.dp_dispatch import affinity_key
-from branchwise.request_meta import KEY
+from branchwise.request_meta import KEY, affinity_key, branch_rid
 
 if TYPE_CHECKING:
     from sglang.srt.managers.io_struct import GenerateReqInput, TokenizedGenerateReqInput
@@ -101,8 +100,6 @@ def around_regenerate_rid(orig: Callable[..., str], obj: GenerateReqInput, *args
     setattr(obj, SAMPLE, sample)
     if sample.branch is None:
         return orig(obj, *args, **kwargs)
-    from branchwise.client import branch_rid
-
     obj.rid = branch_rid(expansion.phase, sample.branch)
     return obj.rid
 
