@@ -91,47 +91,47 @@ def build(scheduler: Scheduler) -> Branchwise:
 
 
 # ---- hook bodies (targets in plugin.py) ---------------------------------------------------------
-def after_scheduler_init(result: None, self: Scheduler, *args: Any, **kwargs: Any) -> None:
-    build(self)
+def after_scheduler_init(result: None, scheduler: Scheduler, *args: Any, **kwargs: Any) -> None:
+    build(scheduler)
 
 
-def after_get_internal_state(result: GetInternalStateReqOutput, self: Scheduler,
+def after_get_internal_state(result: GetInternalStateReqOutput, scheduler: Scheduler,
                              *args: Any, **kwargs: Any) -> GetInternalStateReqOutput:
-    bw = of(self)
+    bw = of(scheduler)
     state = getattr(result, "internal_state", None)
     if bw is not None and isinstance(state, dict):
         state.update(bw.report())
     return result
 
 
-def after_create_generation_req(req: Req, self: Scheduler, recv_req: TokenizedGenerateReqInput,
+def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: TokenizedGenerateReqInput,
                                 *args: Any, **kwargs: Any) -> Req:
     """A new client request: taper parses its stamp (`req.bw_meta`), which fork (grammar, tracking)
     and dp (the rows of its phase) then read."""
-    bw = of(self)
+    bw = of(scheduler)
     if bw is None or bw.taper is None:
         return req
     scheduler_hook.on_request_created(bw.taper, req)
-    fork.after_create_generation_req(req, self, recv_req, *args, **kwargs)
+    fork.after_create_generation_req(req, scheduler, recv_req, *args, **kwargs)
     if bw.dp is not None:
         bw.dp.on_request_created(req)
     return req
 
 
-def after_add_request_to_queue(result: None, self: Scheduler, req: Req, *args: Any, **kwargs: Any) -> None:
+def after_add_request_to_queue(result: None, scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any) -> None:
     """A request entered the waiting queue (a client's, a server-side fork branch, or one coming back):
     the metrics count branch requests and phases, and follow it to its SLO verdict (metrics.py)."""
-    bw = of(self)
+    bw = of(scheduler)
     if bw is not None and bw.taper is not None and bw.taper.metrics is not None:
         metrics.on_queued(bw.taper.metrics, req, bw.config)
     return result
 
 
-def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
+def after_process_batch_result(result: object, scheduler: Scheduler, batch: ScheduleBatch,
                                *args: Any, **kwargs: Any) -> object:
     """TAPER's deliveries and refit (scheduler_hook), then the per-step series of every policy."""
-    result = scheduler_hook.after_process_batch_result(result, self, batch, *args, **kwargs)
-    taper = scheduler_hook.state_of(self)
-    if taper is not None and taper.metrics is not None:
-        metrics.observe_batch(taper.metrics, batch, taper.controller is not None)
+    result = scheduler_hook.after_process_batch_result(result, scheduler, batch, *args, **kwargs)
+    state = scheduler_hook.state_of(scheduler)
+    if state is not None and state.metrics is not None:
+        metrics.observe_batch(state.metrics, batch, state.controller is not None)
     return result
