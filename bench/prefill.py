@@ -22,10 +22,14 @@ import json
 import math
 from dataclasses import dataclass, replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
 from bench.engine import EngineConfig
+
+if TYPE_CHECKING:
+    from bench.capacity import CapacityOptions
 from bench.workload import DEFAULT_TRACE, Trace, load_trace, write_trace
 from branchwise.taper import LinearLatencyModel, parse_policy_name
 from branchwise.taper.prefill_budget import PrefillRule, min_chunk_for
@@ -162,9 +166,145 @@ def verdict_lines(detail: dict, means: dict | None = None, focus: str = RULED) -
     return out
 
 
+def run_points(opts: CapacityOptions, fracs: list[float], out: Path) -> Path:
+    """bench.capacity's points at fixed fractions of the fluid bound, seed by seed, each appended to
+    out/points.jsonl as it ends (a run cut short keeps what it measured; points already there are
+    not run again)."""
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    from bench.capacity import seed_list, sim_engine
+
+    engine = sim_engine(opts)
+    bound = engine.fluid_bound_rps
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(engine.config | {"fracs": fracs, "policies": opts.policies,
+                                                                 "ttft_target_s": opts.ttft_target_s},
+                                                default=str, indent=1))
+    path = out / "points.jsonl"
+    done = set()
+    if path.exists():
+        done = {(pt["policy"], pt["frac"], pt["seed"]) for pt in map(json.loads, path.read_text().splitlines())}
+    policies = [variant_name(name) for name in opts.policies.split(",") if name.strip()]
+    jobs = [(policy, frac, seed) for seed in seed_list(opts.seeds) for frac in fracs for policy in policies
+            if (policy, frac, seed) not in done]
+    with ProcessPoolExecutor(max(opts.jobs, 1)) as pool, path.open("a") as sink:
+        futs = {pool.submit(engine.point, policy, round(frac * bound, 6), seed): (policy, frac, seed)
+                for policy, frac, seed in jobs}
+        for fut in as_completed(futs):
+            policy, frac, seed = futs[fut]
+            sink.write(json.dumps(fut.result() | {"policy": policy, "frac": frac, "seed": seed}) + "\n")
+            sink.flush()
+    return path
+
+
+def points_report(out: Path, markdown: bool = False) -> str:
+    """Per workload run (run_points): per policy and seed the capacity on the fixed rates (the highest
+    rate with it and every lower one held, bench.capacity.holds), then per rate the means over seeds
+    of TPOT attainment / TTFT attainment / TTFT P50 / TTFT P99 / decomposable P50 end to end."""
+    from bench.capacity import holds
+
+    conf = json.loads((out / "config.json").read_text())
+    pts = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
+    policies = list(dict.fromkeys(variant_name(name) for name in conf["policies"].split(",") if name.strip()))
+    fracs = sorted({pt["frac"] for pt in pts})
+    seeds = sorted({pt["seed"] for pt in pts})
+    got = {(pt["policy"], pt["frac"], pt["seed"]): pt for pt in pts}
+    bound = conf["fluid_bound_rps"]
+    lines = [f"fluid bound {bound:.3f} req/s (prefill work included); TTFT target {conf['ttft_target_s']} s; "
+             f"rates {', '.join(f'{frac:g}' for frac in fracs)} x bound; seeds with points: {seeds}",
+             "capacity per seed: highest fixed rate held with every lower one (0: the first fails; ?: missing)",
+             "per rate: TPOT att / TTFT att / TTFT P50 s / TTFT P99 s / decomposable P50 e2e s (means over seeds)"]
+    if markdown:
+        lines += ["", "| policy | capacity per seed | " + " | ".join(f"{frac * bound:.3f} req/s" for frac in fracs) + " |",
+                  "|---|---|" + "---|" * len(fracs)]
+    else:
+        lines.append(f"{'policy':<18}{'capacity per seed':<24}"
+                     + "".join(f"{frac * bound:>34.3f}" for frac in fracs))
+    for policy in policies:
+        caps = []
+        for seed in seeds:
+            cap = 0.0
+            for frac in fracs:
+                point = got.get((policy, frac, seed))
+                if point is None:
+                    cap = None
+                    break
+                if not holds(point):
+                    break
+                cap = frac * bound
+            caps.append("?" if cap is None else f"{cap:.3f}")
+        cells = []
+        for frac in fracs:
+            here = [got[(policy, frac, seed)] for seed in seeds if (policy, frac, seed) in got]
+
+            def avg(key: str, here: list[dict] = here) -> float | None:
+                vals = [pt[key] for pt in here if pt.get(key) is not None]
+                return float(np.mean(vals)) if vals else None
+            cells.append(f"{_pct(avg('attainment'), True)}/{_pct(avg('ttft_attainment'), True)}/"
+                         f"{_pct(avg('ttft_p50_s'))}/{_pct(avg('p99_ttft_s'))}/{_pct(avg('decomp_e2e_p50_s'))}"
+                         + ("" if len(here) == len(seeds) else f"({len(here)})"))
+        if markdown:
+            lines.append(f"| {policy} | {' / '.join(caps)} | " + " | ".join(cells) + " |")
+        else:
+            lines.append(f"{policy:<18}{' '.join(caps):<24}" + "".join(f"{cell:>34}" for cell in cells))
+    lines += _points_verdict(got, policies, fracs, seeds, bound)
+    return "\n".join(lines)
+
+
+def _points_verdict(got: dict, policies: list[str], fracs: list[float], seeds: list[int],
+                    bound: float) -> list[str]:
+    """Per seed, the issue's acceptance on the fixed rates: (a) taper-prefill's capacity >= every
+    other entry's; (b) at every rate where some entry holds, taper-prefill holds with decomposable
+    P50 end to end within FRONTIER_SLACK of the best holder's."""
+    from bench.capacity import FRONTIER_SLACK, holds
+
+    if RULED not in policies:
+        return []
+    out = []
+    for seed in seeds:
+        if any((policy, frac, seed) not in got for policy in policies for frac in fracs):
+            out.append(f"seed {seed}: incomplete")
+            continue
+
+        def cap(policy: str, seed: int = seed) -> float:
+            held = 0.0
+            for frac in fracs:
+                if not holds(got[(policy, frac, seed)]):
+                    break
+                held = frac * bound
+            return held
+        mine = cap(RULED)
+        above = [policy for policy in policies if cap(policy) > mine + 1e-12]
+        fails = [f"capacity below {', '.join(above)}"] if above else []
+        for frac in fracs:
+            holders = [got[(policy, frac, seed)] for policy in policies if holds(got[(policy, frac, seed)])]
+            if not holders:
+                continue
+            own = got[(RULED, frac, seed)]
+            best = min(pt["decomp_e2e_p50_s"] for pt in holders)
+            if not holds(own):
+                fails.append(f"does not hold at {frac * bound:.3f}")
+            elif own["decomp_e2e_p50_s"] > FRONTIER_SLACK * best:
+                fails.append(f"dP50 {own['decomp_e2e_p50_s'] / best:.3f}x the best at {frac * bound:.3f}")
+        out.append(f"seed {seed}: {'FAIL (' + '; '.join(fails) + ')' if fails else 'PASS'}")
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.prefill", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
+    pts = sub.add_parser("points", help="capacity points at fixed fractions of the bound, kept as they end")
+    pts.add_argument("--trace", required=True)
+    pts.add_argument("--out", required=True)
+    pts.add_argument("--preset", default="multiverse")
+    pts.add_argument("--fracs", default="0.7,0.85,1.0,1.15")
+    pts.add_argument("--seeds", default="0,1,2")
+    pts.add_argument("--policies", default=",".join((*BASELINES, RULED)))
+    pts.add_argument("--jobs", type=int, default=2)
+    pts.add_argument("--ttft-target-s", type=float, default=TTFT_TARGET_S)
+    prep = sub.add_parser("points-report", help="the table of a `points` run")
+    prep.add_argument("dir")
+    prep.add_argument("--markdown", action="store_true")
     longp = sub.add_parser("longprompt", help="write the long-prompt workload's trace CSV")
     longp.add_argument("out")
     longp.add_argument("--base", default=DEFAULT_TRACE)
@@ -172,6 +312,16 @@ def main(argv: list[str] | None = None) -> int:
     rep = sub.add_parser("report", help="TTFT beside TPOT attainment from a bench.capacity run")
     rep.add_argument("dir")
     args = parser.parse_args(argv)
+    if args.cmd == "points":
+        from bench.capacity import CapacityOptions
+
+        opts = CapacityOptions(args.trace, args.out, args.policies, seeds=args.seeds, preset=args.preset,
+                               jobs=args.jobs, ttft_target_s=args.ttft_target_s)
+        print(run_points(opts, [float(frac) for frac in args.fracs.split(",")], Path(args.out)))
+        return 0
+    if args.cmd == "points-report":
+        print(points_report(Path(args.dir), args.markdown))
+        return 0
     if args.cmd == "longprompt":
         trace = long_prompt_trace(load_trace(args.base), args.seed)
         write_trace(args.out, trace)

@@ -138,3 +138,23 @@ def test_long_prompt_trace_has_the_published_median() -> None:
     assert np.array_equal(trace.arrival_s, base.arrival_s)
     assert 1300 < np.median(trace.prompt_tokens) < 1700
     assert trace.prompt_tokens.min() >= 1 and trace.prompt_tokens.max() <= 16000
+
+
+def test_points_report_reads_capacity_on_the_fixed_rates(tmp_path) -> None:
+    import json
+
+    from bench.prefill import points_report
+
+    (tmp_path / "config.json").write_text(json.dumps({"fluid_bound_rps": 1.0, "ttft_target_s": 2.5,
+                                                      "policies": "eager@512,taper-prefill"}))
+
+    def point(policy: str, frac: float, att: float) -> dict:
+        return {"policy": policy, "frac": frac, "seed": 0, "attainment": att, "queue_growth": 0.0,
+                "ttft_attainment": 1.0, "ttft_p50_s": 0.1, "p99_ttft_s": 0.5, "decomp_e2e_p50_s": 40.0}
+    pts = [point("eager@512", 0.7, 0.99), point("eager@512", 0.85, 0.90),
+           point("taper-prefill", 0.7, 0.99), point("taper-prefill", 0.85, 0.97)]
+    (tmp_path / "points.jsonl").write_text("\n".join(map(json.dumps, pts)))
+    lines = points_report(tmp_path).splitlines()
+    rows = {line.split()[0]: line.split()[1] for line in lines[4:6]}
+    assert rows == {"eager@512": "0.700", "taper-prefill": "0.850"}
+    assert lines[6] == "seed 0: PASS"
