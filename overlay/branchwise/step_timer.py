@@ -21,9 +21,7 @@ if TYPE_CHECKING:
 
     from branchwise.config import BranchwiseConfig
 
-# Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT): the TAPER rows
-# (batch -> Rows), the plan (controller.select; its policy.plan part is `taper_planner`), the subset
-# preparation (deferral.run_subset) and the deliveries (after process_batch_result).
+# Branchwise's own per-step work, carved out of the SGLang span it runs in (PARENT)
 TAPER_SPANS = ("taper_rows", "taper_plan", "taper_planner", "taper_subset", "taper_deliver")
 PARENT = MappingProxyType({"taper_rows": "sched", "taper_plan": "sched", "taper_planner": "sched",
                           "taper_subset": "sched", "taper_deliver": "result"})
@@ -217,9 +215,8 @@ ATTR = "_branchwise_step_timer"  # on the model runner and the tree cache
 
 
 def build(scheduler: Scheduler, config: BranchwiseConfig | None) -> StepTimer | None:
-    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set); a fresh records file
-    and, beside it (`path + ".meta.json"`), the server's Branchwise settings, so a reader can tell
-    which policy wrote which records."""
+    """The scheduler's step timer (None unless env BRANCHWISE_STEP_TIMER is set), with a fresh records
+    file and the server's settings beside it (`path + ".meta.json"`)."""
     from sglang.srt.runtime_context import get_parallel
 
     if enabled() is None:

@@ -128,8 +128,7 @@ def check(config: BranchwiseConfig, modes: ServingModes) -> None:
 
 # ---- SGLang side: read the resolved arguments (imports SGLang lazily) ---------------------------
 def resolved_modes(server_args: ServerArgs) -> ServingModes:
-    """The ServingModes of resolved arguments, as the scheduler will see them (require_mlp_sync's
-    terms, read from the arguments rather than the runtime context that publishes them later)."""
+    """The ServingModes of resolved arguments, as the scheduler will see them."""
     from sglang.srt.arg_groups.overrides import resolving_view
     from sglang.srt.model_executor.cuda_graph_config import Backend
     from sglang.srt.runtime_context import attn_dp_enabled_of
@@ -156,8 +155,7 @@ def resolved_modes(server_args: ServerArgs) -> ServingModes:
 
 
 def guard_scheduler(scheduler: Any, config: BranchwiseConfig) -> None:
-    """Behind the start-time check, in the scheduler (runtime.build): a refused mode that reached
-    one anyway (a launcher that skipped SGLang's resolution) stops it before it serves a request."""
+    """In the scheduler, behind the start-time check: a refused mode that got here stops it."""
     from branchwise import deferral
 
     if config.step_controller and (why := deferral.why_unsupported(scheduler)) is not None:

@@ -46,9 +46,8 @@ def _can_bind(port: int) -> bool:
 
 
 def free_port() -> int:
-    """A port nothing listens on, below the ephemeral range. A bind(0) port is ephemeral: in the
-    seconds before a server binds it (SGLang imports first), the kernel may hand it to any process's
-    bind(0) or outgoing socket (gloo, ZMQ, an HTTP client), and the server then fails to bind."""
+    """A port nothing listens on, below the ephemeral range (a bind(0) port may be handed to another
+    socket before the server binds it)."""
     low, _ = ephemeral_ports()
     rng = random.SystemRandom()
     for _ in range(100 if low > 12000 else 0):
@@ -99,9 +98,8 @@ class _Process:
         raise NotImplementedError
 
     def _spawn(self, env: dict[str, str], timeout_s: float, what: str) -> None:
-        """Start and wait until ready. A port the process failed to bind (another process took it
-        first) is picked again when this start picked it, up to BIND_TRIES times; a port the caller
-        gave fails at once. Without this a lost bind leaves uvicorn waiting to shut down, forever."""
+        """Start and wait until ready; a port this start picked and lost to another process is picked
+        again, up to BIND_TRIES times (a caller's port fails at once)."""
         picked = [name for name in self.auto_ports if not getattr(self, name)]
         for attempt in range(1, BIND_TRIES + 1):
             for name in picked:
@@ -193,11 +191,8 @@ class LocalServer(_Process):
         return self
 
 
-# smg in front of Branchwise servers (README "Scale-out"; the Makefile's ROUTER_ARGS are the same).
-# prefix_hash sends a request that carries an X-SMG-Routing-Key header to its key's worker, any other
-# by a hash of its prompt's first 256 tokens (1024 characters). The load factor and the overload veto
-# are what would move a request off its key's worker: both off, so a phase never splits. No tokenizer
-# autoload (it would fetch one from a hub); registration checked every second, not every 30 s.
+# smg in front of Branchwise servers (the Makefile's ROUTER_ARGS are the same): a request with an
+# X-SMG-Routing-Key goes to its key's worker and never spills, so a phase never splits.
 ROUTER_ARGS = ("--policy", "prefix_hash", "--prefix-hash-load-factor", "1000000",
                "--disable-worker-overload-protection", "--disable-tokenizer-autoload",
                "--worker-startup-check-interval", "1")
@@ -303,8 +298,8 @@ def _merge_values(vals: list[Any]) -> Any:
 
 
 def merged_state(url: str) -> dict[str, Any]:
-    """Every scheduler's internal state behind `url` merged (merge_reports): one server's, one
-    server with --dp-size N, or a router's workers. A component's report is one key of it."""
+    """Every scheduler's internal state behind `url` (a server, its DP ranks, or a router's workers),
+    merged (merge_reports)."""
     return merge_reports(scheduler_states(url))
 
 
@@ -321,8 +316,7 @@ def branchwise_report(url: str) -> dict[str, Any]:
 
 
 def branchwise_reports(url: str) -> dict[int, dict[str, Any]]:
-    """One server's per-scheduler Branchwise reports, by DP rank (the order of /server_info's
-    internal_states is not one a caller should rely on)."""
+    """One server's per-scheduler Branchwise reports, by DP rank."""
     reports = [state["branchwise"] for state in get_json(url + "/server_info")["internal_states"]
                if "branchwise" in state]
     return {rep.get("dp_rank", 0): rep for rep in reports}
