@@ -43,7 +43,7 @@ class OrderedSender:
         self.error: BaseException | None = None
         self.inline = False  # set_enabled(False): send on the calling thread (queue drained first)
         self.sent = 0
-        self.timer: StepTimer | None = None  # the step timer (bench), set by its build
+        self.timer: StepTimer | None = None
         self.thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.thread.start()
 
@@ -175,11 +175,8 @@ def check_match_stop_str_prefix(req: Req) -> bool:
 
 
 class TableTokenizer:
-    """The scheduler's tokenizer under --async-output, with plain decode(ids) calls served by a
-    TokenTable when there is one (`Req.tail_str` and friends decode output_ids[-k:] every step);
-    everything else is delegated unchanged. `enabled` switches the table and the prefix scan
-    (`around_check_match_stop_str_prefix`, which finds it as `req.tokenizer`) together.
-    """
+    """The scheduler's tokenizer under --async-output: plain decode(ids) calls (every step's tail
+    decodes) served by a TokenTable when there is one, everything else delegated unchanged."""
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, table: TokenTable | None) -> None:
         self._tok = tokenizer
@@ -286,8 +283,7 @@ def _wrap_tokenizer(scheduler: Scheduler) -> TableTokenizer | None:
 
 
 def _send_on_thread(scheduler: Scheduler) -> bool:
-    """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline;
-    `python -m bench.overhead --ab --stream` compares both)."""
+    """Whether sends go to the worker thread (env BRANCHWISE_ASYNC_SEND: auto = thread | inline)."""
     if getattr(scheduler, "rust_server", None) is not None:  # the Rust egress ring has its own thread
         return False
     mode = os.environ.get(SEND_ENV, "auto").strip().lower()
