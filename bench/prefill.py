@@ -125,8 +125,8 @@ def report(detail: dict, means: dict | None = None) -> str:
     lines = [f"fluid bound {bound:.3f} req/s (prefill work included); TTFT target {target} s",
              "per rate: TPOT att / TTFT att / TTFT P50 / TTFT P99 / decomposable P50 e2e (s), means over seeds"]
     policies = detail["policies"]
-    rates = sorted({pt["rate"] for entry in policies.values() for pt in entry["points"]})
-    grid = [rate for rate in rates if all(any(pt["rate"] == rate for pt in entry["points"])
+    rates = sorted({point["rate"] for entry in policies.values() for point in entry["points"]})
+    grid = [rate for rate in rates if all(any(point["rate"] == rate for point in entry["points"])
                                           for entry in policies.values())]
     lines.append(f"{'policy':<16}{'capacity':>9} {'x bound':>7}  per seed" + "".join(
         f"{rate:>31.3f}" for rate in grid))
@@ -135,10 +135,10 @@ def report(detail: dict, means: dict | None = None) -> str:
         mean = float(np.mean(caps))
         cells = []
         for rate in grid:
-            pts = [pt for pt in entry["points"] if pt["rate"] == rate]
+            pts = [point for point in entry["points"] if point["rate"] == rate]
 
             def avg(key: str, pts: list[dict] = pts) -> float | None:
-                vals = [pt[key] for pt in pts if pt.get(key) is not None]
+                vals = [point[key] for point in pts if point.get(key) is not None]
                 return float(np.mean(vals)) if vals else None
             cells.append(f"{_pct(avg('attainment'), True)}/{_pct(avg('ttft_attainment'), True)}/"
                          f"{_pct(avg('ttft_p50_s'))}/{_pct(avg('p99_ttft_s'))}/{_pct(avg('decomp_e2e_p50_s'))}")
@@ -183,7 +183,7 @@ def run_points(opts: CapacityOptions, fracs: list[float], out: Path) -> Path:
     path = out / "points.jsonl"
     done = set()
     if path.exists():
-        done = {(pt["policy"], pt["frac"], pt["seed"]) for pt in map(json.loads, path.read_text().splitlines())}
+        done = {(point["policy"], point["frac"], point["seed"]) for point in map(json.loads, path.read_text().splitlines())}
     policies = [variant_name(name) for name in opts.policies.split(",") if name.strip()]
     jobs = [(policy, frac, seed) for seed in seed_list(opts.seeds) for frac in fracs for policy in policies
             if (policy, frac, seed) not in done]
@@ -206,9 +206,9 @@ def points_report(out: Path, markdown: bool = False) -> str:
     conf = json.loads((out / "config.json").read_text())
     pts = [json.loads(line) for line in (out / "points.jsonl").read_text().splitlines()]
     policies = list(dict.fromkeys(variant_name(name) for name in conf["policies"].split(",") if name.strip()))
-    fracs = sorted({pt["frac"] for pt in pts})
-    seeds = sorted({pt["seed"] for pt in pts})
-    got = {(pt["policy"], pt["frac"], pt["seed"]): pt for pt in pts}
+    fracs = sorted({point["frac"] for point in pts})
+    seeds = sorted({point["seed"] for point in pts})
+    got = {(point["policy"], point["frac"], point["seed"]): point for point in pts}
     bound = conf["fluid_bound_rps"]
     lines = [f"fluid bound {bound:.3f} req/s (prefill work included); TTFT target {conf['ttft_target_s']} s; "
              f"rates {', '.join(f'{frac:g}' for frac in fracs)} x bound; seeds with points: {seeds}",
@@ -238,7 +238,7 @@ def points_report(out: Path, markdown: bool = False) -> str:
             here = [got[(policy, frac, seed)] for seed in seeds if (policy, frac, seed) in got]
 
             def avg(key: str, here: list[dict] = here) -> float | None:
-                vals = [pt[key] for pt in here if pt.get(key) is not None]
+                vals = [point[key] for point in here if point.get(key) is not None]
                 return float(np.mean(vals)) if vals else None
             cells.append(f"{_pct(avg('attainment'), True)}/{_pct(avg('ttft_attainment'), True)}/"
                          f"{_pct(avg('ttft_p50_s'))}/{_pct(avg('p99_ttft_s'))}/{_pct(avg('decomp_e2e_p50_s'))}"
@@ -281,7 +281,7 @@ def _points_verdict(got: dict, policies: list[str], fracs: list[float], seeds: l
             if not holders:
                 continue
             own = got[(RULED, frac, seed)]
-            best = min(pt["decomp_e2e_p50_s"] for pt in holders)
+            best = min(point["decomp_e2e_p50_s"] for point in holders)
             if not holds(own):
                 fails.append(f"does not hold at {frac * bound:.3f}")
             elif own["decomp_e2e_p50_s"] > FRONTIER_SLACK * best:
