@@ -1,10 +1,12 @@
-"""--emulate-device in SGLang (overlap on, the default): the same greedy tokens, the modeled time honored.
+"""--emulate-device in SGLang (overlap on, the default): the same greedy tokens, the modeled time honored,
+TAPER's refit fed each step's modeled time.
 
 Two servers from the pool: the default one (the reference, shared with other modules) and one under
 a test preset whose 50 ms floor dwarfs the tiny model's few-ms forward, so every forward's result
-must wait for its modeled completion. The timing check reads the server's own report: a lone
-request's forwards run one after another on the emulated stream, so its wall time is at least the
-sum of their modeled times, each at least the floor.
+must wait for its modeled completion; it runs taper-paper under an SLO no step meets, so phases
+defer rows (serial requests are not affected). The timing check reads the server's own report: a
+lone request's forwards run one after another on the emulated stream, so its wall time is at least
+the sum of their modeled times, each at least the floor.
 """
 
 from __future__ import annotations
@@ -14,12 +16,15 @@ import time
 
 import pytest
 
-from branchwise.launch import get_json, post_json
+from branchwise.request_meta import stamp
+from branchwise.tools.launch import branchwise_report, get_json, post_json
 
 FLOOR_MS = 50.0
 PRESET = {"name": "test-50ms", "floor_ms": FLOOR_MS, "per_row_ms": 1.0, "per_context_token_us": 0.0,
           "per_prefill_token_us": 0.0, "graph_batch_sizes": [1, 2, 4, 8], "source": "a test preset"}
 PROMPTS = [f"request {i}: the plan is to" for i in range(4)]
+# an SLO no step meets: taper-paper runs one row per phase in every step with a choice (test_taper.py)
+TIGHT = ("--branch-policy", "taper-paper", "--branch-slo-tpot-ms", "2")
 GREEDY = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
@@ -32,7 +37,7 @@ def preset_file(tmp_path_factory) -> str:
 
 @pytest.fixture(scope="module")
 def emulated(servers, preset_file):
-    return servers.get("--emulate-device", preset_file)
+    return servers.get("--emulate-device", preset_file, *TIGHT)
 
 
 def device_report(url: str) -> dict:
@@ -97,3 +102,28 @@ def test_a_bad_preset_fails_at_argument_parsing(tmp_path, capsys):
     assert f"device preset {bad}: floor_ms must be a finite number >= 0" in capsys.readouterr().err
     args = prepare_server_args(["--model-path", "unused", "--emulate-device", "h100-llama3.1-8b@x4"])
     assert args.emulate_device == "h100-llama3.1-8b@x4"
+
+
+def test_the_refit_recovers_the_preset_floor_and_per_row_cost(emulated):
+    """Under a deferring load with overlap on, the refit takes each decode step's modeled time with
+    that step's own rows (device_time.py), and T(S) pads rows to the preset's graph sizes: its fit
+    is the preset's floor and per-row cost. Phases of different lengths finish one by one, so the
+    rows per step sweep 12 down to 1 (both sides of the largest graph size, 8) over ~300 steps."""
+    jobs = [(phase, branch) for phase in range(12) for branch in range(2)]
+    sampling = [stamp({"max_new_tokens": 13 * (phase + 1), "temperature": 0, "ignore_eos": True},
+                      phase=f"fit{phase}", branch=branch, fanout=2) for phase, branch in jobs]
+    post_json(emulated.url + "/generate", {"text": [f"program {phase}: the plan then" for phase, _ in jobs],
+                                           "rid": [f"fit{phase}/b{branch}" for phase, branch in jobs],
+                                           "sampling_params": sampling})
+    deadline = time.monotonic() + 30  # the last step launched may still be in flight: its result comes back
+    while (rep := branchwise_report(emulated.url))["taper"]["refit"]["latency"]["pending"] and \
+            time.monotonic() < deadline:
+        time.sleep(0.1)
+    taper, counters = rep["taper"], rep["counters"]
+    refit = taper["refit"]
+    assert refit["latency"] == {"source": "emulated", "pending": 0, "dropped": 0}
+    assert refit["deferring_steps"] > 0 and counters.get("device_time_missing", 0) == 0
+    assert taper["graph_batch_sizes"] == PRESET["graph_batch_sizes"]
+    model = json.loads(taper["model"])
+    assert model["c0"] == pytest.approx(FLOOR_MS / 1e3, rel=0.05), model
+    assert model["c_seq"] == pytest.approx(PRESET["per_row_ms"] / 1e3, rel=0.05), model
