@@ -26,7 +26,14 @@ from bench.metrics import RequestRecord, StageRecord, StepLog
 from bench.workload import RequestSpec
 from branchwise.taper import POLICY_NAMES, LinearLatencyModel, OnlineRefit, Policy, parse_policy
 from branchwise.taper.controller import Delivery, Row, StepController
-from branchwise.taper.prefill_budget import PrefillRule, least_slack, prefill_tokens, stage_slack, ttft_due
+from branchwise.taper.prefill_budget import (
+    PrefillRule,
+    PrefillStep,
+    least_slack,
+    prefill_tokens,
+    stage_slack,
+    ttft_due,
+)
 
 _BIG = 1 << 62
 # Steps in the noise table: step k of a run draws entry k mod this, however the steps are grouped
@@ -552,7 +559,7 @@ class Simulator:
         head = self.prefilling[0]
         due = (head.prefill_kind == "prompt" and head.saved_ctx < 0
                and ttft_due(rule.ttft_slo_s, now - head.spec.arrival_s, head.prefill_left, model.c_tok))
-        return prefill_tokens(rule, model, rows, ctx, least_slack(slacks), due, host_s)
+        return prefill_tokens(rule, model, PrefillStep(rows, ctx, least_slack(slacks), due, host_s))
 
     def _prefill_chunk(self, chunk_max: int | None = None) -> tuple[int, list[_Req], int]:
         """The chunked prefill of this step (at most chunk_max tokens, default chunk_tokens): its

@@ -8,19 +8,13 @@ import numpy as np
 import pytest
 
 from bench.engine import EngineConfig, Simulator, build_controller
-from bench.prefill import (
-    BASELINES,
-    CHUNKS,
-    Variant,
-    engine_for,
-    long_prompt_trace,
-    parse_variant,
-    variant_name,
-)
+from bench.prefill import long_prompt_trace
+from bench.variants import BASELINES, CHUNKS, Variant, engine_for, parse_variant, variant_name
 from bench.workload import RequestSpec, synthetic_trace
 from branchwise.taper import LinearLatencyModel, default_model
 from branchwise.taper.prefill_budget import (
     PrefillRule,
+    PrefillStep,
     least_slack,
     min_chunk_for,
     prefill_tokens,
@@ -34,26 +28,26 @@ RULE = PrefillRule(chunk_max=8192, min_chunk=250, rho=0.8, ttft_slo_s=2.5)
 
 def test_the_chunk_fills_what_the_rows_leave_of_the_budget() -> None:
     slack = 0.2
-    tokens = prefill_tokens(RULE, MODEL, 40, 80_000, slack)
+    tokens = prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, slack))
     room = 0.8 * slack - MODEL.predict(40, 80_000)
     assert tokens == int(room / MODEL.c_tok)
     assert MODEL.predict(40, 80_000, tokens) <= 0.8 * slack + 1e-12 < MODEL.predict(40, 80_000, tokens + 1)
 
 
 def test_the_floor_and_the_cap_bound_the_chunk() -> None:
-    assert prefill_tokens(RULE, MODEL, 40, 80_000, -1.0) == RULE.min_chunk  # behind pace: the floor
-    assert prefill_tokens(RULE, MODEL, 40, 80_000, 0.001) == RULE.min_chunk
-    assert prefill_tokens(RULE, MODEL, 1, 0, 100.0) == RULE.chunk_max  # a large bank: the cap
+    assert prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, -1.0)) == RULE.min_chunk  # behind pace: the floor
+    assert prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, 0.001)) == RULE.min_chunk
+    assert prefill_tokens(RULE, MODEL, PrefillStep(1, 0, 100.0)) == RULE.chunk_max  # a large bank: the cap
 
 
 def test_nothing_to_protect_or_a_due_head_gets_the_whole_chunk() -> None:
-    assert prefill_tokens(RULE, MODEL, 0, 0, least_slack([])) == RULE.chunk_max
-    assert prefill_tokens(RULE, MODEL, 40, 80_000, -1.0, due=True) == RULE.chunk_max
+    assert prefill_tokens(RULE, MODEL, PrefillStep(0, 0, least_slack([]))) == RULE.chunk_max
+    assert prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, -1.0, due=True)) == RULE.chunk_max
 
 
 def test_host_time_counts_against_the_budget() -> None:
-    assert prefill_tokens(RULE, MODEL, 40, 80_000, 0.2, host_s=0.004) == \
-        prefill_tokens(RULE, MODEL, 40, 80_000, 0.2) - 100
+    assert prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, 0.2, host_s=0.004)) == \
+        prefill_tokens(RULE, MODEL, PrefillStep(40, 80_000, 0.2)) - 100
 
 
 def test_min_chunk_fills_the_margin_rho_keeps() -> None:

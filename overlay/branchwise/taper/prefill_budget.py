@@ -69,13 +69,24 @@ def ttft_due(ttft_slo_s: float | None, waited_s: float, left_tokens: int, c_tok:
     return ttft_slo_s is not None and waited_s + c_tok * left_tokens >= ttft_slo_s
 
 
-def prefill_tokens(rule: PrefillRule, model: StepModel, rows: int, ctx_tokens: int, slack_s: float,
-                   due: bool = False, host_s: float = 0.0) -> int:
-    """Prefill tokens this step may carry: the budget rho x `slack_s` (the least slack of the
-    decoding requests) less T(rows, ctx_tokens, 0) and host_s, in tokens; never below the floor,
-    never above chunk_max; chunk_max when `due` (ttft_due) or nothing decodes (slack inf)."""
-    if due or not math.isfinite(slack_s) or model.c_tok <= 0:
+@dataclass(frozen=True, slots=True)
+class PrefillStep:
+    """The step a chunk joins: its decode rows and their context, the least slack of its decoding
+    requests (least_slack), whether the head is due (ttft_due) and the host's per-step time."""
+
+    rows: int
+    ctx_tokens: int
+    slack_s: float
+    due: bool = False
+    host_s: float = 0.0
+
+
+def prefill_tokens(rule: PrefillRule, model: StepModel, step: PrefillStep) -> int:
+    """Prefill tokens this step may carry: the budget rho x the least slack less T(rows, context, 0)
+    and the host's time, in tokens; never below the floor, never above chunk_max; chunk_max when the
+    head is due or nothing decodes (slack inf)."""
+    if step.due or not math.isfinite(step.slack_s) or model.c_tok <= 0:
         return rule.chunk_max
-    room = rule.rho * slack_s - model.predict(rows, ctx_tokens, 0) - host_s
+    room = rule.rho * step.slack_s - model.predict(step.rows, step.ctx_tokens, 0) - step.host_s
     fit = int(room / model.c_tok) if room > 0 else 0
     return min(rule.chunk_max, max(rule.min_chunk, fit))
