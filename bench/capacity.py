@@ -35,10 +35,10 @@ from bench import confidence, emulated
 from bench.bound import fluid_bound_rps
 from bench.engine import EngineConfig, Simulator, build_controller, resolve_max_running
 from bench.metrics import POINT_KEYS, load_point, summarize
-from bench.prefill import TTFT_TARGET_S, engine_for, parse_variant, ttft_attainment, variant_name
 from bench.programs import Scaling
 from bench.regimes import get_regime, regime_specs
 from bench.report import Col, blank, fmt, num, render, write_json
+from bench.variants import TTFT_TARGET_S, engine_for, parse_variant, ttft_attainment, variant_name
 from bench.workload import PRESETS, load_trace, workload_stats
 from branchwise.taper import LinearLatencyModel, load_model
 

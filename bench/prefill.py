@@ -20,78 +20,21 @@ from __future__ import annotations
 import argparse
 import json
 import math
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
 
-from bench.engine import EngineConfig
-
 if TYPE_CHECKING:
     from bench.capacity import CapacityOptions
+from bench.variants import BASELINES, RULED, TTFT_TARGET_S, variant_name
 from bench.workload import DEFAULT_TRACE, Trace, load_trace, write_trace
-from branchwise.taper import LinearLatencyModel, parse_policy_name
-from branchwise.taper.prefill_budget import PrefillRule, min_chunk_for
 
-CHUNKS = (512, 1024, 2048, 4096, 8192)
-BASELINES = tuple(f"{policy}@{chunk}" for policy in ("serial", "eager", "taper") for chunk in CHUNKS)
-RULED = "taper-prefill"
-TTFT_TARGET_S = 2.5  # the TTFT SLO of the tables and of the rule's TTFT clause (fixed before any result)
 # The long-prompt workload (long_prompt_trace): the Azure 2023 code trace's published median prompt
 # (Patel et al., Splitwise, ISCA 2024: 1500 tokens for coding, 1020 for conversation) with the
 # spread of the conversation trace's own prompts (lognormal sigma from its quartiles)
 CODE_MEDIAN_PROMPT = 1500
 MAX_PROMPT = 16000
-
-
-@dataclass(frozen=True, slots=True)
-class Variant:
-    """A --policies entry: the controller's policy, its chunk cap, and whether the rule sizes it."""
-
-    policy: str
-    chunk: int | None = None  # None: the engine's chunk_tokens
-    ruled: bool = False
-
-
-def parse_variant(name: str) -> Variant:
-    """`POLICY`, `POLICY@N` or `taper-prefill[@N]` (ValueError on anything else)."""
-    base, _, chunk_text = name.strip().partition("@")
-    chunk = None
-    if chunk_text:
-        try:
-            chunk = int(chunk_text)
-        except ValueError:
-            chunk = 0
-        if chunk < 1:
-            raise ValueError(f"{name!r}: the chunk after @ must be an integer >= 1")
-    if base == RULED:
-        return Variant("taper", chunk, True)
-    return Variant(parse_policy_name(base), chunk)
-
-
-def variant_name(name: str) -> str:
-    """The canonical --policies name (parse_policy_name's for the base)."""
-    var = parse_variant(name)
-    base = RULED if var.ruled else var.policy
-    return base if var.chunk is None else f"{base}@{var.chunk}"
-
-
-def engine_for(cfg: EngineConfig, var: Variant, model: LinearLatencyModel, rho: float,
-               ttft_target_s: float | None) -> EngineConfig:
-    """The engine a variant runs on: its chunk cap, and the rule for taper-prefill."""
-    chunk = var.chunk or cfg.chunk_tokens
-    rule = None
-    if var.ruled:
-        rule = PrefillRule(chunk, min_chunk_for(cfg.slo_s, rho, model.c_tok, chunk), rho, ttft_target_s)
-    return replace(cfg, chunk_tokens=chunk, prefill_rule=rule)
-
-
-def ttft_attainment(ttft_s: np.ndarray, target_s: float) -> float | None:
-    """Share of the window's arrivals whose first token came within target_s (never: a miss)."""
-    if not len(ttft_s):
-        return None
-    return float(np.mean(np.nan_to_num(ttft_s, nan=np.inf) <= target_s * (1 + 1e-9)))
 
 
 # --------------------------------------------------------------------------------- the workload
