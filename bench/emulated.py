@@ -43,6 +43,16 @@ def spec_model(spec: str) -> LinearLatencyModel:
     return latency_model(parse_spec(spec))
 
 
+def point_window_s(spec: str | None, duration_s: float, drain_s: float) -> tuple[float, float]:
+    """A point's arrival window and drain on a device slowed S times (`@xS`): both x S, since every
+    request takes S times as long at S times fewer arrivals a second; the point keeps its requests
+    and its drain still fits them. Unchanged without a device."""
+    if spec is None:
+        return duration_s, drain_s
+    scale = parse_spec(spec).time_scale
+    return duration_s * scale, drain_s * scale
+
+
 def device_slo_s(model: LinearLatencyModel) -> float:
     """The load rule's SLO before any scale: bench.probe's auto rule on the preset's T(S)."""
     from bench.probe import Probe

@@ -264,7 +264,8 @@ def main(argv: list[str] | None = None) -> int:
     settings = ServerSettings(args.model, args.taper_rho, args.server_threads, args.max_total_tokens,
                               server_args, dict(args.variant))
     servers = Servers(urls=dict(args.url)) if args.url else Servers(settings, max_alive=len(policies) + 1)
-    base = PointSetup(trace, 1.0, scaling, args.duration_s, args.drain_s, args.preset, args.slo_ttft_s)
+    duration_s, drain_s = emulated.point_window_s(args.emulate_device, args.duration_s, args.drain_s)
+    base = PointSetup(trace, 1.0, scaling, duration_s, drain_s, args.preset, args.slo_ttft_s)
     out = Path(args.out)
     doc: dict[str, Any] = {"config": _config(args), "probes": {}, "grid": None, "refined": []}
     res, exit_code = None, 0

@@ -45,6 +45,12 @@ def test_a_time_scale_stretches_the_model_and_the_slo_alike():
     assert emulated.device_slo_s(two) == pytest.approx(2 * emulated.device_slo_s(one))
 
 
+def test_a_scaled_device_stretches_a_points_window_and_drain():
+    assert emulated.point_window_s(None, 40.0, 20.0) == (40.0, 20.0)
+    assert emulated.point_window_s(A100, 40.0, 20.0) == (40.0, 20.0)
+    assert emulated.point_window_s(A100 + "@x2", 40.0, 20.0) == pytest.approx((80.0, 40.0))
+
+
 # ------------------------------------------------------------------------------ the validity rule
 @pytest.mark.parametrize(("forwards", "overruns", "valid"),
                          [(100, 0, True), (100, 1, True), (100, 2, False), (1000, 11, False), (0, 0, True),
