@@ -1,19 +1,6 @@
-"""Each decode step's device time, paired with that step, for TAPER's refit (scheduler_hook.report_step).
+"""Each decode step's device time, keyed by forward_iter, for TAPER's refit (scheduler_hook.report_step).
 
-The refit learns T(S) from realized steps, so each latency it takes must be the time the device spent
-on one step, booked with that step's own composition. SGLang's overlap loop launches step k+1 before
-it processes step k's result, so a step's time is kept under its key, `batch.forward_iter` (set by
-run_batch, kept by the `batch.copy()` the loop processes), and taken by that key: never by order.
-Where the time comes from (`source_of`):
-- `emulated` (--emulate-device): the forward's modeled duration, known at launch; emulated_device.py
-  puts it here.
-- `cuda` (a real GPU): two timing events on the stream the forward runs on, recorded around
-  run_batch (`around_run_batch`, TP rank 0); they are read when the result is processed, after
-  SGLang's copy-done wait, so reading them does not stall the loop. The span is the device's, from
-  the previous forward's end (or this launch, if the device idled) to this step's output copy.
-- none (CPU): report_step keeps the gap between two decode launches. The forward runs inline in
-  run_batch on the scheduler thread, so that gap is the step's forward plus the scheduler's own
-  work for it, which a CPU cannot overlap: nothing else is the step's time there.
+The sources (emulated, cuda; none on CPU) and why by key, never by order: docs/design/code-notes.md.
 """
 
 from __future__ import annotations
@@ -66,8 +53,7 @@ class StepDeviceTimes:
         self.pending[forward_iter] = seconds
 
     def take(self, forward_iter: int | None) -> float | None:
-        """The device seconds of the step launched as `forward_iter` (None if none was put); older
-        steps still pending leave too (their results were processed without a decode report)."""
+        """Device seconds of the step launched as `forward_iter` (None if none); older pending steps leave."""
         if forward_iter is None:
             return None
         got = self.pending.pop(forward_iter, None)
@@ -84,8 +70,7 @@ class StepDeviceTimes:
 
 
 def source_of(scheduler: Scheduler, emulated: bool) -> str | None:
-    """Where this scheduler's step times come from; None: the launch gap (CPU, or a device whose
-    events are not known to time a forward here)."""
+    """Where this scheduler's step times come from; None: the launch gap (CPU, or an untimed device)."""
     if emulated:
         return EMULATED
     device = str(getattr(scheduler, "device", "") or getattr(scheduler.server_args, "device", ""))
@@ -93,8 +78,7 @@ def source_of(scheduler: Scheduler, emulated: bool) -> str | None:
 
 
 def captured_batch_sizes(scheduler: Scheduler) -> tuple[int, ...]:
-    """The decode batch sizes SGLang captured as CUDA graphs (a decode step replays at the next one
-    up; past the largest it runs eagerly); () where none were captured (CPU, --disable-cuda-graph)."""
+    """Decode batch sizes SGLang captured as CUDA graphs; () where none were (CPU, --disable-cuda-graph)."""
     runner = getattr(getattr(scheduler, "tp_worker", None), "model_runner", None)
     sizes = getattr(runner, "decode_cuda_graph_capture_bs", None) or ()
     return tuple(sorted({int(size) for size in sizes}))

@@ -1,29 +1,6 @@
 """--emulate-device: SGLang's forwards complete at a modeled GPU's time (the model: device_model.py).
 
-Tokens come from the real model's forward, run inline on the scheduler thread inside
-`Scheduler.run_batch`, as SGLang runs it on CPU; nothing else changes what is computed, so outputs
-are those of a server without the flag. `around_run_batch` (the only hook):
-1. reads the batch's composition (decode rows and their KV lengths, prefill rows and their new
-   tokens; idle and prebuilt batches are no forward) and launches it on the `DeviceStream` at
-   run_batch's entry: it starts at max(that launch, the previous forward's modeled completion) and
-   completes T_device later (one in-order stream);
-2. runs SGLang's run_batch, whose forward is the real computation; when it (or, for a grammar
-   batch, its delayed sampling) returns, the computation has ended: an end past the modeled
-   completion is an overrun (counted; the result is then seen when it exists, late);
-3. gives the result a `copy_done` (`device_model.DeviceEvent`) that wraps SGLang's own event and is
-   done at the modeled completion. SGLang's result processing synchronizes on `copy_done` before it
-   reads a token (`SchedulerBatchResultProcessor.process_batch_result_*`; under the overlap loop
-   that is after the next batch was launched, as on a GPU), so the scheduler sees the result exactly
-   then, through its own waiting point. Without overlap the same wait comes right after run_batch;
-4. keeps a decode forward's modeled time under the forward_iter run_batch gave it, for TAPER's
-   refit, which takes it when that step's result is processed (device_time.py).
-
-Inline computation means the real forward's CPU time is spent on the scheduler thread at launch,
-like a (long) kernel launch. It hides behind the device while it fits in the previous forward's
-modeled time; a preset's `time_scale` (or `@xS` on the flag) stretches modeled time until it does,
-and `compute_ms_max` in the report says how long the longest one took. Not with the Albireo CPU
-forward thread (env BRANCHWISE_FORWARD_THREAD=1), speculative decoding, pipeline parallelism or
-PD disaggregation: the server refuses to start (`unsupported`). Docs: docs/design/emulated-device.md.
+Outputs are the real model's; only when results are seen changes. Docs: docs/design/emulated-device.md.
 """
 
 from __future__ import annotations
@@ -92,8 +69,7 @@ def unsupported(scheduler: Scheduler, config: BranchwiseConfig) -> str | None:
 
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> DeviceStream | None:
-    """The scheduler's emulated device (None without --emulate-device). Raises where the server runs
-    a mode the emulation does not model, so the launch fails with what to change."""
+    """The scheduler's emulated device (None without the flag); raises on a mode it does not model."""
     if not config.emulate_device:
         return None
     why = unsupported(scheduler, config)
@@ -134,9 +110,7 @@ def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: A
 
 
 def _requests_running(scheduler: Scheduler, kind: str) -> bool:
-    """Whether requests were running when this forward was prepared: a decode forward's rows are, and
-    a prefill's while decode rows wait beside it. A prefill on an idle server is not (the device
-    waited for an arrival, not for the scheduler)."""
+    """Whether rows were running when this forward was prepared (an idle prefill waited on arrival)."""
     if kind != "extend":
         return True
     running = getattr(scheduler, "running_batch", None)
@@ -144,8 +118,7 @@ def _requests_running(scheduler: Scheduler, kind: str) -> bool:
 
 
 def _book_step(bw: Any, batch: ScheduleBatch, fwd: Forward) -> None:
-    """A decode step's modeled time, under the forward_iter run_batch gave it, for TAPER's refit
-    (device_time.py: the refit pairs it with that step's result, never with the launch order)."""
+    """A decode step's modeled time by forward_iter, for TAPER's refit (device_time.py)."""
     taper = bw.taper
     book = taper.device_times if taper is not None else None
     if book is not None and book.source == EMULATED:

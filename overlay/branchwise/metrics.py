@@ -1,29 +1,6 @@
-"""Prometheus series for branch admission and TPOT SLO attainment (scheduler process, TP rank 0, under
---enable-metrics), under every policy.
+"""Prometheus series for branch admission and TPOT SLO attainment, under every policy (TP rank 0).
 
-SGLang runs prometheus_client in multiprocess mode, so series created in the scheduler process are
-served by the HTTP server's /metrics like SGLang's own scheduler metrics. Every series carries a
-`dp_rank` label: under `--dp-size N` each DP rank's scheduler reports its own (0 without DP).
-
-Who records what, so that `stock` (no step controller) shows the same series as TAPER:
-- per request, under every policy (`on_queued`, and the two `SchedulerReqTimeStats` hooks below):
-  branch requests and phases as they enter the waiting queue, and each request's and each phase's
-  TPOT SLO verdict when it completes. The cost is O(1) per request, none per step.
-- per decode step, under every policy (`observe_batch`, from runtime's process_batch_result hook):
-  the realized step latency (the gap between consecutive decode launches, as TAPER's refit reads
-  it); without a controller also the branch rows offered and admitted (all of them: SGLang's
-  schedule defers none), from counts the request hooks keep. O(1) per step.
-- per planned step, under a step controller (`observe_taper`, from TAPER's report_step): TAPER's
-  cumulative admission counts, its last slack budget, predicted step and planner time. Without a
-  controller these gauges stay 0 (nothing is planned).
-
-The SLO rule is bench/metrics.py's, on what the scheduler sees: a request (anything not a branch of a
-phase) meets its TPOT SLO when it ended without an abort and its wall time from its first token to
-its completion, over its tokens after the first, is at most its SLO; a phase (the branch requests
-that share a client phase id, a server-side fork, or the samples of an n > 1 request) meets it when
-no branch was aborted and the time from its first branch entering the queue to its last branch's
-completion, over all its branches' tokens, is at most the SLO. The SLO is the request's
-`slo_tpot_ms` or the server's --branch-slo-tpot-ms, bounded below as TAPER bounds it (config.slo_s).
+Who records what, and the SLO rule (bench/metrics.py's): docs/design/code-notes.md.
 """
 
 from __future__ import annotations
@@ -47,7 +24,7 @@ SLO_FACTORS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0, 1.1, 1.25, 1.5,
 SLO_TOLERANCE = 1e-9  # bench/metrics.py's: the SLO boundary is inclusive, up to rounding
 SLO_KINDS = ("request", "phase")
 MAX_OPEN_PHASES = 4096  # a phase whose branch was aborted in the queue never completes: the oldest go
-TRACKED = "bw_slo"  # the attribute on a Req's time_stats that holds its `Tracked`
+TRACKED = "bw_slo"
 
 
 def current_dp_rank() -> int:
@@ -114,12 +91,11 @@ class PhaseTally:
 
 @dataclass(slots=True, eq=False)
 class SloLedger:
-    """The open phases and the branch rows decoding, for the SLO and stock's per-step series. Pure:
-    times come in as arguments (SGLang's per-request perf_counter stamps)."""
+    """Open phases and branch rows decoding, for the SLO and stock's step series (pure: times passed in)."""
 
     phases: dict[str, PhaseTally] = field(default_factory=dict)
-    decoding_rows: int = 0  # branch rows decoding, over all phases
-    decoding_phases: int = 0  # phases with at least one row decoding
+    decoding_rows: int = 0
+    decoding_phases: int = 0
     evicted: int = 0
 
     @property
@@ -172,8 +148,7 @@ class SloLedger:
 
 @dataclass(slots=True, eq=False)
 class Tracked:
-    """What one request's completion needs, kept on its `time_stats` (attribute TRACKED). The Req is
-    held weakly: its time_stats holds this record."""
+    """What one request's completion needs, kept on its `time_stats` (TRACKED); the Req held weakly."""
 
     req: weakref.ref[Req]
     metrics: BranchwiseMetrics
@@ -186,7 +161,7 @@ class Tracked:
 
 @dataclass(eq=False)
 class BranchwiseMetrics:
-    slo_s: float = field(default_factory=configured_slo_s)  # the histogram's buckets centre on it
+    slo_s: float = field(default_factory=configured_slo_s)
     dp_rank: int = field(default_factory=current_dp_rank)
     registry: Any = None  # prometheus_client's default registry (the multiprocess files) unless given
     ledger: SloLedger = field(default_factory=SloLedger)
@@ -231,7 +206,6 @@ class BranchwiseMetrics:
         self.orphans = labeled(Counter, "branchwise:orphans_freed",
                                "Parked server-side fork parents the idle leak check found orphaned and freed")
 
-    # ---- per request ------------------------------------------------------------------------------
     def track(self, req: Req, key: str | None, fanout: int, slo_s: float, now_s: float) -> Tracked:
         """A request entered the waiting queue for the first time: count it, and open its phase."""
         tracked = Tracked(weakref.ref(req), self, slo_s, key)
@@ -268,11 +242,9 @@ class BranchwiseMetrics:
     def count(self, kind: str, met: bool) -> None:
         (self.slo_met if met else self.slo_missed)[kind].inc()
 
-    # ---- per step ---------------------------------------------------------------------------------
     def observe_batch(self, decode: bool, forward_iter: int | None, launch_ts: float | None,
                       controller: bool) -> None:
-        """After every batch result: the realized latency of the previous decode step, and without a
-        step controller the rows offered and admitted in this one (every ready row runs)."""
+        """After every batch result: the last decode step's latency; stock: the rows offered and admitted."""
         if not decode or forward_iter is None or launch_ts is None:
             self._step = None
             return
@@ -282,7 +254,7 @@ class BranchwiseMetrics:
         if not controller and (rows := self.ledger.opportunistic_rows) > 0:
             self.candidates.inc(rows)
             self.admitted.inc(rows)
-            if not self._stock_rate_set:  # constant: every ready row runs
+            if not self._stock_rate_set:
                 self.admission_rate.set(1.0)
                 self._stock_rate_set = True
 
@@ -300,10 +272,8 @@ class BranchwiseMetrics:
         self.planner.set(stats.planner_s / max(stats.planned_steps, 1))
 
 
-# ---- SGLang glue ----------------------------------------------------------------------------------
 def on_queued(metrics: BranchwiseMetrics, req: Req, config: BranchwiseConfig) -> None:
-    """A request entered the waiting queue: a client request (its stamp parsed), a server-side fork
-    branch, or one coming back (a retraction, a fork parent after its join: already tracked)."""
+    """A request entered the waiting queue: a client request, a fork branch, or one coming back."""
     stats = req.time_stats
     if getattr(stats, TRACKED, None) is not None:
         return

@@ -1,9 +1,6 @@
 """Glue into SGLang's Scheduler: per-scheduler Branchwise state and the hook bodies.
 
-The per-step hook bodies are registered by plugin.py and receive the Scheduler as `self`; they find
-this module's state at `self.branchwise.taper` (runtime.py builds it with `build`).
-Under tensor parallelism every rank runs the same hooks on identical batches; wall-clock driven
-decisions (TAPER's slack) are made on TP rank 0 and broadcast, so all ranks run the same rows.
+Hot path: per-row code uses map()/attrgetter and positional records (docs/design/code-notes.md).
 """
 
 from __future__ import annotations
@@ -34,7 +31,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("branchwise")
 SUMMARY_EVERY_S = 30.0
-_KV_LEN = operator.attrgetter("kv.kv_committed_len")  # map() in C: no Python frame per row
+_KV_LEN = operator.attrgetter("kv.kv_committed_len")
 
 
 def _proctitle() -> str:
@@ -57,9 +54,7 @@ class LastStep:
 
 @dataclass(slots=True, frozen=True)
 class PlannedStep:
-    """A deferring step as decode_step left it, keyed in `BranchwiseState.planned` by the forward
-    iteration it runs as. SGLang's overlap loop hands process_batch_result a `batch.copy()`, which
-    keeps `forward_iter` and `reqs` but drops any attribute of ours, so the record lives here."""
+    """A deferring step as decode_step left it, by forward_iter (SGLang's batch.copy() drops ours)."""
 
     rows: int  # rows of the sub-batch (a check that the result is the step planned)
     deferred: int  # live rows left out of it (not counting rows finishing in flight)
@@ -79,15 +74,12 @@ class BranchwiseState:
     counters: dict[str, int] = field(default_factory=dict)
     last_step: LastStep | None = None
     last_summary: float = field(default_factory=time.monotonic)
-    # False until this scheduler creates its first phase (branch) request: until then no batch
-    # can defer a row or need per-row bookkeeping, and the per-step hooks exit in O(1).
+    # False until the first phase request: until then the per-step hooks exit in O(1)
     phases_seen: bool = False
-    kept: deferral.KeptSubset = field(default_factory=deferral.KeptSubset)  # the last step's sub-batch
-    # forward_iter -> the deferring step launched as it, until its result comes back (rank 0; at
-    # most the step in flight and the one being planned under overlap)
+    kept: deferral.KeptSubset = field(default_factory=deferral.KeptSubset)
+    # forward_iter -> the deferring step launched as it (rank 0; at most two under overlap)
     planned: dict[int, PlannedStep] = field(default_factory=dict)
-    # each decode step's device time by forward_iter, for the refit (device_time.py; rank 0, a refit
-    # and a device that times its steps: emulated or CUDA); None: the launch gap (CPU)
+    # decode step device times by forward_iter, for the refit (device_time.py); None on CPU
     device_times: device_time.StepDeviceTimes | None = None
 
     def bump(self, name: str, n: int = 1) -> None:
@@ -118,8 +110,7 @@ class BranchwiseState:
         return rep
 
     def _refit_report(self) -> dict[str, Any] | None:
-        """What the online refit has taken in: steps, those that deferred rows, the believed price
-        (ms; 0 until believed), and whether the last step's latency is still to come."""
+        """What the online refit has taken in: steps, deferring steps, believed price, pending."""
         ctl = self.controller
         refit = ctl.refit if ctl is not None else None
         if refit is None:
@@ -134,7 +125,7 @@ class BranchwiseState:
 
 
 def state_of(scheduler: Scheduler) -> BranchwiseState | None:
-    bw = getattr(scheduler, "branchwise", None)  # runtime.Branchwise
+    bw = getattr(scheduler, "branchwise", None)
     return bw.taper if bw is not None else None
 
 
@@ -144,8 +135,7 @@ def _build_controller(cfg: BranchwiseConfig) -> StepController:
     refit = None
     learn_price = policy.terms.defer_cost  # the refit learns what deferring itself costs (policies.py)
     if policy.model is not None and cfg.latency_model:
-        # a calibrated model keeps its slopes; its intercept follows the box's drift and the per-step
-        # work a pure-decode calibration does not see (arrivals, streaming), over the last ~1 s of steps
+        # a calibrated model keeps its slopes; its intercept tracks drift over the last ~1 s
         refit = OnlineRefit(policy.model, window=64, every=16, slopes_fixed=True, deferral=learn_price)
     elif policy.model is not None:
         refit = OnlineRefit(policy.model, deferral=learn_price)
@@ -159,7 +149,7 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     parallel = get_parallel()
     taper = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
     if cfg.step_controller:  # stock: no controller, SGLang's schedule (phases still counted)
-        taper.controller = _build_controller(cfg)  # a mode it cannot run in was refused (support.py)
+        taper.controller = _build_controller(cfg)
         bw = getattr(scheduler, "branchwise", None)  # runtime.build: the emulated device is built first
         device = getattr(bw, "device", None)
         source = device_time.source_of(scheduler, emulated=device is not None)
@@ -169,9 +159,7 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
         if isinstance(model, LinearLatencyModel):  # T(S) pads decode rows as the device does (none on CPU)
             model.graph_batch_sizes = (device.preset.graph_batch_sizes if device is not None
                                        else device_time.captured_batch_sizes(scheduler) if source else ())
-    # Branch rows can sit out steps under every policy (serial runs one branch per phase per step), so
-    # their penalty tokens are pinned wherever a controller runs (deferral.py); a row that ran in the
-    # previous step feeds the penalizers what SGLang's own rule feeds them.
+    # branch rows can sit out steps under every policy: pin their penalty tokens (deferral.py)
     if taper.controller is not None and scheduler.enable_overlap:
         deferral.pin_penalty_tokens(scheduler)
     if getattr(scheduler.server_args, "enable_metrics", False) and taper.tp_rank == 0:
@@ -181,8 +169,7 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
 
 
 def on_request_created(taper: BranchwiseState, req: Req) -> None:
-    """Attach the parsed custom_params.branchwise as `req.bw_meta`; malformed input ends with HTTP 400.
-    Called by runtime's _create_generation_req hook, before fork and dp read `bw_meta`."""
+    """Attach custom_params.branchwise as `req.bw_meta` before fork/dp read it; bad input: HTTP 400."""
     taper.bump("requests_created")
     try:
         req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
@@ -211,16 +198,12 @@ def note_phase_requests(scheduler: Scheduler) -> None:
 
 
 def _has_phase_rows(taper: BranchwiseState, reqs: list[Req]) -> bool:
-    """Whether a row belongs to a parallel phase: only then can a step defer rows, and only then
-    does TAPER need per-row bookkeeping. A function of batch composition, so TP ranks agree."""
+    """Whether a row is in a parallel phase (only then can it be deferred); TP ranks agree."""
     return taper.phases_seen and any(request_meta.of(req).phase is not None for req in reqs)
 
 
 def _key(req: Req) -> str:
-    """TAPER's grouping key, the one derivation every per-row path uses: rows of one phase share
-    it, a serial request has its own. Request ids, client phase ids and server-side fork phases
-    are all client-chosen strings, so each gets its own prefix: no rid or phase id a client picks
-    can group with another request's rows."""
+    """TAPER's grouping key: one per phase, one per serial request; prefixes keep client ids apart."""
     meta = request_meta.of(req)
     if meta.phase is None:
         return "rid:" + req.rid
@@ -230,9 +213,7 @@ def _key(req: Req) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RowFields:
-    """A request's row fields that do not change while it decodes, derived once and kept on the
-    request (`req.bw_row`); derived again when its metadata, fork track or config is not the one
-    they came from."""
+    """A request's fixed row fields, kept on `req.bw_row`; rederived when meta, track or config change."""
 
     meta: request_meta.RequestMeta
     fork: Track | None
@@ -259,10 +240,7 @@ def _row(req: Req, cfg: BranchwiseConfig) -> Row:
 
 
 def _pipeline_bubble(scheduler: Scheduler) -> bool:
-    """Under overlap scheduling the token a row receives next comes from the batch in flight
-    (scheduler.last_batch, processed after this step's forward). When that batch is a prefill,
-    the running rows get nothing from it: their next token arrives only after this step and the
-    next one, so this step's plan must leave room for the next."""
+    """Overlap: after an in-flight prefill the running rows' next token is two steps away; plan for it."""
     last = getattr(scheduler, "last_batch", None)
     if not getattr(scheduler, "enable_overlap", False) or last is None:
         return False
@@ -310,7 +288,7 @@ def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self:
     taper = state_of(self)
     if taper is None or taper.controller is None or not taper.phases_seen or batch.is_empty():
         return orig(self, batch)  # no phase request yet: nothing to defer
-    timer = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    timer = self.branchwise.timer
     try:
         how, sub = decode_step(taper, self, batch, timer)
     finally:
@@ -327,10 +305,7 @@ def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self:
 
 def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch,
                 timer: StepTimer | None = None) -> tuple[Exit, ScheduleBatch | None]:
-    """The TAPER decode step up to the forward, top to bottom: the rows of the batch, the decision,
-    the chosen subset prepared (the sub-batch to run with Exit.SUBSET; every other exit runs the
-    whole batch through SGLang). The step's deliveries are reported when its result comes back
-    (`after_process_batch_result` -> `report_step`). `timer`: the step timer (bench only)."""
+    """The TAPER decode step up to the forward: rows, decision, the subset prepared (Exit.SUBSET)."""
     step_timer.switch(timer, "taper_rows")
     if not _has_phase_rows(taper, batch.reqs):
         return Exit.SERIAL, None
@@ -355,7 +330,7 @@ def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, taper.kept)
     if sub is None:
         return Exit.NO_FIT, None
-    deferred = len(live) - len(active)  # report_step's count: not finishing rows
+    deferred = len(live) - len(active)
     if taper.tp_rank == 0:  # only rank 0 reports steps; run_batch numbers this one forward_ct + 1
         taper.planned[scheduler.forward_ct + 1] = PlannedStep(rows=len(sub.reqs), deferred=deferred)
     step_timer.tag(timer, "deferred", deferred)
@@ -374,15 +349,12 @@ def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Deli
         else:
             count[0] += 1
     ctx = sum(map(_KV_LEN, reqs))
-    # positional (tokens, slo_s, in_phase): once per key per step, and keywords cost ~150 ns a call
     return {key: Delivery(rows, fields.slo_s, fields.meta.is_branch)
             for key, (rows, fields) in counts.items()}, ctx
 
 
 def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:
-    """Keys whose last row finished or was aborted in this step leave the controller (a reused
-    phase id or rid must not inherit their clock). Deferred rows stay in the running batch, so a
-    key with any unfinished request there keeps its state."""
+    """Keys whose last row finished leave the controller (a reused id must not inherit their clock)."""
     ctl, cfg = taper.controller, taper.config
     keys = {_fields(req, cfg).key for req in reqs if req.finished()}
     keys = {key for key in keys if key in ctl.trackers or key in ctl.fixed}
@@ -404,10 +376,10 @@ def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleB
         taper.bump("mixed_steps")
     if taper.controller is None or taper.tp_rank != 0 or not batch.forward_mode.is_decode():
         if taper.last_step is not None and taper.last_step.deferred:
-            taper.bump("deferring_unmeasured")  # the next launch was no decode step
+            taper.bump("deferring_unmeasured")
         taper.last_step = None
         return result
-    timer = self.branchwise.timer  # None unless env BRANCHWISE_STEP_TIMER (bench)
+    timer = self.branchwise.timer
     if timer is None:
         report_step(taper, self, batch)
         return result
@@ -420,8 +392,7 @@ def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleB
 
 
 def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: int) -> int:
-    """Rows the step launched as `forward_iter` deferred (0 unless decode_step planned it); records
-    of steps at or before it leave `planned` (a step whose result never came back is dropped)."""
+    """Rows the step launched as `forward_iter` deferred (0 unless planned); older records leave."""
     planned = taper.planned
     if not planned or forward_iter is None:
         return 0
@@ -438,17 +409,14 @@ def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: in
 
 
 def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
-    """The end of a TAPER decode step (rank 0): the rows that ran delivered a token each, keys whose
-    last row finished leave, and the refit takes a realized latency: this step's own device time
-    where the device times its steps (`taper.device_times`), else the gap between consecutive
-    decode launches as the previous step's (CPU: the forward runs inline, device_time.py)."""
+    """End of a TAPER decode step (rank 0): deliveries, finished keys leave, the refit books a latency."""
     now = time.monotonic()
     ctl = taper.controller
     reqs = batch.reqs
     if _has_phase_rows(taper, reqs):
         delivered, ctx = _deliveries(taper, reqs)
         ctl.on_phase_step(delivered, now, len(reqs))
-        _release_finished(taper, scheduler, reqs)  # quiet steps: serial clocks go below, no phase row left
+        _release_finished(taper, scheduler, reqs)
     else:  # serial rows only: their clocks matter only once a phase row joins (resume_serial_clocks)
         ctl.on_quiet_step(now, len(reqs))
         ctx = sum(map(_KV_LEN, reqs))
@@ -468,8 +436,7 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
 
 
 def _book_device_time(taper: BranchwiseState, forward_iter: int | None, rows: int, ctx: int) -> None:
-    """This step's own device time (put at its launch under its forward_iter, device_time.py),
-    booked with its own rows, context and deferred rows."""
+    """This step's own device time (device_time.py), booked with its rows, context and deferred rows."""
     deferred = _planned_deferred(taper, forward_iter, rows)
     latency = taper.device_times.take(forward_iter)
     if latency is None:
@@ -494,7 +461,5 @@ def _book_launch_gap(taper: BranchwiseState, forward_iter: int | None, launch_ts
     elif prev is not None and prev.deferred:
         taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
     deferred = _planned_deferred(taper, forward_iter, rows)
-    # positional (forward_iter, launch_ts, rows, ctx, deferred): every decode step, where keywords
-    # cost ~150 ns a call
     taper.last_step = (LastStep(forward_iter, launch_ts, rows, ctx, deferred)
                        if forward_iter is not None and launch_ts is not None else None)
