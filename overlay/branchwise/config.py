@@ -1,8 +1,4 @@
-"""Branchwise settings: CLI value parsers and one frozen settings object.
-
-The parsers are what SGLang's argparse calls for Branchwise's flags (patched into ServerArgs), so a
-bad value fails at argument parsing, before any model loads. No SGLang import here.
-"""
+"""Branchwise settings: CLI value parsers (a bad value fails at argparse) and one frozen settings object."""
 
 from __future__ import annotations
 
@@ -24,11 +20,9 @@ if TYPE_CHECKING:  # a type only: the module imports no SGLang
 
 GRAMMAR_CLIENTS = ("allow", "deny")
 PLUGIN_NAME = "branchwise"  # the sglang.srt.plugins entry point (pyproject.toml)
-# The default policy: SGLang's own schedule (every ready row every step, no step controller), with
-# branch requests and phases still counted; every other policy is one a user asks for by name.
+# The default policy: SGLang's own schedule (no step controller), branch requests still counted.
 STOCK = "stock"
-# custom_params.branchwise.weight is bounded to this range: weights only scale the "priority"
-# utility's gains, and an unbounded one would let a single request take every admitted row.
+# Weights scale the "priority" utility's gains: unbounded, one request could take every admitted row.
 MAX_WEIGHT = 10.0
 
 
@@ -81,8 +75,7 @@ def parse_latency_model(path: str) -> str:
 
 
 def parse_emulate_device(spec: str) -> str:
-    """The --emulate-device value (a preset name or JSON file, optionally @xS), after reading and
-    checking the preset (device_model.parse_spec)."""
+    """The --emulate-device value (preset name or file, optionally @xS), after checking the preset."""
     try:
         parse_spec(spec)
     except DeviceSpecError as err:
@@ -104,15 +97,13 @@ def _argparse_type(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
 
 
 def plugin_switched_off(env: Mapping[str, str] = os.environ) -> bool:
-    """Whether SGLang will skip the Branchwise plugin: `SGLANG_PLUGINS` set to a list without
-    `branchwise` (SGLang's rule: an empty value loads every plugin)."""
+    """Whether SGLang skips the Branchwise plugin: SGLANG_PLUGINS set without it (empty loads all)."""
     allowed = {name.strip() for name in env.get("SGLANG_PLUGINS", "").split(",") if name.strip()}
     return bool(allowed) and PLUGIN_NAME not in allowed
 
 
 def parse_policy_flag(value: str) -> str:
-    """--branch-policy: a valid name, and no step controller asked of a server whose plugin is
-    off (its hooks would not load and SGLang would serve its own schedule in silence)."""
+    """--branch-policy: a valid name; no step controller asked of a server whose plugin is off."""
     name = parse_policy_name(value)
     if name != STOCK and plugin_switched_off():
         raise ValueError(f"--branch-policy {name} needs the Branchwise plugin, which SGLANG_PLUGINS="
@@ -186,9 +177,7 @@ class BranchwiseConfig:
         return floor_ms if floor_ms is not None else self.branch_slo_tpot_ms / 2
 
     def slo_s(self, requested_ms: float | None) -> float:
-        """A request's TPOT SLO in seconds: the server default when it names none, else its own
-        bounded below by --branch-min-slo-tpot-ms (TAPER's budget is rho x the least slack of the
-        batch, so an unbounded tight SLO would switch branch admission off for every tenant)."""
+        """A request's TPOT SLO in seconds: its own or the default, bounded below by the minimum."""
         if requested_ms is None:
             return self.branch_slo_tpot_ms / 1e3
         return max(requested_ms, self.min_slo_tpot_ms) / 1e3
@@ -199,9 +188,7 @@ class BranchwiseConfig:
         return min(max(requested, 0.0), MAX_WEIGHT)
 
     def client_grammar_error(self, grammar: str | None) -> str | None:
-        """Why a request may not name this grammar (HTTP 400), or None. Under
-        --branch-grammar-clients deny a request may opt out ("none") or name the server's own
-        --branch-grammar, nothing else."""
+        """Why a request may not name this grammar (HTTP 400, --branch-grammar-clients), or None."""
         if self.branch_grammar_clients == "allow" or grammar in (None, "none", self.branch_grammar):
             return None
         return (f"custom_params.branchwise.grammar {grammar!r} is not allowed on this server "

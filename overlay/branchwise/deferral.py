@@ -19,9 +19,8 @@ if TYPE_CHECKING:
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 
-# Per-row state that SGLang's penalizers change in cumulate_output_tokens (sampling/penaltylib/*).
-# Everything else a penalizer holds is a per-request constant. A penalizer class missing here
-# (a new SGLang version, a custom one) makes the step run in full rather than risk its state.
+# Per-row state SGLang's penalizers change in cumulate_output_tokens; a class missing here
+# (a new SGLang, a custom penalizer) makes the step run in full rather than risk its state.
 PENALIZER_ACCUMULATORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
     "BatchedFrequencyPenalizer": ("cumulated_frequency_penalties",),
     "BatchedPresencePenalizer": ("cumulated_presence_penalties",),
@@ -31,9 +30,7 @@ PENALIZER_ACCUMULATORS: Mapping[str, tuple[str, ...]] = MappingProxyType({
 
 
 def why_unsupported(scheduler: Scheduler) -> str | None:
-    """Modes in which returning a sub-batch from update_running_batch is unsafe or unaccounted.
-    Refused at argument resolution (support.py); support.guard_scheduler stops a scheduler that
-    gets here with one anyway."""
+    """Modes in which returning a sub-batch from update_running_batch is unsafe (refused: support.py)."""
     from sglang.srt.disaggregation.utils import DisaggregationMode
     from sglang.srt.runtime_context import get_parallel
 
@@ -65,8 +62,7 @@ def batch_needs_full_step(batch: ScheduleBatch) -> str | None:
 
 @dataclass(slots=True)
 class KeptSubset:
-    """The sub-batch of the last deferring step, kept to be prepared again at the next one (as
-    SGLang prepares its one running batch again every step) while the same rows run."""
+    """The last deferring step's sub-batch, prepared again at the next step while the same rows run."""
 
     batch: ScheduleBatch | None = None
     seq_lens: torch.Tensor | None = None
@@ -175,9 +171,8 @@ def _pinned_cumulate(batch: ScheduleBatch) -> None:
     batch.sampling_info.penalizer_orchestrator.cumulate_output_tokens(ids)
 
 
-# Set on the scheduler's ReqToTokenPool by scheduler_hook.build when overlap is on and a step
-# controller runs (every policy defers branch rows; serial runs one per phase per step). The hook
-# receives only the ScheduleBatch, and every batch of a scheduler shares that scheduler's pool.
+# Set on the scheduler's ReqToTokenPool by scheduler_hook.build (overlap, a step controller): the
+# hook receives only the ScheduleBatch, and a scheduler's batches share its pool.
 PIN_ATTR = "_branchwise_pin_penalty_tokens"
 
 

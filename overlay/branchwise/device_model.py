@@ -1,21 +1,6 @@
 """The emulated device's model: presets, a forward's modeled time, one in-order stream, overruns.
 
-No SGLang import: `emulated_device.py` is the glue that feeds it SGLang's batches. A preset (a JSON
-file, `devices/<name>.json` in this package, or any file in that format) gives a GPU's step as
-
-    T_device = time_scale x (floor + per_row x rows + per_context_token x context tokens
-                             + per_prefill_token x prefill tokens)
-
-where a decode-only forward's rows are padded up to the next captured graph batch size (a CUDA
-graph replays at its captured size; past the largest one the forward runs eagerly, unpadded), the
-context tokens are the decoding rows' KV lengths and the prefill tokens the new tokens of the rows
-that extend (the simulator's prefill forward is T(requests, 0, tokens): cached prefixes add
-nothing). Forwards run on one in-order stream: a forward launched at `t` starts at
-max(t, the previous forward's completion) and completes T_device later. The real computation that
-produces its tokens must end by then; every one that ends later is an overrun.
-
-Spec (the flag's value): `NAME` or `PATH`, optionally `@xS` to stretch every modeled time by S on
-top of the file's own `time_scale` (so a slow CPU's real forward fits inside it).
+No SGLang import (emulated_device.py is the glue). T_device and the spec: docs/design/emulated-device.md.
 """
 
 from __future__ import annotations
@@ -73,8 +58,7 @@ class DevicePreset:
 
 @dataclass(frozen=True, slots=True)
 class Composition:
-    """What one forward holds: decoding rows with their KV lengths, extending rows with their new
-    tokens (a decode forward has no prefill rows, a prefill none decoding, a mixed one both)."""
+    """What one forward holds: decoding rows with KV lengths, extending rows with their new tokens."""
 
     decode_rows: int = 0
     context_tokens: int = 0
@@ -82,7 +66,6 @@ class Composition:
     prefill_tokens: int = 0
 
 
-# ---- spec and file parsing -----------------------------------------------------------------------
 def preset_names() -> list[str]:
     return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
 
@@ -196,7 +179,6 @@ def _scaled(preset: DevicePreset, scale: float) -> DevicePreset:
     return replace(preset, time_scale=preset.time_scale * scale)
 
 
-# ---- the stream clock ----------------------------------------------------------------------------
 @dataclass(slots=True)
 class Forward:
     """One launched forward on the emulated stream (perf_counter seconds)."""
@@ -238,10 +220,7 @@ class DeviceStream:
 
     def launch(self, comp: Composition, launch_s: float | None = None, kind: str = "decode",
                running: bool = False) -> Forward:
-        """Queue a forward launched now (or at `launch_s`); returns it with its modeled completion.
-        `running`: requests were running when it was prepared, so any time the device sat idle since
-        the previous completion waited on the CPU (the scheduler's exposed time); an idle server's
-        wait for an arrival is not counted."""
+        """Queue a forward launched now (or at `launch_s`); `running`: idle time since counts as exposed."""
         now = self.clock() if launch_s is None else launch_s
         modeled = self.preset.t_device(comp)
         if running and math.isfinite(self.done_s):
@@ -258,8 +237,7 @@ class DeviceStream:
         return fwd
 
     def computed(self, fwd: Forward, end_s: float | None = None) -> None:
-        """The real computation of `fwd`'s tokens ended (now, or at `end_s`): count an overrun if
-        that is past its modeled completion."""
+        """The real computation of `fwd` ended (now, or at `end_s`): an overrun if past its completion."""
         end = self.clock() if end_s is None else end_s
         fwd.compute_end_s = end
         st = self.stats
@@ -295,10 +273,7 @@ class _Event(Protocol):
 
 
 class DeviceEvent:
-    """Drop-in for a result's `copy_done` event: done at the forward's modeled completion.
-
-    SGLang's result processing calls `synchronize()` on it where it would wait for the device;
-    it first waits for the event it replaces (if any), then until the modeled completion."""
+    """Drop-in for a result's `copy_done`: synchronize() waits SGLang's event, then the modeled end."""
 
     __slots__ = ("stream", "forward", "inner", "_waited")
 

@@ -38,12 +38,7 @@ def _flag_declared(name: str) -> bool:
 
 def hook_table(HookType: type[HookKind],
                timer_mode: str | None) -> list[tuple[str, Callable[..., Any], HookKind]]:
-    """Every hook Branchwise installs, as (target, hook body, kind): one row each, grouped by
-    component; a body's name gives its kind (after_* or around_*). A row's first column says when it
-    is on: `serving` is Branchwise proper (off in the step timer's bench modes "stock" and
-    "albireo"), `albireo` is every mode but "stock" (Albireo's rows also need their flag declared by
-    the ServerArgs patch), `timer` is env BRANCHWISE_STEP_TIMER. Where several components need one
-    Scheduler target, runtime.py has the single hook, so no result depends on registration order."""
+    """Every hook Branchwise installs, one row each, grouped by component (columns: code-notes.md)."""
     from branchwise import deferral, runtime
     from branchwise import device_time as dt
     from branchwise import emulated_device as ed
@@ -73,8 +68,7 @@ def hook_table(HookType: type[HookKind],
         (serving, f"{SCHEDULER}._add_request_to_queue", runtime.after_add_request_to_queue),
         (serving, f"{TIME_STATS}.set_prefill_finished_time", m.after_set_prefill_finished_time),
         (serving, f"{TIME_STATS}.set_completion_time", m.after_set_completion_time),
-        # taper: per-step branch admission (scheduler_hook.py); which token a deferred row's penalties
-        # cumulate (deferral.py; SGLang calls it only for batches with penalties)
+        # taper (scheduler_hook.py); deferral.py: which token a deferred row's penalties cumulate
         (serving, f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch),
         (serving, f"{SCHEDULER}.process_batch_result", runtime.after_process_batch_result),
         (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens",
@@ -121,8 +115,7 @@ def hook_table(HookType: type[HookKind],
         (sampling, f"{MODEL_RUNNER}.sample", sp.around_sample),
         (sampling, f"{MODEL_RUNNER}.forward", sp.around_forward),
         (sampling, f"{LOGITS_PROCESSOR}._get_logits", sp.around_get_logits),
-        # step_timer.py: the bench's per-iteration time split; never on in normal serving. Its spans wrap
-        # (or sit inside) other hooks on the same targets: registration order moves only what a span counts
+        # step_timer.py: the bench's per-iteration time split; never on in normal serving
         (timer, f"{SCHEDULER}.ingest_requests", t.around_ingest),
         (timer, f"{SCHEDULER}.get_next_batch_to_run", t.around_get_next_batch),
         (timer, f"{SCHEDULER}.run_batch", t.around_run_batch),
@@ -166,16 +159,14 @@ def _version_mismatch() -> str | None:
 
 
 def _note_once(line: str) -> None:
-    """One line on stderr per server (logging is not configured yet when plugins load); the env var
-    keeps the launcher's children quiet."""
+    """One line on stderr per server (logging is not configured yet); the env var quiets children."""
     if os.environ.get(VERSION_NOTED_ENV) != "1":
         os.environ[VERSION_NOTED_ENV] = "1"
         print(f"WARNING {line}", file=sys.stderr, flush=True)
 
 
 def _register_support_check() -> None:
-    """Refused modes fail the launch at argument resolution, before a model loads (support.py);
-    registered once per process."""
+    """Refused modes fail the launch at argument resolution (support.py); registered once per process."""
     from sglang.srt.arg_groups import resolution_hooks
 
     from branchwise import support

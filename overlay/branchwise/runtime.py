@@ -1,14 +1,6 @@
-"""The composition root: one `Branchwise` object per SGLang Scheduler, at `scheduler.branchwise`.
+"""The composition root: one `Branchwise` per SGLang Scheduler, at `scheduler.branchwise`.
 
-`after_scheduler_init` (the only Scheduler.__init__ hook) parses the settings once and builds every
-component in a fixed order; a component that is off is None. Scheduler hook bodies fetch their
-component from `scheduler.branchwise`; hooks on other SGLang objects (model runner, result
-processor, ...) find what the component's build attached to that object. Hooks that several
-components need on one Scheduler target (request creation, /server_info) are written once here
-and call the components in an explicit order, so no behaviour depends on registration order.
-
-Under the step timer's bench modes (env BRANCHWISE_STEP_TIMER, see plugin.py) "stock" builds only
-the timer and "albireo" only Albireo's components and the timer.
+Build order, which hooks live here, and the step timer's bench modes: docs/design/code-notes.md.
 """
 
 from __future__ import annotations
@@ -43,12 +35,12 @@ class Branchwise:
 
     config: BranchwiseConfig
     taper: BranchwiseState | None = None  # per-step branch admission (scheduler_hook)
-    fork: ForkManager | None = None  # server-side fork/join
-    dp: SchedulerDp | None = None  # this DP rank and the phases it served
+    fork: ForkManager | None = None
+    dp: SchedulerDp | None = None
     async_output: AsyncOutput | None = None  # Albireo: result processing off the critical path
     forward: ForwardExecutor | None = None  # Albireo: forwards on a worker thread (CPU)
-    sampler: SPState | None = None  # Albireo: sequence-parallel sampling
-    timer: StepTimer | None = None  # bench instrument: per-iteration time split
+    sampler: SPState | None = None
+    timer: StepTimer | None = None
     device: DeviceStream | None = None  # --emulate-device: forwards complete at a modeled GPU's time
 
     def report(self) -> dict[str, Any]:
@@ -77,7 +69,7 @@ def build(scheduler: Scheduler) -> Branchwise:
     scheduler.branchwise = bw  # first: a component may read the ones built before it there
     bw.device = emulated_device.build(scheduler, bw.config)  # in every mode: the device under them all
     if mode not in ("stock", "albireo"):
-        support.guard_scheduler(scheduler, bw.config)  # refused modes fail at start (support.py)
+        support.guard_scheduler(scheduler, bw.config)
         bw.taper = scheduler_hook.build(scheduler, bw.config)
         bw.fork = fork.build(scheduler, bw.config)
         bw.dp = dp_dispatch.build(scheduler, bw.config)
@@ -90,7 +82,6 @@ def build(scheduler: Scheduler) -> Branchwise:
     return bw
 
 
-# ---- hook bodies (targets in plugin.py) ---------------------------------------------------------
 def after_scheduler_init(result: None, scheduler: Scheduler, *args: Any, **kwargs: Any) -> None:
     build(scheduler)
 
@@ -106,8 +97,7 @@ def after_get_internal_state(result: GetInternalStateReqOutput, scheduler: Sched
 
 def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: TokenizedGenerateReqInput,
                                 *args: Any, **kwargs: Any) -> Req:
-    """A new client request: taper parses its stamp (`req.bw_meta`), which fork (grammar, tracking)
-    and dp (the rows of its phase) then read."""
+    """A new client request: taper parses `req.bw_meta` first; fork and dp then read it."""
     bw = of(scheduler)
     if bw is None or bw.taper is None:
         return req
@@ -119,8 +109,7 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
 
 
 def after_add_request_to_queue(result: None, scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any) -> None:
-    """A request entered the waiting queue (a client's, a server-side fork branch, or one coming back):
-    the metrics count branch requests and phases, and follow it to its SLO verdict (metrics.py)."""
+    """A request entered the waiting queue: the metrics count it and follow it to its SLO verdict."""
     bw = of(scheduler)
     if bw is not None and bw.taper is not None and bw.taper.metrics is not None:
         metrics.on_queued(bw.taper.metrics, req, bw.config)

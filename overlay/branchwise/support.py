@@ -65,11 +65,7 @@ PDMUX = Mode("PD multiplexing", "--enable-pdmux", lambda m: m.pdmux)
 PP = Mode("pipeline parallelism", "--pp-size N", lambda m: m.pp_size > 1)
 
 
-# Modes in which a step controller's sub-batch is unsafe or unaccounted:
-# attention DP ranks plan different batches while TAPER broadcasts rank 0's row mask; the PD, PD-mux
-# and PP loops call update_running_batch on their own batches; speculative decoding runs draft and
-# verify steps the controller does not model; mixed chunked prefill prepares the running batch
-# itself, so its decode rows run every mixed step and no clock is credited for them.
+# Modes in which a step controller's sub-batch is unsafe or unaccounted (why: code-notes.md).
 POLICY_MODES: tuple[Mode, ...] = (
     ATTN_DP,
     MLP_SYNC,
@@ -80,9 +76,7 @@ POLICY_MODES: tuple[Mode, ...] = (
     Mode("mixed chunked prefill", "--enable-mixed-chunk", lambda m: m.mixed_chunk),
 )
 
-# Modes --parallel-sampling does not cover (sp_sampler_hook._unsupported_mode, and the CUDA graph
-# case: a graph-replayed decode batch keeps SGLang's captured logits all-gather); the PD and PP loops
-# sample on their own paths, never run with it.
+# Modes --parallel-sampling does not cover (sp_sampler_hook._unsupported_mode; code-notes.md).
 SAMPLING_MODES: tuple[Mode, ...] = (
     SPECULATIVE,
     ATTN_DP,
@@ -126,7 +120,6 @@ def check(config: BranchwiseConfig, modes: ServingModes) -> None:
         raise ValueError("\n".join(why))
 
 
-# ---- SGLang side: read the resolved arguments (imports SGLang lazily) ---------------------------
 def resolved_modes(server_args: ServerArgs) -> ServingModes:
     """The ServingModes of resolved arguments, as the scheduler will see them."""
     from sglang.srt.arg_groups.overrides import resolving_view
