@@ -1,8 +1,6 @@
 """The per-step admission controller: rows of a decode batch in, active row indices out (no SGLang).
 
-`select` groups rows by key (a phase, or a serial rid), reads each key's slack clock and has the
-policy plan a width per key; `now` is passed in so every rank decides the same. The slack formulas,
-per-key state and failure rule: docs/design/taper-controller.md.
+Slack formulas, per-key state and failure rule: docs/design/taper-controller.md.
 Hot path: select runs every decode step: per-row records are not frozen, lists until the snapshot.
 """
 
@@ -47,8 +45,7 @@ class Delivery:
 
 @dataclass(slots=True)
 class SlackTracker:
-    """One key's delivery clock (docs/design/taper-controller.md), started at the key's first plan
-    or delivery. `mean`: a serial stage's slack is read on its mean pace."""
+    """One key's delivery clock (taper-controller.md); `mean`: a serial stage read on its mean pace."""
 
     slo_s: float
     last_token_s: float  # time of the last token delivery (the clock's start initially)
@@ -98,7 +95,7 @@ class _Step:
     rows: list[Row]
     groups: dict[str, list[int]]  # key -> its row indices in admission order
     heads: list[Row]  # each key's first (protected) row
-    waiting: int  # requests queued for admission
+    waiting: int
     clocks: list[KeyClock] = field(default_factory=list)
 
 
@@ -135,10 +132,7 @@ class StepController:
     quiet_ts: float | None = None
 
     def select(self, rows: list[Row], now: float, bubble: bool = False, *, waiting: int = 0) -> list[int]:
-        """Indices of the rows to run this step (every key gets at least one), from every live row
-        of the running batch. bubble: the batch in flight delivers no token to these rows (overlap
-        after a prefill), so the next step's protected rows are reserved out of every slack.
-        waiting: requests queued for admission (taper's backlog term)."""
+        """Indices of the rows to run this step, at least one per key (bubble, waiting: code-notes.md)."""
         groups: dict[str, list[int]] = {}
         for key, _, index in sorted([(row.key, row.order, index) for index, row in enumerate(rows)]):
             groups.setdefault(key, []).append(index)
@@ -186,8 +180,7 @@ class StepController:
         return sorted(active)
 
     def _clocks(self, step: _Step, now: float, bubble: bool) -> None:
-        """Each key's KeyClock (its per-gap slack only where terms.mean reads it); a new key starts
-        its clock now. After a prefill bubble the next step's protected rows are reserved out."""
+        """Each key's KeyClock (per-gap slack only where terms.mean reads it); a new key starts one now."""
         mean = self.policy.terms.mean
         model = self.policy.model
         reserve = None

@@ -1,12 +1,7 @@
 """TAPER's per-step planner (Algorithm 1): a decode batch in (`ArrayBatch`), widths out (`StepPlan`).
 
-`plan_step` runs every request's protected row, then admits rows greedily by marginal utility per
-marginal predicted latency while T(S) fits the budget; `plan_capped` is the static rules' fixed
-width. Why the sort gives the greedy order and where it stops: docs/design/taper-planner.md.
+Greedy by marginal utility per marginal latency while T(S) fits: docs/design/taper-planner.md.
 Hot path: one sort, one cumsum and one binary search per step over flat arrays, no per-row objects.
-With captured CUDA-graph sizes (`graph_batch_sizes` on the model) a decode step costs its padded
-rows: each prefix of the greedy order is priced with the padding it reaches (`_Padding`), so rows
-inside the current bucket cost their context only, and over budget the rows that add no time run.
 """
 
 from __future__ import annotations
@@ -20,8 +15,7 @@ import numpy as np
 from branchwise.taper.predictor import LatencyModel, padded_rows
 from branchwise.taper.utility import LINEAR, Utility
 
-# greedy_order packs (price, row index) into one int64: the price's float bits (order-preserving
-# for floats >= 0) less their low _Q_SHIFT bits, then the row index; ties (~2e-10 relative) by row.
+# greedy_order packs (price bits less the low _Q_SHIFT ones, row index) in one int64; ties by row
 _Q_SHIFT = 20
 _TINY = 1e-300  # a zero weight makes rows last, not NaN
 _ROW_BITS = 20  # < 2^20 rows and requests per step
@@ -36,8 +30,7 @@ Deferral = tuple[float, float] | Callable[[], tuple[float, float]]
 
 @dataclass(frozen=True, slots=True, eq=False)
 class ArrayBatch:
-    """One snapshot of the decode batch as flat arrays: per request (serial request or phase) its
-    ready rows, the first protected, the rest opportunistic in the hook's order."""
+    """One decode batch as flat arrays: per request its ready rows, the protected one first."""
 
     rids: Sequence[str]  # n requests (the controller's grouping keys)
     ready: np.ndarray  # int64[n], ready rows per request (>= 1)
@@ -131,8 +124,7 @@ class _Padding:
 
 
 def _padding(model: LatencyModel, extra_tokens: int) -> _Padding | None:
-    """The model's graph padding for a decode step; None where T is linear in rows (no captured
-    sizes: CPU; extra tokens: a mixed step runs no graph)."""
+    """The model's graph padding for a decode step; None where T is linear in rows (CPU, mixed step)."""
     sizes = getattr(model, "graph_batch_sizes", ())
     if not sizes or extra_tokens:
         return None
@@ -152,14 +144,13 @@ def _arange(count: int) -> np.ndarray:
 
 
 def plan_capped(batch: ArrayBatch, cap: int | None, model: LatencyModel | None) -> StepPlan:
-    """The static rule: min(ready, cap) rows per request (cap None: every ready row); `model`, if
-    set, only fills predicted_s."""
+    """The static rule: min(ready, cap) rows per request (cap None: all); `model` only fills predicted_s."""
     widths = batch.ready if cap is None else np.minimum(batch.ready, cap)
     predicted = 0.0
     if model is not None and len(batch.rids):
-        if cap is None:  # every row (eager)
+        if cap is None:
             rows, ctx = len(batch.ctx), int(batch.ctx.sum())
-        elif cap == 1:  # the protected rows (serial)
+        elif cap == 1:
             rows, ctx = len(batch.rids), batch.protected_ctx
         else:
             keep = np.arange(len(batch.ctx)) < (batch.starts + widths).repeat(batch.ready)
@@ -170,8 +161,7 @@ def plan_capped(batch: ArrayBatch, cap: int | None, model: LatencyModel | None) 
 
 def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
               options: PlanOptions = PLAIN) -> StepPlan:
-    """Widths per request for one decode step: the protected rows (or pinned widths, or floors)
-    even over budget, then the greedy plan within `budget_s` (a NaN budget leaves no room)."""
+    """Widths per request: protected rows (or pins, floors) even over budget, then the greedy plan."""
     if budget_s != budget_s:  # NaN (a broken clock upstream) must not widen anything
         budget_s = -math.inf
     deferral = options.deferral
@@ -204,7 +194,7 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
                             notes={"protected_s": base_s})
 
     total = len(ctx)
-    owner = _arange(count).repeat(ready)  # request index of every row
+    owner = _arange(count).repeat(ready)
     utility = options.utility
     rank = None
     if least is not None or options.fill or utility is not LINEAR:
@@ -281,9 +271,7 @@ def plan_step(batch: ArrayBatch, model: LatencyModel, budget_s: float,
 
 
 def greedy_order(price: np.ndarray, owner: np.ndarray) -> np.ndarray:
-    """Rows in greedy admission order: by price (float64 >= 0), a request's row never before its
-    predecessors (the running max of its request's prices), ties by row index. `owner`: each row's
-    request index, non-decreasing. Tests hold it to a plain sorted() over (running max, row)."""
+    """Rows in greedy order: by price, a request's rows in order (running max), ties by row index."""
     key = price.view(np.int64) >> _Q_SHIFT
     # running max along each request's rows, in one 1-D pass by lifting every request above the last
     lift = owner << _Q_BITS
@@ -297,8 +285,7 @@ def greedy_order(price: np.ndarray, owner: np.ndarray) -> np.ndarray:
 
 
 def _fill(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float) -> float:
-    """Algorithm 1's pruning rule after the first misfit: a request whose next row does not fit is
-    dropped, the others keep going. Updates `width` in place; returns the cost it added."""
+    """Algorithm 1's pruning after the first misfit: a request whose next row misfits drops out."""
     rest_cost = rows.cost[rest]
     fits = np.flatnonzero(rest_cost <= room)  # rows costlier than the room now never fit later either
     done = width.tolist()
@@ -320,16 +307,15 @@ def _fill(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float) ->
 
 def _fill_padded(rest: np.ndarray, rows: _RowArrays, width: np.ndarray, room: float,
                  padded: tuple[_Padding, int]) -> float:
-    """_fill where a row adds its cost and the padding it moves (`padded`: the padding and the rows
-    that run so far); a row inside the bucket may fit where its linear cost would not."""
+    """_fill where a row adds its cost and the padding it moves (inside the bucket a row may fit)."""
     padding, running = padded
     done = width.tolist()
     dropped = np.zeros(len(done), dtype=bool)
-    dropped[rows.owner[rest[0]]] = True  # the row that ended the prefix did not fit
+    dropped[rows.owner[rest[0]]] = True
     added = 0.0
     for row in rest.tolist():
         request = int(rows.owner[row])
-        if dropped[request] or rows.rank[row] != done[request]:  # dropped, or an earlier row was skipped
+        if dropped[request] or rows.rank[row] != done[request]:
             continue
         step = float(rows.cost[row]) + padding.at(running + 1) - padding.at(running)
         if step <= room - added:

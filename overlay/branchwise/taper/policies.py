@@ -1,11 +1,6 @@
 """Branch admission policies as data: `parse_policy(name) -> Policy`, and the rules a Policy names.
 
-A policy decides how many ready rows of each request run in one decode step (`Policy.plan`):
-* Static rule (serial = cap 1, cap:K, eager and stock = no cap): min(ready, cap) rows, no clock.
-* Budget rule (the taper family): protected rows, then a greedy fill within a budget (planner.py).
-  taper-paper is the paper's B = rho * min slack; taper adds the terms of `Terms` and a deferral
-  price, each with a taper-no-* ablation (docs/design/taper-rule.md derives them).
-* Pin rule (`replan` False, taper-no-replan): a phase keeps its first plan's width.
+Static (cap), budget (the taper family) and pin rules: docs/design/taper-rule.md, code-notes.md.
 Hot path: decide and weighed_budget run per step on plain lists and unfrozen KeyClocks.
 """
 
@@ -66,21 +61,19 @@ class KeyClock:
 
 @dataclass(frozen=True, slots=True)
 class StepView:
-    """What the budget rule reads of one step: predicted times of its compositions, one KeyClock per
-    request. floor_cost(rows): T of each request's first rows[i] rows (None: one each)."""
+    """What the budget rule reads of one step: T of its compositions, one KeyClock per request."""
 
     t_all: float  # T of every ready row
     t_protected: float  # T of each request's first row
     extra_ctx: int  # context tokens of the rows beyond each request's first
     keys: list[KeyClock]
-    waiting: int  # requests queued for admission
+    waiting: int
     floor_cost: Callable[[list[int] | None], float]
 
 
 @dataclass(frozen=True, slots=True)
 class StepBudget:
-    """The budget rule's one answer for a step (Policy.decide): budget, row floors, and whether the
-    plan would run every row (then it need not be made)."""
+    """The budget rule's one answer for a step (Policy.decide): budget, row floors, runs-all reason."""
 
     budget_s: float
     floor: list[int] | None  # rows per request that run whatever the budget; None: one each
@@ -102,8 +95,7 @@ _RETIRED = MappingProxyType({
 
 @dataclass(frozen=True, slots=True)
 class Policy:
-    """One admission policy: which rules apply, with what parameters (module docstring). `model` is
-    the shared T(S), refit in place by OnlineRefit; a static policy uses it only for predicted_s."""
+    """One admission policy: which rules apply, with what parameters; `model` is the shared, refit T(S)."""
 
     name: str
     model: LatencyModel | None = None
@@ -129,8 +121,7 @@ class Policy:
         return self.rho is None
 
     def plan(self, batch: ArrayBatch, given: StepBudget | None = None) -> StepPlan:
-        """Widths for one step: min(ready, cap) (static), or the greedy plan within the budget
-        (`given`: decide's answer on these clocks, if it worked one out)."""
+        """Widths for one step: min(ready, cap), or the greedy plan within the budget (`given`: decide's)."""
         if self.rho is None:
             return plan_capped(batch, self.cap, self.model)
         assert self.model is not None
@@ -159,8 +150,7 @@ class Policy:
         return self.terms.defer_cost and any(self.deferral_price())
 
     def decide(self, view: StepView) -> StepBudget | None:
-        """The budget rule's answer for this step; None where the plan must work it out (static and
-        pin rules, a non-linear T, a NaN clock)."""
+        """The budget rule's answer for this step; None where the plan must work it out (static, pin, NaN)."""
         if self.rho is None:
             return None
         if self._never_defers(sum(key.extra for key in view.keys), view.extra_ctx):
@@ -182,8 +172,7 @@ class Policy:
         return StepBudget(budget, floor, notes)
 
     def _never_defers(self, extra_rows: int, extra_ctx: int) -> bool:
-        """Deferring every opportunistic row saves no more than one step's deferral price, so
-        plan_step would run every row (linear T with its row slope above the per-row price)."""
+        """Deferring every opportunistic row saves at most one step's price: plan_step would run all."""
         model = self.model
         if not self.prices_deferral or not isinstance(model, LinearLatencyModel) or model.graph_batch_sizes:
             return False  # padded T: a row crossing a graph size saves more than its slope (plan it)
@@ -212,8 +201,7 @@ class Policy:
 
     def held_price(self, batch: ArrayBatch, budget: float,
                    floor: np.ndarray | None) -> tuple[float, float] | None:
-        """The deferral price over the steps a deferral is held (docs/design/taper-rule.md), or None
-        (deferral is free)."""
+        """The deferral price over the steps a deferral is held (taper-rule.md), or None (free)."""
         return self._held_price(batch, budget, floor) if any(self.deferral_price()) else None
 
     def _held_price(self, batch: ArrayBatch, budget: float, floor: np.ndarray | None) -> tuple[float, float]:
@@ -225,8 +213,7 @@ class Policy:
         return price[0] * held, price[1] * held
 
     def budget(self, batch: ArrayBatch) -> tuple[float, np.ndarray | None, dict[str, float]]:
-        """The budget rule on a snapshot: (budget, per-request row floor or None, notes on the terms
-        that applied)."""
+        """The budget rule on a snapshot: (budget, per-request row floor or None, the terms' notes)."""
         assert self.rho is not None
         if not self.slack or not len(batch.rids):
             return math.inf, None, {}
@@ -244,8 +231,7 @@ class Policy:
         return budget, None if floor is None else np.array(floor, dtype=np.int64), notes
 
     def weighed_budget(self, view: StepView) -> tuple[float, list[int] | None, dict]:
-        """taper's budget, per-request row floor and the terms that applied ("per_gap", "overload",
-        "backlog": 1.0), derived in docs/design/taper-rule.md. A NaN clock gives a NaN budget."""
+        """taper's budget, row floor and the terms that applied (taper-rule.md); NaN clock: NaN budget."""
         rho, terms, keys = self.rho, self.terms, view.keys
         assert rho is not None
         notes: dict[str, float] = {}
@@ -309,8 +295,7 @@ def parse_policy_name(name: str) -> str:
 
 def parse_policy(name: str, *, model: LatencyModel | None = None, rho: float = 0.8,
                  utility: str | Utility = "linear", fill: bool = False) -> Policy:
-    """Build a policy. model defaults to default_model() for the budget rule (the static rule keeps
-    None); taper-const-predictor keeps a ConstantLatencyModel and turns another into one."""
+    """Build a policy; model defaults to default_model() for the budget rule (taper-const: a constant)."""
     canonical = parse_policy_name(name)
     curve = parse_utility(utility)
     if canonical == "serial":  # one branch per phase per step (the TAPER paper's IRP-Off)
