@@ -1,5 +1,4 @@
-"""Client side of Branchwise: branch stamps, structured rids and a small async client for /generate.
-Design: docs/design/client-phases.md."""
+"""Client side of Branchwise: stamps, structured rids, an async /generate client (client-phases.md)."""
 
 from __future__ import annotations
 
@@ -19,7 +18,6 @@ ROUTING_HEADER = "X-SMG-Routing-Key"
 MAX_ROUTING_KEY_BYTES = 128  # smg ignores a longer key (and routes by the prompt instead)
 
 
-# ---- stamps and rids ----------------------------------------------------------------------------
 def new_group(prefix: str = "fork") -> str:
     """A fresh phase/group id. Fixed-length hex, so no group id prefixes another."""
     if not prefix or "/" in prefix:
@@ -41,8 +39,7 @@ def stamp_serial(sampling_params: dict[str, Any] | None, slo_tpot_ms: float | No
 
 
 def routing_headers(sampling_params: dict[str, Any] | None, routing_key: str | None = None) -> dict[str, str]:
-    """The router header of a request: `routing_key`, else its stamp's phase, each up to its first
-    "/" (request_meta.affinity_key: the key a DP server places it by too); {} for neither."""
+    """The router header of a request: its routing key or stamp's phase, to the first "/" ({} if neither)."""
     custom = sampling_params.get("custom_params") if isinstance(sampling_params, dict) else None
     key = affinity_key(None, routing_key) if routing_key is not None else affinity_key(custom)
     if key is None:
@@ -50,7 +47,6 @@ def routing_headers(sampling_params: dict[str, Any] | None, routing_key: str | N
     return {ROUTING_HEADER: key.encode()[:MAX_ROUTING_KEY_BYTES].decode(errors="ignore")}
 
 
-# ---- HTTP client ----------------------------------------------------------------------------------
 class GenerateError(RuntimeError):
     """The server answered /generate with an error (HTTP status, or an error chunk in a stream)."""
 
@@ -121,12 +117,10 @@ def _payload(text: str | None, input_ids: list[int] | None, sampling_params: dic
 
 
 async def _read_stream(resp: aiohttp.ClientResponse, url: str, gens: list[Generation]) -> None:
-    """Parse SGLang's SSE stream ("data: {...}\\n\\n" ... "data: [DONE]") into gens, one per sample
-    (a chunk's `index` says whose; n = 1 chunks carry none). Split on event boundaries ourselves: a
-    chunk carries the cumulative text and ids, so lines outgrow aiohttp's line limit."""
+    """Parse SGLang's SSE stream into gens, one per sample (why events are split here: code-notes.md)."""
     last: list[dict[str, Any]] = [{} for _ in gens]
     seen = [0] * len(gens)  # tokens so far (meta_info.completion_tokens is cumulative)
-    buf = b""  # unparsed bytes
+    buf = b""
     async for piece in resp.content.iter_any():
         now = time.perf_counter()
         *events, buf = (buf + piece).split(b"\n\n")
@@ -155,10 +149,7 @@ async def generate(url: str, text: str | None = None, sampling_params: dict[str,
                    rid: str | None = None, stream: bool = False, *, input_ids: list[int] | None = None,
                    session: aiohttp.ClientSession | None = None, timeout_s: float | None = 600,
                    check: bool = True, routing_key: str | None = None) -> Generation:
-    """POST url/generate. Raises ConnectionError (naming the url) if nothing listens, GenerateError on
-    an error answer. Pass a shared `session` when sending many requests (its own timeout then
-    applies); check=False sends custom_params unvalidated (to test the server's own checks);
-    `routing_key` keeps the request with others of that key behind a router (routing_headers)."""
+    """POST url/generate; ConnectionError if nothing listens, GenerateError on an error answer."""
     body = _payload(text, input_ids, sampling_params, rid, stream, check)
     headers = routing_headers(sampling_params, routing_key)
     return (await _post(url, body, headers, 1, rid, session, timeout_s))[0]
@@ -168,8 +159,7 @@ async def generate_samples(url: str, text: str | None = None, sampling_params: d
                            rid: str | None = None, *, input_ids: list[int] | None = None,
                            session: aiohttp.ClientSession | None = None,
                            timeout_s: float | None = 600) -> list[Generation]:
-    """One streamed request for `sampling_params["n"]` samples of one prompt (SGLang's n > 1; the
-    server stamps them as one phase): one Generation per sample, in sample order."""
+    """One streamed request for `sampling_params["n"]` samples of one prompt: one Generation per sample."""
     n = (sampling_params or {}).get("n", 1)
     if not isinstance(n, int) or n < 1:
         raise ValueError(f"sampling_params.n must be an integer >= 1, got {n!r}")
@@ -227,8 +217,7 @@ async def fork(url: str, texts: list[str], sampling_params: dict[str, Any] | Non
 
 
 async def abort(url: str, rid: str, session: aiohttp.ClientSession | None = None) -> None:
-    """Abort an in-flight request. SGLang forwards only rids it still tracks, and the scheduler then
-    aborts every request whose rid starts with it: pass exact rids (branch_rid), one per request."""
+    """Abort in-flight requests by exact rid (branch_rid), one per request: SGLang aborts by prefix."""
     url = url.rstrip("/")
     own = session is None
     session = session or aiohttp.ClientSession()

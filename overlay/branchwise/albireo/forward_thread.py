@@ -1,7 +1,6 @@
-"""CPU forward thread (Albireo): one FIFO worker thread plays SGLang's forward stream on CPU, so
-the overlap loop overlaps; its placeholder result's `copy_done` is the only wait. Opt-in
-(--async-output on CPU, env BRANCHWISE_FORWARD_THREAD=1). Race-freedom, cost, TP, failures:
-docs/design/albireo-forward-thread.md.
+"""CPU forward thread (Albireo): one FIFO worker thread plays SGLang's forward stream on CPU.
+
+Opt-in (env BRANCHWISE_FORWARD_THREAD=1, --async-output on CPU): docs/design/albireo-forward-thread.md.
 """
 
 from __future__ import annotations
@@ -52,8 +51,7 @@ class ForwardThreadError(RuntimeError):
 
 
 class HostEvent:
-    """Drop-in for a `copy_done` device event, set by the worker when the job is complete;
-    `synchronize()` re-raises the job's failure, a dead worker or a timeout on the scheduler thread."""
+    """Drop-in `copy_done`, set when the job completes; synchronize() re-raises its failure or timeout."""
 
     __slots__ = ("_done", "error", "_worker")
 
@@ -97,7 +95,7 @@ class HostEvent:
 class ForwardJob:
     """One launched batch on its way through the worker (one job, or two with delayed sampling)."""
 
-    snapshot: ScheduleBatch  # the batch at launch
+    snapshot: ScheduleBatch
     placeholder: GenerationBatchResult  # what the scheduler holds; filled in before `done` is set
     run: Callable[[ScheduleBatch], GenerationBatchResult]
     done: HostEvent
@@ -115,7 +113,7 @@ class ForwardStats:
     busy_s: float = 0.0
     idle_s: float = 0.0  # gaps between consecutive worker forwards
     reasons: dict[str, int] = field(default_factory=dict)  # "<mode>: <why>" -> inline batches
-    modes: dict[str, int] = field(default_factory=dict)  # worker jobs by forward mode
+    modes: dict[str, int] = field(default_factory=dict)
     features: dict[str, int] = field(default_factory=dict)
     checkpoint_drains: int = 0  # radix checkpoints that rewrote a row while a forward was queued or running
 
@@ -354,8 +352,7 @@ def _embeds(batch: ScheduleBatch) -> bool:
 
 
 def snapshot(batch: ScheduleBatch) -> ScheduleBatch:
-    """The batch as launched: a shallow copy with its lists copied (merge_batch extends them in
-    place); custom logit processors see their Req as at launch (`req_view`)."""
+    """The batch as launched: a shallow copy with its lists copied (merge_batch extends them in place)."""
     snap = copy.copy(batch)
     for name, value in vars(snap).items():
         if type(value) is list:
@@ -390,8 +387,7 @@ ATTR = "_branchwise_forward"  # on the TP worker, the FutureMap and (guarded) th
 
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForwardExecutor | None:
-    """The scheduler's CPU forward thread, attached as ATTR where its non-Scheduler hooks look
-    (None unless --async-output is on and it qualifies here)."""
+    """The scheduler's CPU forward thread, attached as ATTR (None unless --async-output qualifies)."""
     if not config.async_output:
         return None
     why = static_reason(scheduler)
@@ -491,8 +487,7 @@ def around_forward_batch_generation(orig: Hook, self: TpModelWorker, batch: Sche
 
 
 def _launch_sampling(executor: ForwardExecutor, job: ForwardJob) -> GenerationBatchResult:
-    """The placeholder's delay_sample_func: build the vocab mask on the scheduler thread, as stock
-    does here, and queue the sampling behind the forward on the worker."""
+    """delay_sample_func: build the vocab mask here, as stock does; queue the sampling on the worker."""
     info = job.snapshot.sampling_info  # the launch's forward-only copy, which the worker samples with
     info.update_regex_vocab_mask()
     info._branchwise_mask_ready = True  # around_update_regex_vocab_mask: the worker's sample keeps this mask
@@ -554,8 +549,7 @@ def _guarded_checkpoint(scheduler: Scheduler | None) -> bool:
 
 
 def around_checkpoint(orig: Hook, self: RadixCache, req: Req, *args: Any, **kwargs: Any) -> None:
-    """(Unified)RadixCache.checkpoint: a write that changes a req_to_token row a queued forward may
-    still read drains the worker first; unchanged rows cost a compare."""
+    """(Unified)RadixCache.checkpoint: drain the worker before a write that changes a queued row."""
     executor = getattr(self, ATTR, None)
     if executor is None or not executor.busy():
         return orig(self, req, *args, **kwargs)

@@ -1,5 +1,4 @@
-"""--parallel-sampling (Albireo): sequence-parallel sampling inside SGLang's ModelRunner.sample.
-Design: docs/design/albireo-parallel-sampling.md."""
+"""--parallel-sampling (Albireo): sequence-parallel sampling (docs/design/albireo-parallel-sampling.md)."""
 
 from __future__ import annotations
 
@@ -61,9 +60,7 @@ class SPState:
 
     @property
     def id_group(self) -> dist.ProcessGroup:
-        """The group the sampled ids are gathered on: the forward's own (gloo on CPU), never cpu_group:
-        with the CPU forward thread the sampler runs on the worker while the scheduler thread
-        broadcasts requests on cpu_group."""
+        """The group sampled ids gather on: the forward's own, never cpu_group (code-notes.md)."""
         return self.tp_group.device_group
 
     def report(self) -> dict[str, Any]:
@@ -105,8 +102,7 @@ def _attach_model(state: SPState, model: torch.nn.Module) -> None:
 
 
 def _unsupported_mode(scheduler: Scheduler) -> str | None:
-    """Modes SP does not cover; refused at argument resolution (support.SAMPLING_MODES), so this
-    is a guard: build stops a scheduler that gets here with one."""
+    """Modes SP does not cover (refused in support.py); a guard: build stops a scheduler that gets here."""
     from sglang.srt.runtime_context import get_parallel
 
     if not scheduler.spec_algorithm.is_none():
@@ -191,8 +187,7 @@ def _row_wise_penalizers(info: SamplingBatchInfo) -> bool:
 
 
 def _row_view(penalizer: _BatchedPenalizer, rows: slice) -> _BatchedPenalizer:
-    """A shallow copy of a penalizer restricted to `rows`: stock `_filter` re-binds each per-row tensor
-    to `tensor[rows]` (a view, no copy) on the copy; the original keeps its full rows for the scheduler."""
+    """A shallow copy of a penalizer restricted to `rows` (views); the original keeps its full rows."""
     view = copy.copy(penalizer)
     view._filter(keep_indices=rows)
     return view
@@ -219,8 +214,7 @@ NO_ROW_SEEDS = "rows without sampling params or seeds"
 
 
 def _gather_reason(runner: ModelRunner, forward_batch: ForwardBatch) -> str | None:
-    """Why this decode batch keeps the logits all-gather (None: the all-to-all). Batch-only, so every
-    TP rank decides the same; it must imply `_fallback_reason(...) is None` at sample time."""
+    """Why this decode batch keeps the all-gather (None: the all-to-all); batch-only, so TP ranks agree."""
     info = forward_batch.sampling_info
     if info is None:
         return "no sampling info"
@@ -250,8 +244,7 @@ def request_seed(nonce: int, rid: str) -> int:
 
 
 def shared_nonce(random_seed: int | None, tp_size: int, tp_group: GroupCoordinator) -> int:
-    """Rank 0's nonce (from --random-seed) on every TP rank: a gloo broadcast on the CPU group,
-    once, at start-up, where every rank runs this hook in the same order."""
+    """Rank 0's nonce (--random-seed) on every TP rank: one gloo broadcast on the CPU group at start-up."""
     seed = random_seed if random_seed is not None else random.SystemRandom().getrandbits(62)
     nonce = random.Random(f"branchwise-sp-{seed}").getrandbits(63)
     if tp_size == 1:
@@ -264,8 +257,7 @@ def shared_nonce(random_seed: int | None, tp_size: int, tp_group: GroupCoordinat
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)
 
 def build(scheduler: Scheduler, config: BranchwiseConfig) -> SPState | None:
-    """The scheduler's --parallel-sampling component (None when off); a mode it does not cover stops
-    the scheduler (support.py refuses those at argument resolution already)."""
+    """The scheduler's --parallel-sampling component (None when off); an uncovered mode stops it."""
     from sglang.srt.runtime_context import get_parallel
 
     if not config.parallel_sampling:
@@ -404,7 +396,7 @@ def around_sample(orig: Hook, runner: ModelRunner, logits_output: LogitsProcesso
     # ModelRunner.sample up to the sampler call: bias, penalties (grammar/watermark/observer excluded)
     logits_output.auxiliary_device_output = None
     runner._preprocess_logits(logits_output, info)
-    logits = runner.sampler._preprocess_logits(logits_output.next_token_logits, info)  # NaN sanitising
+    logits = runner.sampler._preprocess_logits(logits_output.next_token_logits, info)
     params = RowParams.from_sampling_info(info, _positions(forward_batch))
     ids = sp_sample_full(logits, params, state.id_group) if state.tp_size > 1 else sample_rows(logits, params)
     runner.ngram_embedding_manager.update_after_decode(next_token_ids=ids, forward_batch=forward_batch)

@@ -1,6 +1,4 @@
-"""What one scheduler keeps for server-side fork/join: a `Track` per tracked sequence, the phase
-registry, counters and the views derived from them. The work on them is in lifecycle.py and aborts.py.
-"""
+"""One scheduler's server-side fork/join state; the work on it is in lifecycle.py and aborts.py."""
 
 from __future__ import annotations
 
@@ -28,8 +26,7 @@ ENC_CACHE = 4096  # encoded texts kept (headers carry client text: the cache mus
 
 @dataclass(slots=True, eq=False)
 class Track:
-    """Per-sequence data of a tracked sequence (a client request or a server-side branch): its
-    detector and text. Where it stands is in its phase (`phase`, `waiting`), not here."""
+    """A tracked sequence's detector and text; where it stands is in its phase, not here."""
 
     mgr: ForkManager
     req: Req
@@ -69,8 +66,7 @@ class Track:
 
 
 class ForkManager:
-    """Server-side fork/join state of one scheduler: the registry, counters and text codec that
-    lifecycle.py (fork, park, spawn, close, join) and aborts.py (parked aborts, leak check) work on."""
+    """Server-side fork/join state of one scheduler: the registry, counters and text codec."""
 
     def __init__(self, sched: Scheduler, cfg: BranchwiseConfig) -> None:
         self.sched = sched
@@ -93,7 +89,6 @@ class ForkManager:
     def max_branch_tokens(self) -> int:
         return self.limits.max_branch_tokens
 
-    # ---- text --------------------------------------------------------------------------------
     def decode(self, ids: Sequence[int]) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=True)
 
@@ -103,7 +98,6 @@ class ForkManager:
     def _encode_uncached(self, text: str) -> tuple[int, ...]:
         return tuple(self._tok.encode(text, add_special_tokens=False))
 
-    # ---- derived views ----------------------------------------------------------------------------
     def busy(self) -> bool:
         """A parent waits at a fork or on its branches (it is in no SGLang queue while parked)."""
         return any(phase.waiting for phase in self.reg.phases.values())

@@ -74,8 +74,7 @@ class ParallelPhase:
     fmt: ReduceFormat = field(default_factory=ReduceFormat)
     branches: list[Branch] = field(default_factory=list)
     state: Stage = Stage.FORKING
-    # the fork point, in the parent's output: whole tokens kept, and the text of a token the fork
-    # point cuts through (re-tokenized in front of every branch header and of the join)
+    # the fork point in the parent's output: whole tokens kept, the text of a token it cuts through
     keep: int = 0
     leftover: str = ""
     header_ids: list[list[int]] = field(default_factory=list)  # branch i's header (with leftover) in ids
@@ -140,8 +139,7 @@ class ParallelPhase:
         return self.state is Stage.FORKING or (self.state is Stage.PARALLEL and self.all_closed)
 
     def granted(self) -> int:
-        """Decode tokens still granted to this phase's branches: all of them until they are
-        spawned, then those of the branches that have not ended."""
+        """Decode tokens still granted: all until the branches are spawned, then those not ended."""
         if self.state is Stage.FORKING:
             return sum(self.grants)
         if self.state is not Stage.PARALLEL:
@@ -165,8 +163,7 @@ class ParallelPhase:
 
 
 def branch_seed(seed: int, branch_rid: str) -> int:
-    """Per-branch sampling seed that depends only on (seed, rid): stochastic decoding stays
-    independent of the schedule, because no branch's draws depend on when its siblings ran."""
+    """Per-branch sampling seed from (seed, rid) only: a branch's draws never depend on the schedule."""
     digest = hashlib.blake2b(f"{seed}:{branch_rid}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFF_FFFF_FFFF_FFFF
 
@@ -214,8 +211,7 @@ class PhaseRegistry:
         return self.phases[pid] if pid else None
 
     def release(self, phase_id: str) -> list[ParallelPhase]:
-        """Forget a closed phase, or a dropped one (-> DONE), and the phases nested in it (a
-        branch's own fork). Returns them, outermost first: whoever releases frees what they hold."""
+        """Forget a closed or dropped phase and those nested in it; returns them outermost first."""
         phase = self.phases.pop(phase_id, None)
         if phase is None:
             raise PhaseError(f"unknown phase {phase_id}")
@@ -231,9 +227,7 @@ class PhaseRegistry:
         return out
 
     def drop_request(self, rid: str) -> list[ParallelPhase]:
-        """Abort/finish of `rid`: release its open phase and every phase nested under it (a parent
-        has at most one open phase; every phase of a derived rid `rid/...` is nested in it). Exact
-        rid only, so finishing "r1" never touches "r10". Returns the released phases."""
+        """Abort/finish of exactly `rid`: release its open phase and every phase nested under it."""
         self.counts.pop(rid, None)
         pid = self.by_parent.get(rid)
         return self.release(pid) if pid is not None else []
@@ -257,7 +251,6 @@ class PhaseRegistry:
         return rid
 
 
-# ---- a sequence's text -------------------------------------------------------------------------
 
 
 @dataclass(slots=True)
@@ -292,8 +285,7 @@ class TextStream:
         return bisect_right(self.ends, at, 0, self.read)
 
     def split(self, at: int, text: str) -> tuple[int, str]:
-        """A cut at character `at` of `text` (the detector's text): whole tokens kept, and the text
-        of the token the cut goes through that is still kept."""
+        """A cut at character `at`: the whole tokens kept, and the kept text of the token it cuts."""
         keep = self.cut(at)
         return keep, text[(self.ends[keep - 1] if keep else 0) : at]
 
@@ -312,7 +304,6 @@ class TextStream:
         self.pos = pos
 
 
-# ---- per-request limits ------------------------------------------------------------------------
 
 
 def branch_budget(parent_max_new: int, kept: int, header_len: int) -> int:

@@ -1,5 +1,4 @@
-"""Reject malformed /generate requests in the HTTP server process, before they reach the scheduler.
-Design: docs/design/request-validation.md."""
+"""Reject malformed /generate requests in the HTTP server (docs/design/request-validation.md)."""
 
 from __future__ import annotations
 
@@ -19,10 +18,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("branchwise.ingress.validate")
 MAX_MESSAGE = 300
 MAX_N = 128  # parallel samples per request (OpenAI's limit for n)
-# The sampler divides float32 logits by the repetition penalty (seen tokens) and by the temperature
-# (>= 1e-6; below it SGLang samples greedily), after adding logit_bias. Past these bounds a logit
-# becomes inf and softmax NaN: on CPU every later token is id 0 (HTTP 200, meaningless text);
-# SGLang calls NaN logits undefined behaviour in its GPU sampling kernels (out-of-vocab ids).
+# Past these bounds a float32 logit becomes inf and softmax NaN (why: request-validation.md).
 MAX_LOGIT_BIAS = 1e30  # SGLang's own bound when it sanitizes NaN logits
 MIN_REPETITION_PENALTY = 1e-6
 # top_k and min_new_tokens become int32 tensors in the scheduler (SGLang's "all" top_k is 2**30)
@@ -31,12 +27,7 @@ INT32_MAX = 2**31 - 1
 
 
 def check_sampling_params(sampling_params: object) -> None:
-    """ValueError (HTTP 400) for what SGLang would pass on unchecked, in a request's sampling_params
-    (a dict or, for a batch, a list of dicts; wrong types are SGLang's to judge): a malformed
-    custom_params (request_meta.MetaError, naming the field), an n that is not an integer in
-    [1, MAX_N] (SGLang copies the request n times before anything else looks at it), top_k /
-    min_new_tokens past int32, and logit_bias / repetition_penalty values that would make the
-    sampler's float32 logits infinite."""
+    """ValueError (HTTP 400) for what SGLang would pass on unchecked in sampling_params (code-notes.md)."""
     for params in sampling_params if isinstance(sampling_params, list) else [sampling_params]:
         if not isinstance(params, dict):
             continue
@@ -61,15 +52,13 @@ def check_sampling_params(sampling_params: object) -> None:
 
 
 def check_n(n: object) -> None:
-    """The number of parallel samples: an integer in [1, MAX_N]. SGLang itself answers 200 with one
-    sample for n < 1, and an n that is no integer fails while it copies the request."""
+    """The number of parallel samples: an integer in [1, MAX_N] (SGLang answers n < 1 with one)."""
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= MAX_N:
         raise ValueError(f"sampling_params.n must be an integer in [1, {MAX_N}], got {request_meta.show(n)}")
 
 
 def check_vocab_bounds(obj: ReqInput, vocab_size: object) -> None:
-    """Values that index or size a vocab-wide tensor in the scheduler: stop token ids (the
-    min_new_tokens penalizer's scatter) and top_logprobs_num (topk over the vocabulary)."""
+    """Values that index or size a vocab-wide tensor: stop token ids and top_logprobs_num."""
     if not isinstance(vocab_size, int):
         return
     params = getattr(obj, "sampling_params", None)
@@ -90,8 +79,7 @@ def _is_num(value: object) -> TypeGuard[int | float]:
 def as_bad_request(err: Exception, where: str) -> ValueError:
     """The ValueError SGLang turns into HTTP 400, for an exception raised by a client's input."""
     name = type(err).__name__
-    # The 400's message names the exception; its traceback is for debugging unforeseen input shapes
-    # (at DEBUG: a client sending such requests must not fill the log at the default level).
+    # the traceback at DEBUG: a client sending such requests must not fill the log
     logger.debug("Branchwise: %s raised %s on a client request; answering HTTP 400", where, name,
                  exc_info=err)
     try:
@@ -118,8 +106,7 @@ def around_normalize_batch_and_arguments(orig: Callable[..., None], self: ReqInp
 
 
 def check_rids(obj: ReqInput) -> None:
-    """After normalization: one string rid per request (SGLang hashes them; a list given as the rid
-    of a single request was a TypeError, HTTP 500)."""
+    """After normalization: one string rid per request (a list rid for one request was HTTP 500)."""
     rid = getattr(obj, "rid", None)
     if getattr(obj, "is_single", True):
         ok = isinstance(rid, str)
@@ -131,15 +118,12 @@ def check_rids(obj: ReqInput) -> None:
 
 
 def _nothing_dispatched(obj: ReqInput) -> None:
-    """A request refused here reached nothing (normalization is generate_request's first step), but
-    SGLang's streaming route still runs its disconnect-abort task over obj's rids: it reads
-    `is_single`, unset before normalization (an AttributeError in the ASGI app), and hashes each rid."""
+    """A refused request still meets SGLang's disconnect-abort task: give it `is_single` and no rids."""
     obj.is_single, obj.rid = False, []
 
 
 def check_prompt_not_empty(input_ids: object, input_embeds: object, mm_inputs: object) -> None:
-    """A text prompt can tokenize to no tokens (no BOS token): a zero-length prefill in the
-    scheduler. SGLang refuses empty input_ids only when the client sent input_ids."""
+    """A text prompt that tokenizes to nothing (no BOS) would be a zero-length prefill: refuse it."""
     if isinstance(input_ids, list | tuple) and not input_ids and input_embeds is None and mm_inputs is None:
         raise ValueError("the prompt is empty: text tokenizes to no tokens")
 

@@ -1,11 +1,6 @@
 """Step-latency predictor T(S) over the step composition S = (rows, context tokens, extra tokens).
 
-The planner needs T monotone in rows (NNLS keeps every coefficient >= 0) and separable (a row
-adds `row_costs(L)` whatever else runs); a linear model also holds the deferral price apart from
-T. Why, the default's calibration and the refit's rules: docs/design/taper-predictor.md. Seconds.
-On a device that replays captured CUDA graphs a decode step's rows cost as the next captured size
-up (`graph_batch_sizes`): separable but for that padding, which the planner adds back
-(`padding_s`); none on CPU. docs/design/emulated-device.md, "Graph sizes in T(S)".
+Monotone (NNLS keeps coefficients >= 0), separable but for graph padding: docs/design/taper-predictor.md.
 """
 
 from __future__ import annotations
@@ -31,8 +26,7 @@ class LatencyModel(Protocol):
     def predict(self, n_seqs: int, ctx_tokens: int, extra_tokens: int = 0) -> float: ...
 
     def row_costs(self, ctx_lens: np.ndarray) -> np.ndarray:
-        """Marginal seconds (>= 0, a new float64 array) of adding each row of that context length
-        to any step: predict(n + 1, ctx + L) - predict(n, ctx) for every n, ctx."""
+        """Marginal seconds (>= 0, a new float64 array) of adding a row of each context length to any step."""
         ...
 
 
@@ -47,8 +41,7 @@ class LinearLatencyModel:
     c_tok: float = 0.0
     c_defer: float = 0.0
     c_deferred: float = 0.0
-    # decode batch sizes captured as CUDA graphs, increasing (past the largest a step runs eagerly,
-    # unpadded); () on CPU: T is linear in rows. Not part of the JSON: the device says it at start.
+    # decode batch sizes captured as CUDA graphs, increasing; () on CPU (the device says, not the JSON)
     graph_batch_sizes: tuple[int, ...] = ()
 
     def __post_init__(self) -> None:
@@ -180,8 +173,7 @@ def _expect(cls: type, model: object) -> Any:
 
 
 def default_model() -> LinearLatencyModel:
-    """Qwen3-32B, TP=8, A100-80GB, calibrated to the TAPER paper's step latencies
-    (docs/design/taper-predictor.md); a profiled --latency-model replaces it on real hardware."""
+    """Qwen3-32B, TP=8, A100-80GB, fit to the TAPER paper (taper-predictor.md); real GPUs: --latency-model."""
     return LinearLatencyModel(c0=14e-3, c_seq=2.5e-4, c_ctx=1.0e-7, c_tok=4.0e-5)
 
 
@@ -194,13 +186,12 @@ MAX_INTERCEPT_S = 10.0  # a per-step floor above this is a unit mistake, not a m
 def _finite_number(value: Any) -> bool:
     try:
         return not isinstance(value, bool) and isinstance(value, int | float) and math.isfinite(value)
-    except OverflowError:  # an int too large for a float
+    except OverflowError:
         return False
 
 
 def model_from_json(text: str | dict[str, Any]) -> LinearLatencyModel | ConstantLatencyModel:
-    """Parse a latency-model JSON document (kind, units, the kind's coefficients, scaled to seconds);
-    ValueError says what is wrong."""
+    """Parse a latency-model JSON document (kind, units, coefficients, in seconds); ValueError says why."""
     try:
         doc = json.loads(text) if isinstance(text, str) else text
     except json.JSONDecodeError as err:
@@ -297,8 +288,7 @@ _RCOND = 1e-9  # a direction of the composition this much weaker than the strong
 
 @dataclass(frozen=True, slots=True)
 class _PriceFit:
-    """Deferral columns fitted beside the composition: their coefficients (seconds), the
-    combination asked for and its standard error."""
+    """Deferral columns fitted beside the composition: coefficients (s), the combination and its error."""
 
     coef: tuple[float, ...]
     est: float
@@ -311,9 +301,7 @@ class _PriceFit:
 
 @dataclass(slots=True)
 class DeferralEvidence:
-    """What deferring steps took beyond what their composition explains, over every refit window:
-    the sums of one weighted least-squares regression, with the composition slopes fitted jointly
-    so slope error cannot read as a price (docs/design/taper-rule.md, "Deferral price")."""
+    """What deferring steps took beyond their composition: one joint weighted regression (taper-rule.md)."""
 
     steps: int = 0
     defer_steps: int = 0
@@ -323,8 +311,7 @@ class DeferralEvidence:
     yty: float = 0.0
 
     def add(self, design: np.ndarray, latency: np.ndarray, deferred: np.ndarray) -> None:
-        """Steps (rows of `design`, centred on their window's means and weighted) with latencies
-        (centred and weighted likewise) and the rows each deferred."""
+        """Steps (centred, weighted rows of `design`) with latencies likewise, and the rows each deferred."""
         self.steps += len(latency)
         self.defer_steps += int((deferred > 0).sum())
         self.deferred_rows += float(deferred.sum())
@@ -333,8 +320,7 @@ class DeferralEvidence:
         self.yty += float(latency @ latency)
 
     def price(self) -> tuple[float, float]:
-        """(c_defer, c_deferred) in seconds: (0, 0) until the joint price at the mean deferral is
-        believed; a negative part is dropped and the other column refit alone, clipped at 0."""
+        """(c_defer, c_deferred) in seconds: (0, 0) until the joint price is believed; negative parts drop."""
         if self.defer_steps < MIN_SPLIT or self.steps - self.defer_steps < MIN_SPLIT:
             return 0.0, 0.0
         both = self._fit((2, 3), (1.0, self.deferred_rows / self.defer_steps))
@@ -353,8 +339,7 @@ class DeferralEvidence:
         return (0.0, max(alone.est, 0.0)) if alone is not None else (0.0, 0.0)
 
     def _fit(self, cols: tuple[int, ...], combo: tuple[float, ...]) -> _PriceFit | None:
-        """The deferral columns `cols` fitted with (rows, ctx) partialled out, and their combination
-        `combo` with its standard error; None where the data cannot identify them."""
+        """The deferral columns `cols` fitted with (rows, ctx) partialled out, `combo`, its error; or None."""
         scale = np.sqrt(np.diag(self.xtx))
         scale[scale == 0.0] = 1.0
         xtx = self.xtx / np.outer(scale, scale)
@@ -388,10 +373,7 @@ def _mape_deferred(model: LinearLatencyModel, seqs: np.ndarray, ctx: np.ndarray,
 
 @dataclass(slots=True)
 class OnlineRefit:
-    """Refit the shared model in place from the last `window` realized pure-decode steps, every
-    `every` steps, a fraction `blend` toward the fit; only the intercept where the window cannot
-    separate the slopes (or `slopes_fixed`). `deferral`: also learn the deferral price. TP rank 0
-    only. Rules and reasons: docs/design/taper-predictor.md."""
+    """Refit the shared model in place from the last `window` decode steps (TP rank 0; taper-predictor.md)."""
 
     model: LinearLatencyModel | ConstantLatencyModel
     window: int = 200
@@ -407,7 +389,7 @@ class OnlineRefit:
     steps: int = field(default=0, init=False)  # realized steps taken in (observe accepted)
     deferring_steps: int = field(default=0, init=False)  # of `steps`, those that deferred rows
     _buf: deque[tuple[int, int, float]] = field(init=False, repr=False)
-    _deferred: deque[int] = field(init=False, repr=False)  # rows each buffered step deferred
+    _deferred: deque[int] = field(init=False, repr=False)
     evidence: DeferralEvidence = field(default_factory=DeferralEvidence, init=False)
     _since: int = field(default=0, init=False, repr=False)
     _fresh: int = field(default=0, init=False, repr=False)  # observations since the last refit
@@ -420,8 +402,7 @@ class OnlineRefit:
 
     def observe(self, n_seqs: int, ctx_tokens: int, latency_s: float, extra_tokens: int = 0,
                 deferred: int = 0) -> bool:
-        """Record one realized step (`deferred`: rows of the batch it did not run); returns True
-        when the model's coefficients changed."""
+        """Record one realized step (`deferred`: rows it did not run); True when the coefficients changed."""
         if extra_tokens or not (math.isfinite(latency_s) and latency_s > 0.0):
             return False
         self._buf.append((n_seqs, ctx_tokens, latency_s))
@@ -461,8 +442,7 @@ class OnlineRefit:
             self.evidence.add((design - design.mean(axis=0))[new] * weights[:, None],
                               (lat - lat.mean())[new] * weights, deferred[new])
             price = self.evidence.price()
-        # T's part of each step: the deferral price taken out (a price is a mean over steps, so a
-        # quick deferring step may come out below it: its T part is 0, not negative)
+        # T's part of each step: the price taken out, floored at 0 (a price is a mean over steps)
         plain = np.maximum(lat - np.where(defers, price[0] + price[1] * deferred, 0.0), 0.0)
         why = "slopes fixed (calibrated model)" if self.slopes_fixed else _degenerate(seqs, ctx)
         if why:
