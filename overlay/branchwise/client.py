@@ -1,4 +1,4 @@
-"""Client side of Branchwise: stamps, structured rids, an async /generate client (client-phases.md)."""
+"""Client side: branch stamps, structured rids, an async /generate client (docs/design/client-phases.md)."""
 
 from __future__ import annotations
 
