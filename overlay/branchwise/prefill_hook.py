@@ -1,5 +1,6 @@
 """The prefill budget on the server (BRANCHWISE_PREFILL_BUDGET=1, taper): each prefill's chunk sized by
-taper/prefill_budget.py for one `_get_new_batch_prefill_raw` call; docs/design/prefill-budget.md."""
+taper/prefill_budget.py for one `_get_new_batch_prefill_raw` call, decode rounds between chunks
+(SGLang's --prefill-decode-interval, 1 unless given); docs/design/prefill-budget.md."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ class PrefillBudget:
     rho: float
     ttft_s: float | None = None
     align: int = 1  # the least chunk SGLang can take (page size, truncation alignment)
+    interval: int = 1  # decode rounds after each chunk (SGLang's prefill_decode_interval)
     steps: int = 0  # prefill batches built under the rule
     limited_steps: int = 0  # of them, under a chunk below chunk_max
     floor_steps: int = 0  # of them, at the progress floor
@@ -68,9 +70,11 @@ class PrefillBudget:
         floor = min_chunk_for(self.slo_s, self.rho, PricedModel(self.model).c_tok, self.chunk_max)
         return PrefillRule(self.chunk_max, min(max(floor, self.align), self.chunk_max), self.rho, self.ttft_s)
 
-    def chunk(self, slack_s: float, due: bool) -> int:
-        """A prefill forward of its own (mixed chunks are refused under taper): no rows ride with it."""
-        return prefill_tokens(self.rule(), PricedModel(self.model), PrefillStep(0, 0, slack_s, due))
+    def chunk(self, rows: int, ctx: int, slack_s: float, due: bool) -> int:
+        """A decoding request's next token waits for the chunk's forward and then its decode step:
+        T(0, 0, chunk) + T(rows, ctx, 0) within rho x slack (the chunk's fixed cost as `host`)."""
+        priced = PricedModel(self.model)
+        return prefill_tokens(self.rule(), priced, PrefillStep(rows, ctx, slack_s, due, priced.predict(0, 0)))
 
     def record(self, chunk: int, due: bool, tokens: int) -> None:
         self.steps += 1
@@ -84,7 +88,7 @@ class PrefillBudget:
         steps = max(self.steps, 1)
         return {"steps": self.steps, "limited_steps": self.limited_steps, "floor_steps": self.floor_steps,
                 "due_steps": self.due_steps, "budget_mean": self.budget / steps, "tokens_mean": self.tokens / steps,
-                "chunk_max": self.chunk_max, "floor": self.rule().min_chunk,
+                "chunk_max": self.chunk_max, "floor": self.rule().min_chunk, "decode_interval": self.interval,
                 "c_tok_us": 1e6 * PricedModel(self.model).c_tok, "ttft_s": self.ttft_s, "errors": self.errors}
 
 
@@ -93,9 +97,12 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig, ctl: StepController) -> P
     if not isinstance(model, LinearLatencyModel) or chunk is None:
         raise RuntimeError(f"Branchwise: {PREFILL_ENV}=1 needs chunked prefill (--chunked-prefill-size N > 0) "
                            "and a linear latency model; unset it or add those")
+    if not scheduler.prefill_decode_interval:  # back-to-back chunks: a smaller one would only delay decode
+        scheduler.prefill_decode_interval = 1
+        scheduler.prefill_decode_interval_min_bs = max(scheduler.prefill_decode_interval_min_bs, 1)
     align = max(int(scheduler.page_size or 1), int(getattr(scheduler, "truncation_align_size", None) or 1))
     return PrefillBudget(model=model, chunk_max=chunk, slo_s=cfg.slo_s(None), rho=cfg.taper_rho,
-                         ttft_s=cfg.prefill_ttft_s, align=align)
+                         ttft_s=cfg.prefill_ttft_s, align=align, interval=scheduler.prefill_decode_interval)
 
 
 def least_slack(ctl: StepController, cfg: BranchwiseConfig, reqs: Iterable[Req], lag: int,
@@ -145,8 +152,9 @@ def decide(taper: BranchwiseState, scheduler: Scheduler, running: ScheduleBatch)
         try:
             now = (time.monotonic(), time.perf_counter())
             due = head_due(budget, scheduler, now[1])
-            slack = least_slack(taper.controller, taper.config, running.reqs, _overlap_lag(scheduler), now)
-            chunk = budget.chunk(slack, due)
+            live = [req for req in running.reqs if not req.finished()]
+            slack = least_slack(taper.controller, taper.config, live, _overlap_lag(scheduler), now)
+            chunk = budget.chunk(len(live), sum(req.kv.kv_committed_len for req in live), slack, due)
         except Exception:  # noqa: BLE001 - a rule bug must not stall the loop or the TP broadcast
             budget.errors += 1
             if budget.errors == 1:

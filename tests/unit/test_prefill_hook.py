@@ -70,14 +70,18 @@ def test_only_taper_runs_the_budget(policy):
 
 
 # ---------------------------------------------------------------------------------------- the rule
-def test_the_chunk_is_the_simulators_rule_for_a_prefill_forward_of_its_own():
+def test_the_chunk_is_the_simulators_rule_with_the_decode_step_after_it():
     plan = budget()
     rule = plan.rule()
     assert rule.min_chunk == min_chunk_for(0.05, 0.8, MODEL.c_tok, 4096) == FLOOR
     for slack in (-1.0, 0.0, 0.02, 0.05, 0.1, 10.0, math.inf):
-        assert plan.chunk(slack, False) == prefill_tokens(rule, MODEL, PrefillStep(0, 0, slack))
-    assert plan.chunk(-1.0, False) == FLOOR and plan.chunk(math.inf, False) == 4096
-    assert plan.chunk(-1.0, True) == 4096  # the head is TTFT-due: SGLang's chunk
+        want = prefill_tokens(rule, MODEL, PrefillStep(8, 4000, slack, False, MODEL.c0))
+        assert plan.chunk(8, 4000, slack, False) == want
+    tokens = plan.chunk(8, 4000, 0.1, False)  # the chunk's forward, then the decode step, within the budget
+    assert MODEL.c0 + MODEL.c_tok * tokens + MODEL.predict(8, 4000) <= 0.8 * 0.1 + 1e-12
+    assert MODEL.c0 + MODEL.c_tok * (tokens + 1) + MODEL.predict(8, 4000) > 0.8 * 0.1
+    assert plan.chunk(8, 4000, -1.0, False) == FLOOR and plan.chunk(0, 0, math.inf, False) == 4096
+    assert plan.chunk(8, 4000, -1.0, True) == 4096  # the head is TTFT-due: SGLang's chunk
 
 
 def test_a_model_without_a_prefill_price_uses_a_decode_rows():
@@ -85,7 +89,7 @@ def test_a_model_without_a_prefill_price_uses_a_decode_rows():
     plan = budget(probed)
     assert ph.PricedModel(probed).c_tok == probed.c_seq
     assert plan.rule().min_chunk == min_chunk_for(0.05, 0.8, 1e-4, 4096) > FLOOR / 3
-    assert plan.chunk(0.05, False) == int((0.8 * 0.05 - 5e-3) / 1e-4)
+    assert plan.chunk(0, 0, 0.05, False) == int((0.8 * 0.05 - 5e-3 - 5e-3) / 1e-4)
 
 
 def test_the_floor_is_at_least_what_sglang_can_chunk():
@@ -103,6 +107,20 @@ def test_the_report_counts_limited_floor_and_due_steps():
     assert rep["tokens_mean"] == pytest.approx((4096 * 2 + FLOOR + 600) / 4)
     assert rep["budget_mean"] == pytest.approx((4096 * 2 + FLOOR + 900) / 4)
     assert (rep["chunk_max"], rep["floor"], rep["c_tok_us"]) == (4096, FLOOR, pytest.approx(40.0))
+
+
+def test_build_interleaves_decode_rounds_unless_sglang_was_told_how_many():
+    ctl = StepController(parse_policy("taper", model=MODEL))
+    sched = SimpleNamespace(chunked_prefill_size=2048, page_size=1, truncation_align_size=None,
+                            prefill_decode_interval=0, prefill_decode_interval_min_bs=0)
+    plan = ph.build(sched, CFG, ctl)
+    assert (plan.chunk_max, plan.model, plan.interval) == (2048, ctl.policy.model, 1)
+    assert (sched.prefill_decode_interval, sched.prefill_decode_interval_min_bs) == (1, 1)  # none running: no wait
+    sched.prefill_decode_interval = 3
+    assert ph.build(sched, CFG, ctl).interval == 3
+    sched.chunked_prefill_size = None
+    with pytest.raises(RuntimeError, match="--chunked-prefill-size"):
+        ph.build(sched, CFG, ctl)
 
 
 # ------------------------------------------------------------------------------------ the slack
