@@ -11,6 +11,7 @@ live client really sends (bench.bound.LIVE_CLIENT) over a long draw of the progr
 from __future__ import annotations
 
 import asyncio
+import re
 import shlex
 import time
 from collections import OrderedDict
@@ -29,6 +30,8 @@ from bench.results import write_records
 from branchwise.taper.predictor import LinearLatencyModel
 from branchwise.tools.launch import LocalServer
 
+ENV_TOKEN = re.compile(r"[A-Z][A-Z0-9_]*=")  # a variant's NAME=VALUE token: the server's environment
+
 
 @dataclass(frozen=True, slots=True)
 class ServerSettings:
@@ -39,7 +42,8 @@ class ServerSettings:
     server_threads: int = 1  # OMP threads: torch's spin at barriers, so more than free cores slows every step
     max_total_tokens: int = 65536  # room for every live prefix: no policy pays re-prefills
     extra_args: str = ""
-    # server variants (bench.sweep --variant): a label served by a policy with more flags
+    # server variants (bench.sweep --variant): a label served by a policy with more flags (a NAME=VALUE
+    # token among them sets the server's environment, e.g. BRANCHWISE_PREFILL_BUDGET=1)
     variants: Mapping[str, tuple[str, str]] = field(default_factory=dict)
 
     def args(self, policy: str, slo_ms: float | None, latency_model: str | None) -> list[str]:
@@ -49,12 +53,17 @@ class ServerSettings:
         args = ["--branch-policy", policy, "--taper-rho", f"{self.taper_rho:g}", "--enable-metrics"]
         args += ["--branch-slo-tpot-ms", f"{slo_ms:.6g}"] if slo_ms else []
         args += ["--latency-model", latency_model] if latency_model else []
-        return args + shlex.split(self.extra_args) + shlex.split(own)
+        return args + shlex.split(self.extra_args) + [arg for arg in shlex.split(own) if not ENV_TOKEN.match(arg)]
+
+    def env(self, policy: str) -> dict[str, str]:
+        """The server's own environment: OMP threads, and a variant's NAME=VALUE tokens."""
+        own = self.variants.get(policy, (policy, ""))[1]
+        env = {"OMP_NUM_THREADS": str(self.server_threads)} if self.server_threads else {}
+        return env | dict(arg.split("=", 1) for arg in shlex.split(own) if ENV_TOKEN.match(arg))
 
     def server(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:
         """The server, not started yet."""
-        env = {"OMP_NUM_THREADS": str(self.server_threads)} if self.server_threads else {}
-        return LocalServer(self.model, self.args(policy, slo_ms, latency_model), env=env,
+        return LocalServer(self.model, self.args(policy, slo_ms, latency_model), env=self.env(policy),
                            max_total_tokens=self.max_total_tokens)
 
     def start(self, policy: str, slo_ms: float | None, latency_model: str | None) -> LocalServer:

@@ -21,7 +21,9 @@ rule and the run order in full: docs/design/bench-micro.md.
 from the preset's T(S) instead of the probe (bench.emulated's load rule), every point carries its
 device counters and a point whose overruns exceed 1% of its forwards is invalid (not counted).
 `--variant LABEL=POLICY[:FLAGS]` adds a server variant: LABEL runs as one more policy of the sweep,
-served by POLICY with FLAGS added (e.g. stock against stock with --async-output at the same loads).
+served by POLICY with FLAGS added (e.g. stock against stock with --async-output at the same loads);
+a NAME=VALUE token in FLAGS sets the server's environment, e.g. the prefill budget:
+`--variant taper-prefill=taper:"BRANCHWISE_PREFILL_BUDGET=1 --chunked-prefill-size 2048"`.
 """
 
 from __future__ import annotations

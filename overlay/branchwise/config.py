@@ -24,6 +24,9 @@ PLUGIN_NAME = "branchwise"  # the sglang.srt.plugins entry point (pyproject.toml
 STOCK = "stock"
 # Weights scale the "priority" utility's gains: unbounded, one request could take every admitted row.
 MAX_WEIGHT = 10.0
+# The prefill budget (taper only) is opted into by environment: a server flag would need a patch change
+PREFILL_ENV, PREFILL_TTFT_ENV = "BRANCHWISE_PREFILL_BUDGET", "BRANCHWISE_PREFILL_TTFT_S"
+_ON, _OFF = ("1", "on", "true", "yes"), ("", "0", "off", "false", "no")
 
 
 def parse_rho(value: str | float) -> float:
@@ -83,6 +86,25 @@ def parse_emulate_device(spec: str) -> str:
     return str(spec).strip()
 
 
+def parse_ttft_s(value: str | float) -> float:
+    try:
+        ttft = float(value)
+    except ValueError:
+        ttft = math.nan
+    if not (ttft > 0.0 and math.isfinite(ttft)):
+        raise ValueError(f"{PREFILL_TTFT_ENV} must be a finite number of seconds > 0, got {value!r}")
+    return ttft
+
+
+def prefill_settings(env: Mapping[str, str] = os.environ) -> dict[str, Any]:
+    """BranchwiseConfig's prefill fields from PREFILL_ENV (on/off) and PREFILL_TTFT_ENV (seconds)."""
+    on = env.get(PREFILL_ENV, "").strip().lower()
+    if on not in _ON + _OFF:
+        raise ValueError(f"{PREFILL_ENV} must be 1 (on) or 0 (off), got {on!r}")
+    ttft = env.get(PREFILL_TTFT_ENV, "").strip()
+    return {"prefill_budget": on in _ON, "prefill_ttft_s": parse_ttft_s(ttft) if ttft else None}
+
+
 def _argparse_type(fn: Callable[[Any], Any]) -> Callable[[Any], Any]:
     """Wrap a parser so argparse prints our message (it hides messages of plain ValueErrors)."""
 
@@ -136,6 +158,8 @@ class BranchwiseConfig:
     async_output: bool = False
     parallel_sampling: bool = False
     emulate_device: str | None = None  # a device preset spec (device_model.py); None: the real device
+    prefill_budget: bool = False  # PREFILL_ENV: each prefill chunk sized by TAPER's slack (prefill_hook.py)
+    prefill_ttft_s: float | None = None  # PREFILL_TTFT_ENV: the rule's TTFT clause; None: the floor alone
 
     @classmethod
     def from_server_args(cls, server_args: ServerArgs) -> BranchwiseConfig:
@@ -145,7 +169,7 @@ class BranchwiseConfig:
         env_policy = os.environ.get("BRANCHWISE_POLICY")  # for runs without `make apply`
         if env_policy and not hasattr(server_args, "branch_policy"):
             values["branch_policy"] = env_policy
-        return cls(**values).validated()
+        return cls(**(values | prefill_settings())).validated()
 
     def validated(self) -> BranchwiseConfig:
         parse_policy_name(self.branch_policy)
@@ -158,6 +182,10 @@ class BranchwiseConfig:
         parse_grammar_clients(self.branch_grammar_clients)
         if self.emulate_device is not None:
             parse_emulate_device(self.emulate_device)
+        if self.prefill_ttft_s is not None:
+            parse_ttft_s(self.prefill_ttft_s)
+            if not self.prefill_budget:
+                raise ValueError(f"{PREFILL_TTFT_ENV} needs {PREFILL_ENV}=1")
         if self.taper_utility not in UTILITIES:
             raise ValueError(f"invalid --taper-utility {self.taper_utility!r}; valid: {', '.join(UTILITIES)}")
         if self.branch_grammar not in GRAMMARS:

@@ -43,6 +43,7 @@ def hook_table(HookType: type[HookKind],
     from branchwise import device_time as dt
     from branchwise import emulated_device as ed
     from branchwise import metrics as m
+    from branchwise import prefill_hook as pf
     from branchwise import scheduler_hook as sh
     from branchwise import step_timer as t
     from branchwise.albireo import async_output as ao
@@ -71,6 +72,8 @@ def hook_table(HookType: type[HookKind],
         # taper (scheduler_hook.py); deferral.py: which token a deferred row's penalties cumulate
         (serving, f"{SCHEDULER}.update_running_batch", sh.around_update_running_batch),
         (serving, f"{SCHEDULER}.process_batch_result", runtime.after_process_batch_result),
+        # prefill_hook.py (BRANCHWISE_PREFILL_BUDGET=1, taper): each prefill's chunk from the slack rule
+        (serving, f"{SCHEDULER}._get_new_batch_prefill_raw", pf.around_get_new_batch_prefill_raw),
         (serving, f"{SCHEDULE_BATCH}.cumulate_penalty_output_tokens",
          deferral.around_cumulate_penalty_output_tokens),
         # fork/hooks.py: server-side fork/join (its per-token hook sits on each tracked Req instance)

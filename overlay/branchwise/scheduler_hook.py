@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Any
 
-from branchwise import deferral, device_time, request_meta, step_timer
+from branchwise import deferral, device_time, prefill_hook, request_meta, step_timer
 from branchwise.config import BranchwiseConfig
 from branchwise.metrics import BranchwiseMetrics
 from branchwise.taper.controller import Delivery, Row, StepController
@@ -81,6 +81,7 @@ class BranchwiseState:
     planned: dict[int, PlannedStep] = field(default_factory=dict)
     # decode step device times by forward_iter, for the refit (device_time.py); None on CPU
     device_times: device_time.StepDeviceTimes | None = None
+    prefill: prefill_hook.PrefillBudget | None = None  # the prefill budget (config.PREFILL_ENV)
 
     def bump(self, name: str, n: int = 1) -> None:
         self.counters[name] = self.counters.get(name, 0) + n
@@ -105,6 +106,7 @@ class BranchwiseState:
                 "graph_batch_sizes": list(getattr(ctl.policy.model, "graph_batch_sizes", ())),
             }
             rep["taper"]["refit"] = self._refit_report()
+            rep["taper"]["prefill"] = self.prefill.report() if self.prefill is not None else None
             rep["sizes"] = {"trackers": len(ctl.trackers), "fixed": len(ctl.fixed),  # leak checks (soak)
                             "planned": len(self.planned)}
         return rep
@@ -159,6 +161,8 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
         if isinstance(model, LinearLatencyModel):  # T(S) pads decode rows as the device does (none on CPU)
             model.graph_batch_sizes = (device.preset.graph_batch_sizes if device is not None
                                        else device_time.captured_batch_sizes(scheduler) if source else ())
+        if cfg.prefill_budget:
+            taper.prefill = prefill_hook.build(scheduler, cfg, taper.controller)
     # branch rows can sit out steps under every policy: pin their penalty tokens (deferral.py)
     if taper.controller is not None and scheduler.enable_overlap:
         deferral.pin_penalty_tokens(scheduler)

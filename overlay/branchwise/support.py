@@ -6,7 +6,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from branchwise.config import STOCK, BranchwiseConfig
+from branchwise.config import PREFILL_ENV, STOCK, BranchwiseConfig
 
 if TYPE_CHECKING:
     from sglang.srt.server_args import ServerArgs
@@ -76,6 +76,8 @@ POLICY_MODES: tuple[Mode, ...] = (
     Mode("mixed chunked prefill", "--enable-mixed-chunk", lambda m: m.mixed_chunk),
 )
 
+PREFILL_POLICY = "taper"  # the one policy whose slack and T(S) the prefill budget reads
+
 # Modes --parallel-sampling does not cover (sp_sampler_hook._unsupported_mode; code-notes.md).
 SAMPLING_MODES: tuple[Mode, ...] = (
     SPECULATIVE,
@@ -104,6 +106,12 @@ def sampling_message(mode: Mode) -> str:
             f"Drop --parallel-sampling, or {mode.instead}.")
 
 
+def prefill_message(policy: str) -> str:
+    return (f"Branchwise: {PREFILL_ENV}=1 (the prefill budget) runs with --branch-policy {PREFILL_POLICY} "
+            f"only, got --branch-policy {policy}: each chunk is sized by TAPER's slack and T(S). "
+            f"Use --branch-policy {PREFILL_POLICY}, or unset {PREFILL_ENV}.")
+
+
 def refusals(config: BranchwiseConfig, modes: ServingModes) -> list[str]:
     """Why this server must not start: one message per refused pair, empty when it may start."""
     out = []
@@ -111,6 +119,8 @@ def refusals(config: BranchwiseConfig, modes: ServingModes) -> list[str]:
         out += [policy_message(config.branch_policy, mode) for mode in POLICY_MODES if mode.on(modes)]
     if config.parallel_sampling:
         out += [sampling_message(mode) for mode in SAMPLING_MODES if mode.on(modes)]
+    if config.prefill_budget and config.branch_policy != PREFILL_POLICY:
+        out.append(prefill_message(config.branch_policy))
     return out
 
 
