@@ -108,6 +108,7 @@ class SimSetup:
     scaling: Scaling | None = None  # the regime's program scaling (bench.regimes); None: trace lengths
     drain_arrivals: bool = True  # False: arrivals stop when the window ends (live points)
     ttft_target_s: float | None = TTFT_TARGET_S  # the TTFT column's SLO and taper-prefill's TTFT clause
+    graph_batch_sizes: tuple[int, ...] = ()  # the model pads decode rows to these (device regimes)
 
 
 @functools.cache
@@ -128,7 +129,7 @@ class _SimPoint:
         t_end = setup.warmup_s + setup.window_s + setup.drain_s
         arrivals_s = t_end if setup.drain_arrivals else setup.warmup_s + setup.window_s
         specs = regime_specs(trace, rate, arrivals_s, seed, setup.preset, setup.scaling)
-        model = LinearLatencyModel(*setup.model)
+        model = LinearLatencyModel(*setup.model, graph_batch_sizes=setup.graph_batch_sizes)
         var = parse_variant(policy)  # POLICY@chunk and taper-prefill (bench.prefill)
         cfg = engine_for(setup.cfg, var, model, setup.rho, setup.ttft_target_s)
         ctl = build_controller(var.policy, model, setup.rho, setup.calibrated)
@@ -171,7 +172,7 @@ def sim_engine(opts: CapacityOptions) -> Engine:
     cfg = reg.engine_for(slo_s, resolve_max_running(opts.max_running, model, slo_s, ref))
     setup = SimSetup(opts.trace, opts.preset, slo_s, opts.slo_ttft_s, opts.rho, model.coefs(),
                      bool(opts.latency_model) or reg.calibrated, cfg, reg.warmup_s, reg.window_s,
-                     reg.drain_s, reg.scaling, reg.drain_arrivals, opts.ttft_target_s)
+                     reg.drain_s, reg.scaling, reg.drain_arrivals, opts.ttft_target_s, model.graph_batch_sizes)
     bound = fluid_bound_rps(model, slo_s, ref)
     conf = {"engine": "sim", "regime": reg.name, "fluid_bound_rps": bound,
             "window_bounds_rps": {seed: window_bound_rps(setup, model, bound, seed)
@@ -181,6 +182,8 @@ def sim_engine(opts: CapacityOptions) -> Engine:
             "latency_model": dict(zip(("c0", "c_seq", "c_ctx", "c_tok"), model.coefs(), strict=True)),
             "workload": workload_stats(ref), "warmup_s": setup.warmup_s, "window_s": setup.window_s,
             "drain_s": setup.drain_s}
+    if model.graph_batch_sizes:
+        conf["graph_batch_sizes"] = list(model.graph_batch_sizes)
     return Engine("sim", _SimPoint(setup), bound, opts.jobs, conf)
 
 

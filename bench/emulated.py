@@ -31,8 +31,9 @@ PREFIX = "device_"  # a point's keys: device_forwards, device_overruns, ...
 
 
 def latency_model(preset: DevicePreset) -> LinearLatencyModel:
-    """The preset's T(S) as the linear model the grid, the simulator and taper servers use
-    (graph padding left out: module docstring)."""
+    """The preset's T(S) as the linear model the grid, the simulator and taper servers use, without
+    graph sizes: the grid's bound leaves padding out (module docstring), a taper server takes the
+    sizes from its device, the simulator's device regime from the preset."""
     scale = preset.time_scale
     return LinearLatencyModel(scale * preset.floor_s, scale * preset.row_s, scale * preset.context_token_s,
                               scale * preset.prefill_token_s)

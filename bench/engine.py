@@ -130,9 +130,10 @@ HEADER = 2  # tokens that open a client-side branch (bench.programs.branch_head)
 def build_controller(policy: str, model: LinearLatencyModel, rho: float = 0.8, calibrated: bool = False,
                      **kw) -> StepController:
     """The controller scheduler_hook._build_controller builds: the policy over a copy of the engine's
-    model, refit online (a calibrated --latency-model keeps its slopes and refits the intercept over
-    the last 64 steps every 16; the default model is fully refit over 200 every 50)."""
-    pol = parse_policy(policy, model=LinearLatencyModel(*model.coefs()), rho=rho, **kw)
+    model (its graph sizes too), refit online (a calibrated --latency-model keeps its slopes and refits
+    the intercept over the last 64 steps every 16; the default model is fully refit over 200 every 50)."""
+    own = LinearLatencyModel(*model.coefs(), graph_batch_sizes=model.graph_batch_sizes)
+    pol = parse_policy(policy, model=own, rho=rho, **kw)
     if pol.model is None:
         return StepController(pol)
     learn = pol.terms.defer_cost  # the policy prices deferral: the refit learns its price

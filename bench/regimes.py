@@ -35,10 +35,11 @@ class SimRegime:
     drain_s: float = 300.0
     calibrated: bool = False  # taper plans with this model as its --latency-model (intercept refit)
     drain_arrivals: bool = True  # arrivals go on through the drain (bench.capacity); False: live points
+    graph_batch_sizes: tuple[int, ...] = ()  # decode rows padded to these (an emulated GPU's graphs)
 
     @property
     def model(self) -> LinearLatencyModel:
-        return LinearLatencyModel(*self.coefs)
+        return LinearLatencyModel(*self.coefs, graph_batch_sizes=self.graph_batch_sizes)
 
     def engine_for(self, slo_s: float | None = None, max_running: int = 0) -> EngineConfig:
         return replace(self.engine, slo_s=self.slo_s if slo_s is None else slo_s, max_running=max_running)
@@ -89,17 +90,21 @@ DEVICE_PREFIX = "device:"
 
 
 def device_regime(spec: str) -> SimRegime:
-    """`make bench BENCH_ARGS="--emulate-device SPEC"` in the simulator: the preset's T(S) (its time
-    scale applied, graph padding left out: the engine's T(S) is linear) and the sweep's SLO on it
-    (bench.emulated's load rule), the live programs, prefill forwards, pool and point length, and
-    no host costs: the emulated server's scheduler work runs beside the modeled device, and the
-    live sweep's exposed time per step says what that leaves out."""
+    """`make bench BENCH_ARGS="--emulate-device SPEC"` in the simulator: the preset's T_device (its
+    time scale applied; decode rows padded to its graph sizes; a prefill forward's rows at the
+    per-row cost, booked as HostCosts.prefill) as the engine's step time and as taper's model, as on
+    the emulated server, and the sweep's SLO on it (bench.emulated's load rule), the live programs,
+    prefill forwards, pool and point length, and no host costs: the emulated server's scheduler work
+    runs beside the modeled device, and the live sweep's exposed time per step says what that
+    leaves out."""
     from bench import emulated
+    from branchwise.device_model import parse_spec
 
     model = emulated.spec_model(spec)
-    engine = replace(_LIVE, host=HostCosts())
+    engine = replace(_LIVE, host=HostCosts(prefill=Cost(0.0, model.c_seq)))
     return SimRegime(DEVICE_PREFIX + spec, model.coefs(), emulated.device_slo_s(model), engine, LIVE_SCALING,
-                     0.0, 40.0, 20.0, True, drain_arrivals=False)
+                     0.0, 40.0, 20.0, True, drain_arrivals=False,
+                     graph_batch_sizes=parse_spec(spec).graph_batch_sizes)
 
 
 def get_regime(name: str) -> SimRegime:

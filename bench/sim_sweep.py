@@ -33,7 +33,7 @@ from bench.sweep import LOADS
 from bench.workload import DEFAULT_TRACE, load_trace
 from branchwise.taper import parse_policy_name
 
-TERMS = ("plan", "subset", "step", "prefill", "client", "scaling")
+TERMS = ("plan", "subset", "step", "prefill", "client", "scaling", "padding")
 
 
 def without(reg: SimRegime, terms: set[str]) -> SimRegime:
@@ -50,7 +50,8 @@ def without(reg: SimRegime, terms: set[str]) -> SimRegime:
         host = replace(host, prefill=HostCosts().prefill)
         coefs = coefs[:3] + (0.0,)
     return replace(reg, engine=replace(eng, host=host), coefs=coefs,
-                   scaling=None if "scaling" in terms else reg.scaling)
+                   scaling=None if "scaling" in terms else reg.scaling,
+                   graph_batch_sizes=() if "padding" in terms else reg.graph_batch_sizes)
 
 
 def capacity(points: list[dict[str, Any]], hold: float = 0.95) -> float | None:
@@ -104,8 +105,9 @@ def run(reg: SimRegime, trace_path: str, policies: list[str], seeds: list[int], 
                          for row in rows])
 
     caps = {policy: {str(seed): seed_capacity(policy, seed) for seed in seeds} for policy in policies}
-    return {"regime": reg.name, "engine": asdict(reg.engine), "coefs": reg.coefs, "slo_ms": 1e3 * reg.slo_s,
-            "reference_rps": ref, "seeds": seeds, "rows": rows, "capacity": caps}
+    doc = {"regime": reg.name, "engine": asdict(reg.engine), "coefs": reg.coefs, "slo_ms": 1e3 * reg.slo_s,
+           "reference_rps": ref, "seeds": seeds, "rows": rows, "capacity": caps}
+    return doc | ({"graph_batch_sizes": list(reg.graph_batch_sizes)} if reg.graph_batch_sizes else {})
 
 
 def table(doc: dict[str, Any], policies: list[str]) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -188,6 +188,7 @@ class Forward:
     done_s: float  # its modeled completion: SGLang sees its result no earlier
     modeled_s: float
     compute_end_s: float | None = None  # when the real computation of its tokens ended
+    warmup: bool = False
 
 
 @dataclass(slots=True)
@@ -217,19 +218,33 @@ class DeviceStream:
     sleep: Callable[[float], None] = time.sleep
     stats: DeviceStats = field(default_factory=DeviceStats)
     done_s: float = -math.inf  # the previous forward's modeled completion
+    warmup: DeviceStats = field(default_factory=DeviceStats)
+    warmup_rids: frozenset[str] | None = frozenset()  # empty: not seen yet; None: over, or no warm-up
+
+    def in_warmup(self, rids: Iterable[str]) -> bool:
+        """Whether these requests are SGLang's warm-up (the first batch's, until a batch holds another)."""
+        if self.warmup_rids is None:
+            return False
+        mine = frozenset(rids)
+        if not self.warmup_rids:
+            self.warmup_rids = mine
+        elif not mine <= self.warmup_rids:
+            self.warmup_rids = None
+            return False
+        return True
 
     def launch(self, comp: Composition, launch_s: float | None = None, kind: str = "decode",
-               running: bool = False) -> Forward:
+               running: bool = False, warmup: bool = False) -> Forward:
         """Queue a forward launched now (or at `launch_s`); `running`: idle time since counts as exposed."""
         now = self.clock() if launch_s is None else launch_s
         modeled = self.preset.t_device(comp)
+        st = self.warmup if warmup else self.stats
         if running and math.isfinite(self.done_s):
-            self.stats.idle_s += max(0.0, now - self.done_s)
-            self.stats.idle_steps += 1
+            st.idle_s += max(0.0, now - self.done_s)
+            st.idle_steps += 1
         start = max(now, self.done_s)
-        fwd = Forward(launch_s=now, start_s=start, done_s=start + modeled, modeled_s=modeled)
+        fwd = Forward(launch_s=now, start_s=start, done_s=start + modeled, modeled_s=modeled, warmup=warmup)
         self.done_s = fwd.done_s
-        st = self.stats
         st.forwards += 1
         st.modeled_s += modeled
         if kind in ("decode", "extend", "mixed"):
@@ -240,7 +255,7 @@ class DeviceStream:
         """The real computation of `fwd` ended (now, or at `end_s`): an overrun if past its completion."""
         end = self.clock() if end_s is None else end_s
         fwd.compute_end_s = end
-        st = self.stats
+        st = self.warmup if fwd.warmup else self.stats
         st.compute_s += end - fwd.launch_s
         st.compute_s_max = max(st.compute_s_max, end - fwd.launch_s)
         late = end - fwd.done_s
@@ -253,7 +268,7 @@ class DeviceStream:
         left = fwd.done_s - self.clock()
         if left > 0:
             self.sleep(left)
-            self.stats.waited_s += left
+            (self.warmup if fwd.warmup else self.stats).waited_s += left
 
     def report(self) -> dict[str, Any]:
         st = self.stats
@@ -263,7 +278,10 @@ class DeviceStream:
                 "decode": st.decode, "extend": st.extend, "mixed": st.mixed,
                 "modeled_ms": round(1e3 * st.modeled_s, 3), "waited_ms": round(1e3 * st.waited_s, 3),
                 "compute_ms": round(1e3 * st.compute_s, 3), "compute_ms_max": round(1e3 * st.compute_s_max, 3),
-                "idle_ms": round(1e3 * st.idle_s, 3), "idle_steps": st.idle_steps}
+                "idle_ms": round(1e3 * st.idle_s, 3), "idle_steps": st.idle_steps,
+                "warmup": {"forwards": self.warmup.forwards, "overruns": self.warmup.overruns,
+                           "overrun_ms_max": round(1e3 * self.warmup.overrun_s_max, 3),
+                           "compute_ms_max": round(1e3 * self.warmup.compute_s_max, 3)}}
 
 
 class _Event(Protocol):

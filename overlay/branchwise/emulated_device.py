@@ -75,7 +75,8 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> DeviceStream | None
     why = unsupported(scheduler, config)
     if why is not None:
         raise ValueError(f"--emulate-device does not run with {why}")
-    stream = DeviceStream(parse_spec(config.emulate_device))
+    skip = getattr(scheduler.server_args, "skip_server_warmup", False)
+    stream = DeviceStream(parse_spec(config.emulate_device), warmup_rids=None if skip else frozenset())
     preset = stream.preset
     logger.info("Branchwise emulated device %s: floor %.3f ms, %.4f ms/row, %.4f us/context token, "
                 "%.3f us/prefill token, %d graph sizes, time scale %g", preset.name, 1e3 * preset.floor_s,
@@ -92,7 +93,8 @@ def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: A
     if found is None:
         return orig(self, batch, *args, **kwargs)
     comp, kind = found
-    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(self, kind))
+    warmup = stream.in_warmup(req.rid for req in batch.reqs)
+    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(self, kind), warmup=warmup)
     result = orig(self, batch, *args, **kwargs)
     if kind == "decode":
         _book_step(bw, batch, fwd)

@@ -86,7 +86,7 @@ def test_each_forward_is_seen_no_earlier_than_its_modeled_completion(emulated):
     assert after["idle_steps"] - before["idle_steps"] >= n - 1
     assert after["idle_ms"] >= before["idle_ms"]
     # a 50 ms floor fits the CPU's forward (the server's first forwards, its warm-up, may not: they
-    # are counted, but before this request)
+    # are counted apart, in "warmup")
     assert after["preset"] == "test-50ms" and after["overruns"] == before["overruns"], (before, after)
 
 

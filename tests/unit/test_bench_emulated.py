@@ -8,12 +8,12 @@ import argparse
 import pytest
 
 from bench import capacity, confidence, emulated, sweep
-from bench.engine import HostCosts
+from bench.engine import Cost, EngineConfig, HostCosts, Simulator, build_controller
 from bench.live import ServerSettings, device_point, live_bound_rps
 from bench.point import PointSetup
 from bench.probe import Probe
-from bench.regimes import get_regime
-from bench.workload import DEFAULT_TRACE, load_trace
+from bench.regimes import REGIMES, get_regime
+from bench.workload import DEFAULT_TRACE, RequestSpec, load_trace
 from branchwise.device_model import parse_spec
 
 A100 = "a100-qwen3-32b-tp8"
@@ -140,9 +140,37 @@ def test_the_device_regime_runs_the_emulated_servers_t_of_s_and_slo():
     model = emulated.spec_model(A100)
     assert reg.coefs == pytest.approx(model.coefs())
     assert reg.slo_s == pytest.approx(emulated.device_slo_s(model))
-    assert reg.engine.host == HostCosts() and reg.engine.client_programs and reg.engine.prefill_steps
+    # no host costs but the device's per-row cost of a prefill forward's requests
+    assert reg.engine.host == HostCosts(prefill=Cost(0.0, model.c_seq))
+    assert reg.engine.client_programs and reg.engine.prefill_steps
+    sizes = parse_spec(A100).graph_batch_sizes
+    assert reg.graph_batch_sizes == sizes and reg.model.graph_batch_sizes == sizes
+    # taper plans with the padded T(S), as an emulated server's controller does
+    assert build_controller("taper", reg.model, calibrated=True).policy.model.graph_batch_sizes == sizes
     assert reg.calibrated and not reg.drain_arrivals and reg.window_s == 40.0
     with pytest.raises(ValueError, match="neither a preset"):
         get_regime("device:no-such-preset")
     assert capacity.parse_args(["--trace", DEFAULT_TRACE, "--out", "unused", "--device", A100]).regime == \
         "device:" + A100
+
+
+def test_a_padded_decode_step_costs_the_next_graph_size_in_the_simulator():
+    """Five branches decode together 30 times: on the device each step replays the 8-row graph."""
+    reg = get_regime("device:" + A100)
+    spec = [RequestSpec("a", 0.0, 10, (1, (30,) * 5, 1))]
+    walls = []
+    for model in (reg.model, emulated.spec_model(A100)):  # padded, linear
+        rec = Simulator(spec, build_controller("eager", model), model, EngineConfig(noise=0.0), 1e9).run().records[0]
+        phase = next(stage for stage in rec.stages if stage.parallel)
+        walls.append(phase.end_s - phase.start_s)
+    assert reg.model.predict(5, 100) == pytest.approx(reg.model.predict(8, 100))
+    assert walls[0] - walls[1] == pytest.approx(30 * 3 * reg.model.c_seq, abs=1e-9)
+
+
+@pytest.mark.parametrize("name", sorted(REGIMES))
+def test_the_other_regimes_keep_a_linear_t_of_s(name):
+    reg = get_regime(name)
+    assert reg.graph_batch_sizes == () and reg.model.graph_batch_sizes == ()
+    assert build_controller("taper", reg.model, calibrated=reg.calibrated).policy.model.graph_batch_sizes == ()
+    c0, c_seq, c_ctx, _ = reg.coefs
+    assert reg.model.predict(5, 1000) == pytest.approx(c0 + 5 * c_seq + 1000 * c_ctx)

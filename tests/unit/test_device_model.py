@@ -113,6 +113,24 @@ def test_a_computation_past_the_modeled_completion_is_an_overrun():
     assert rep["compute_ms"] == pytest.approx(11.0 + 14.0 + 15.0)
 
 
+def test_sglangs_warm_up_request_is_counted_apart():
+    """The first batch's requests (SGLang's warm-up, before the server reports ready) are counted in
+    `warmup`: a fresh process's first forward overruns there, not in the served forwards."""
+    stream, _clock = stream_of()
+    assert stream.in_warmup(["warm"]) and stream.in_warmup(["warm"])  # its prefill, then its decode steps
+    first = stream.launch(Composition(prefill_rows=1, prefill_tokens=6), 0.0, kind="extend", warmup=True)
+    stream.computed(first, 0.300)  # done at 0.01103: 288.97 ms late
+    assert not stream.in_warmup(["warm", "a"]) and not stream.in_warmup(["warm"])  # over for good
+    served = stream.launch(Composition(decode_rows=1), 1.0)
+    stream.computed(served, 1.005)
+    rep = stream.report()
+    assert (rep["forwards"], rep["overruns"], rep["compute_ms_max"]) == (1, 0, pytest.approx(5.0))
+    assert rep["warmup"] == {"forwards": 1, "overruns": 1, "overrun_ms_max": pytest.approx(288.97),
+                             "compute_ms_max": pytest.approx(300.0)}
+    skipped = DeviceStream(stream.preset, warmup_rids=None)  # --skip-server-warmup: no warm-up request
+    assert not skipped.in_warmup(["a"])
+
+
 def test_exposed_time_is_the_device_idle_between_forwards_while_requests_run():
     """A pipelined clock: forward 2 launches before 1 completes (hidden), forward 3 launches 4 ms after
     2 completes (exposed), forward 4 is an idle server's first prefill (not the scheduler's)."""

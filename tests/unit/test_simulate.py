@@ -255,13 +255,15 @@ def test_client_programs_conserve_tokens_and_release_resources(policy: str) -> N
     assert sim.retractions > 0
 
 
+@pytest.mark.parametrize("regime", ["live-fast", "device:a100-qwen3-32b-tp8"])
 @pytest.mark.parametrize("policy", ["serial", "eager", "taper"])
-def test_live_regime_windows_are_exact(policy: str) -> None:
+def test_live_regime_windows_are_exact(policy: str, regime: str) -> None:
     """The live regime (host costs, a first step that pays for a changed subset, prefill forwards,
-    client-side programs) with step noise: windows give the deliveries of stepping one by one."""
+    client-side programs) and a device regime (graph padding) with step noise: windows give the
+    deliveries of stepping one by one."""
     from bench.regimes import get_regime
 
-    reg = get_regime("live-fast")
+    reg = get_regime(regime)
     specs = _live_specs()
     runs = []
     for macro in (True, False):
