@@ -236,7 +236,7 @@ def _fields(req: Req, cfg: BranchwiseConfig) -> RowFields:
 def _row(req: Req, cfg: BranchwiseConfig) -> Row:
     fields = _fields(req, cfg)
     return Row(key=fields.key, order=fields.meta.branch, ctx=req.kv.kv_committed_len, slo_s=fields.slo_s,
-               weight=fields.weight, phase=fields.meta.is_branch, forced=req.to_finish is not None)
+               weight=fields.weight, in_phase=fields.meta.is_branch, forced=req.to_finish is not None)
 
 
 def _pipeline_bubble(scheduler: Scheduler) -> bool:
