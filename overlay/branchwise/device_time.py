@@ -89,8 +89,8 @@ def around_run_batch(orig: Callable[..., Any], self: Scheduler, batch: ScheduleB
                      *args: Any, **kwargs: Any) -> Any:
     """A real GPU's decode step, timed by events on the stream its forward runs on (TP rank 0)."""
     bw = getattr(self, "branchwise", None)
-    taper = bw.taper if bw is not None else None
-    book = taper.device_times if taper is not None else None
+    state = bw.state if bw is not None else None
+    book = state.device_times if state is not None else None
     if book is None or book.source != CUDA or not batch.forward_mode.is_decode():
         return orig(self, batch, *args, **kwargs)
     module = self.device_module

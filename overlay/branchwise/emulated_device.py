@@ -119,8 +119,8 @@ def _requests_running(scheduler: Scheduler, kind: str) -> bool:
 
 def _book_step(bw: Any, batch: ScheduleBatch, fwd: Forward) -> None:
     """A decode step's modeled time by forward_iter, for TAPER's refit (device_time.py)."""
-    taper = bw.taper
-    book = taper.device_times if taper is not None else None
+    state = bw.state
+    book = state.device_times if state is not None else None
     if book is not None and book.source == EMULATED:
         book.put(batch.forward_iter, fwd.modeled_s)
 

@@ -170,7 +170,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
     ctl = build_controller(policy, default_model())
     ctl.refit = None  # the hook learns a latency at the next launch, the simulator at the step's end
     st = sh.BranchwiseState(config=cfg, controller=ctl, phases_seen=True)
-    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st), enable_overlap=False)
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, state=st), enable_overlap=False)
     decode = SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False)
     # a row that never runs again finished (a parent parked during its phase resumes later)
     last_seen: dict[tuple[str, int], int] = {}

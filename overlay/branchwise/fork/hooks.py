@@ -70,8 +70,8 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
         why = bw.config.client_grammar_error(asked)
         if why is not None:  # --branch-grammar-clients deny: HTTP 400, as for any malformed stamp
             req.set_finish_with_abort(f"Branchwise: {why}")
-            if bw.taper is not None:
-                bw.taper.bump("bad_requests")
+            if bw.state is not None:
+                bw.state.bump("bad_requests")
             return req
     mgr = bw.fork
     grammar = grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats) if mgr is not None else None
