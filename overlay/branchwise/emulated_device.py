@@ -85,15 +85,16 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> DeviceStream | None
 
 
 # ---------------------------------------------------------------- hook body (target in plugin.py)
-def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
-    bw = getattr(self, "branchwise", None)
+def around_run_batch(orig: Hook, scheduler: Scheduler, batch: ScheduleBatch, *args: Any,
+                     **kwargs: Any) -> Any:
+    bw = getattr(scheduler, "branchwise", None)
     stream = bw.device if bw is not None else None
     found = composition(batch) if stream is not None else None
     if found is None:
-        return orig(self, batch, *args, **kwargs)
+        return orig(scheduler, batch, *args, **kwargs)
     comp, kind = found
-    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(self, kind))
-    result = orig(self, batch, *args, **kwargs)
+    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(scheduler, kind))
+    result = orig(scheduler, batch, *args, **kwargs)
     if kind == "decode":
         _book_step(bw, batch, fwd)
     if not hasattr(result, "copy_done"):  # not a forward result SGLang waits on: wait here

@@ -248,14 +248,14 @@ def _pipeline_bubble(scheduler: Scheduler) -> bool:
     return bool(mode.is_extend() and not mode.is_mixed())
 
 
-def _decide(state: BranchwiseState, self: Scheduler, rows: list[Row]) -> list[int]:
+def _decide(state: BranchwiseState, scheduler: Scheduler, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
     active: list[int] = []
     if state.tp_rank == 0:
         try:
             state.controller.resume_serial_clocks(rows)
-            active = state.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
-                                             waiting=len(getattr(self, "waiting_queue", ())))
+            active = state.controller.select(rows, time.monotonic(), _pipeline_bubble(scheduler),
+                                             waiting=len(getattr(scheduler, "waiting_queue", ())))
         except Exception:  # noqa: BLE001 - the other ranks wait in the broadcast below
             state.bump("decide_errors")
             if state.counters["decide_errors"] == 1:
@@ -268,7 +268,7 @@ def _decide(state: BranchwiseState, self: Scheduler, rows: list[Row]) -> list[in
 
     mask = torch.zeros(len(rows), dtype=torch.uint8)
     mask[active] = 1
-    dist.broadcast(mask, src=self.tp_group.ranks[0], group=self.tp_cpu_group)
+    dist.broadcast(mask, src=scheduler.tp_group.ranks[0], group=scheduler.tp_cpu_group)
     return mask.nonzero().flatten().tolist()
 
 
@@ -283,14 +283,14 @@ class Exit(Enum):
     SUBSET = "subset"  # the chosen rows run; the rest wait in the running batch
 
 
-def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self: Scheduler,
+def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], scheduler: Scheduler,
                                 batch: ScheduleBatch) -> ScheduleBatch | None:
-    state = state_of(self)
+    state = state_of(scheduler)
     if state is None or state.controller is None or not state.phases_seen or batch.is_empty():
-        return orig(self, batch)  # no phase request yet: nothing to defer
-    timer = self.branchwise.timer
+        return orig(scheduler, batch)  # no phase request yet: nothing to defer
+    timer = scheduler.branchwise.timer
     try:
-        how, sub = decode_step(state, self, batch, timer)
+        how, sub = decode_step(state, scheduler, batch, timer)
     finally:
         step_timer.switch(timer, None)
     if how is Exit.SUBSET:
@@ -300,7 +300,7 @@ def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self:
         state.kept.clear()
     if how is Exit.NO_FIT:
         state.bump("fallback_retract")
-    return orig(self, batch)
+    return orig(scheduler, batch)
 
 
 def decode_step(state: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch,
@@ -366,9 +366,9 @@ def _release_finished(state: BranchwiseState, scheduler: Scheduler, reqs: list[R
     ctl.on_finished(keys - left)
 
 
-def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
+def after_process_batch_result(result: object, scheduler: Scheduler, batch: ScheduleBatch,
                                *args: Any, **kwargs: Any) -> object:
-    state = state_of(self)
+    state = state_of(scheduler)
     if state is None:
         return result
     state.bump("batch_results")
@@ -379,13 +379,13 @@ def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleB
             state.bump("deferring_unmeasured")
         state.last_step = None
         return result
-    timer = self.branchwise.timer
+    timer = scheduler.branchwise.timer
     if timer is None:
-        report_step(state, self, batch)
+        report_step(state, scheduler, batch)
         return result
     step_timer.switch(timer, "taper_deliver")
     try:
-        report_step(state, self, batch)
+        report_step(state, scheduler, batch)
     finally:
         step_timer.switch(timer, None)
     return result
