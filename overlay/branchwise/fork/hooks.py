@@ -50,7 +50,7 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
         logger.info("Branchwise server-side fork/join off: %s", why)
         return None
     mgr = ForkManager(scheduler, config)
-    state = getattr(getattr(scheduler, "branchwise", None), "taper", None)  # built before fork (runtime.py)
+    state = getattr(getattr(scheduler, "branchwise", None), "state", None)  # built before fork (runtime.py)
     mgr.metrics = getattr(state, "metrics", None)  # one set of Prometheus series per scheduler
     scheduler.tree_cache._branchwise_fork = mgr  # the output streamer's handle (it is a slots dataclass)
     return mgr
