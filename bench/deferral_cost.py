@@ -111,23 +111,23 @@ class Arm:
 def _swap_in(sched: Any, arm: Arm) -> None:
     from sglang.srt.managers.schedule_batch import ScheduleBatch
 
-    taper = sched.branchwise.taper
+    state = sched.branchwise.state
     sched.running_batch = (arm.running_batch if arm.running_batch is not None
                            else ScheduleBatch(reqs=[], batch_is_full=False))
     sched.last_batch = arm.last_batch
     sched.result_queue = arm.result_queue if arm.result_queue is not None else deque()
-    taper.controller, taper.last_step, taper.planned = arm.controller, arm.last_step, arm.planned
+    state.controller, state.last_step, state.planned = arm.controller, arm.last_step, arm.planned
     if arm.kept is None:
-        arm.kept = type(taper.kept)()
-    taper.kept = arm.kept
+        arm.kept = type(state.kept)()
+    state.kept = arm.kept
 
 
 def _swap_out(sched: Any, arm: Arm) -> None:
-    taper = sched.branchwise.taper
+    state = sched.branchwise.state
     arm.running_batch, arm.last_batch = sched.running_batch, sched.last_batch
     arm.result_queue = sched.result_queue
-    arm.controller, arm.last_step, arm.kept = taper.controller, taper.last_step, taper.kept
-    arm.planned = taper.planned
+    arm.controller, arm.last_step, arm.kept = state.controller, state.last_step, state.kept
+    arm.planned = state.planned
 
 
 def iterate(sched: Any) -> float:

@@ -204,7 +204,7 @@ class HookDriver:
     def rows(self, par: list[_Req], ser: list[_Req], lag: int, grow: int = 0) -> list[Row]:
         """The hook's `_row` for every live row: phase rows request-major in branch order, then serial."""
         slo = self.slo_s
-        out = [Row(key=req.phase_key, order=order, ctx=ctx + grow, slo_s=slo, phase=True)
+        out = [Row(key=req.phase_key, order=order, ctx=ctx + grow, slo_s=slo, in_phase=True)
                for req in par for order, ctx in zip(req.branch_index, req.branch_ctx, strict=True)]
         out += [Row(key=req.key, ctx=req.ctx + lag + grow, slo_s=slo) for req in ser]
         return out

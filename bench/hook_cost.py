@@ -59,7 +59,7 @@ def measure(batch_size: int, steps: int) -> tuple[float, float]:
     """(median us per step of SGLang's per-row work alone, of the same with the hooks)."""
     cfg = BranchwiseConfig()
     state = scheduler_hook.BranchwiseState(config=cfg, controller=scheduler_hook._build_controller(cfg))
-    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=state.config, taper=state))
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=state.config, state=state))
     # the output streamer shares the scheduler's tree cache, where fork.build leaves its manager
     streamer = SimpleNamespace(tree_cache=SimpleNamespace(_branchwise_fork=SimpleNamespace(tracking=False)))
     reqs = _reqs(batch_size)

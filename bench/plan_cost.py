@@ -93,7 +93,7 @@ def controller(pkg: str, policy: str, spec: list[tuple[str, int, int, bool]],
     for key, (age, tokens, gap) in clock.items():
         ctl.on_step_done({key: ctl_mod.Delivery(0, SLO_S, phase[key])}, now - age, 0)
         ctl.on_step_done({key: ctl_mod.Delivery(tokens, SLO_S, phase[key])}, now - gap, 0)
-    rows = [ctl_mod.Row(key=key, order=order, ctx=ctx, slo_s=SLO_S, phase=in_phase)
+    rows = [ctl_mod.Row(key=key, order=order, ctx=ctx, slo_s=SLO_S, in_phase=in_phase)
             for key, order, ctx, in_phase in spec]
     return ctl, rows
 

@@ -85,19 +85,19 @@ def captured_batch_sizes(scheduler: Scheduler) -> tuple[int, ...]:
 
 
 # ---------------------------------------------------------------- hook body (target in plugin.py)
-def around_run_batch(orig: Callable[..., Any], self: Scheduler, batch: ScheduleBatch,
+def around_run_batch(orig: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch,
                      *args: Any, **kwargs: Any) -> Any:
     """A real GPU's decode step, timed by events on the stream its forward runs on (TP rank 0)."""
-    bw = getattr(self, "branchwise", None)
-    taper = bw.taper if bw is not None else None
-    book = taper.device_times if taper is not None else None
+    bw = getattr(scheduler, "branchwise", None)
+    state = bw.state if bw is not None else None
+    book = state.device_times if state is not None else None
     if book is None or book.source != CUDA or not batch.forward_mode.is_decode():
-        return orig(self, batch, *args, **kwargs)
-    module = self.device_module
-    stream = self.forward_stream if self.enable_overlap else module.current_stream()
+        return orig(scheduler, batch, *args, **kwargs)
+    module = scheduler.device_module
+    stream = scheduler.forward_stream if scheduler.enable_overlap else module.current_stream()
     pair = EventPair(module.Event(enable_timing=True), module.Event(enable_timing=True))
     pair.start.record(stream)
-    result = orig(self, batch, *args, **kwargs)
+    result = orig(scheduler, batch, *args, **kwargs)
     pair.end.record(stream)
     forward_iter = getattr(batch, "forward_iter", None)
     if forward_iter is not None:

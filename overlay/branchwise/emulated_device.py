@@ -86,16 +86,17 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> DeviceStream | None
 
 
 # ---------------------------------------------------------------- hook body (target in plugin.py)
-def around_run_batch(orig: Hook, self: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any) -> Any:
-    bw = getattr(self, "branchwise", None)
+def around_run_batch(orig: Hook, scheduler: Scheduler, batch: ScheduleBatch, *args: Any,
+                     **kwargs: Any) -> Any:
+    bw = getattr(scheduler, "branchwise", None)
     stream = bw.device if bw is not None else None
     found = composition(batch) if stream is not None else None
     if found is None:
-        return orig(self, batch, *args, **kwargs)
+        return orig(scheduler, batch, *args, **kwargs)
     comp, kind = found
     warmup = stream.in_warmup(req.rid for req in batch.reqs)
-    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(self, kind), warmup=warmup)
-    result = orig(self, batch, *args, **kwargs)
+    fwd = stream.launch(comp, stream.clock(), kind, running=_requests_running(scheduler, kind), warmup=warmup)
+    result = orig(scheduler, batch, *args, **kwargs)
     if kind == "decode":
         _book_step(bw, batch, fwd)
     if not hasattr(result, "copy_done"):  # not a forward result SGLang waits on: wait here
@@ -121,8 +122,8 @@ def _requests_running(scheduler: Scheduler, kind: str) -> bool:
 
 def _book_step(bw: Any, batch: ScheduleBatch, fwd: Forward) -> None:
     """A decode step's modeled time by forward_iter, for TAPER's refit (device_time.py)."""
-    taper = bw.taper
-    book = taper.device_times if taper is not None else None
+    state = bw.state
+    book = state.device_times if state is not None else None
     if book is not None and book.source == EMULATED:
         book.put(batch.forward_iter, fwd.modeled_s)
 

@@ -178,26 +178,26 @@ class FrontendHook(importlib.abc.MetaPathFinder):
         arm = self._arm
 
         @functools.wraps(gen)
-        def generate(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any, **kw: Any) -> Any:
+        def generate(endpoint: RuntimeEndpoint, executor: StreamExecutor, *args: Any, **kw: Any) -> Any:
             arm(executor)
             try:
-                return gen(self, executor, *args, **kw)
+                return gen(endpoint, executor, *args, **kw)
             finally:
                 executor._bw_stamp = None
 
         @functools.wraps(gen_stream)
-        def generate_stream(self: RuntimeEndpoint, executor: StreamExecutor, *args: Any,
+        def generate_stream(endpoint: RuntimeEndpoint, executor: StreamExecutor, *args: Any,
                             **kw: Any) -> Iterator[Any]:
             arm(executor)  # the request is sent at the first next(), in this same worker thread
             try:
-                yield from gen_stream(self, executor, *args, **kw)
+                yield from gen_stream(endpoint, executor, *args, **kw)
             finally:
                 executor._bw_stamp = None
 
         @functools.wraps(add_images)
-        def _add_images(self: RuntimeEndpoint, executor: StreamExecutor, data: object) -> None:
+        def _add_images(endpoint: RuntimeEndpoint, executor: StreamExecutor, data: object) -> None:
             _stamp_body(executor, data)
-            return add_images(self, executor, data)
+            return add_images(endpoint, executor, data)
 
         self._set(cls, "generate", generate)
         self._set(cls, "generate_stream", generate_stream)

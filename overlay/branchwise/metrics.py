@@ -291,17 +291,19 @@ def observe_batch(metrics: BranchwiseMetrics, batch: ScheduleBatch, controller: 
                           getattr(batch, "launch_ts", None), controller)
 
 
-def after_set_prefill_finished_time(result: None, self: SchedulerReqTimeStats, *args: Any, **kwargs: Any) -> None:
+def after_set_prefill_finished_time(result: None, time_stats: SchedulerReqTimeStats, *args: Any,
+                                    **kwargs: Any) -> None:
     """A request's prefill ended: its first token is out, its row decodes from now on."""
-    tracked = getattr(self, TRACKED, None)
+    tracked = getattr(time_stats, TRACKED, None)
     if tracked is not None:
         tracked.metrics.first_token(tracked)
     return result
 
 
-def after_set_completion_time(result: None, self: SchedulerReqTimeStats, *args: Any, **kwargs: Any) -> None:
+def after_set_completion_time(result: None, time_stats: SchedulerReqTimeStats, *args: Any,
+                              **kwargs: Any) -> None:
     """A request ended (finished, aborted in a batch, or a parked fork parent ended): its verdict."""
-    tracked = getattr(self, TRACKED, None)
+    tracked = getattr(time_stats, TRACKED, None)
     if tracked is not None:
-        tracked.metrics.finished(tracked, self.prefill_finished_time, self.completion_time)
+        tracked.metrics.finished(tracked, time_stats.prefill_finished_time, time_stats.completion_time)
     return result

@@ -144,23 +144,23 @@ def _overlap_lag(scheduler: Scheduler) -> int:
                and last.forward_mode.is_decode())
 
 
-def decide(taper: BranchwiseState, scheduler: Scheduler, running: ScheduleBatch) -> tuple[int, bool]:
+def decide(state: BranchwiseState, scheduler: Scheduler, running: ScheduleBatch) -> tuple[int, bool]:
     """(chunk, head due) on rank 0, broadcast to the other TP ranks; a failure gives SGLang's chunk."""
-    budget = taper.prefill
+    budget = state.prefill
     chunk, due = budget.chunk_max, False
-    if taper.tp_rank == 0:
+    if state.tp_rank == 0:
         try:
             now = (time.monotonic(), time.perf_counter())
             due = head_due(budget, scheduler, now[1])
             live = [req for req in running.reqs if not req.finished()]
-            slack = least_slack(taper.controller, taper.config, live, _overlap_lag(scheduler), now)
+            slack = least_slack(state.controller, state.config, live, _overlap_lag(scheduler), now)
             chunk = budget.chunk(len(live), sum(req.kv.kv_committed_len for req in live), slack, due)
         except Exception:  # noqa: BLE001 - a rule bug must not stall the loop or the TP broadcast
             budget.errors += 1
             if budget.errors == 1:
                 logger.exception("Branchwise: the prefill budget failed; SGLang's chunk instead (logged once)")
             chunk, due = budget.chunk_max, False
-    if taper.tp_size > 1:
+    if state.tp_size > 1:
         import torch
         import torch.distributed as dist
 
@@ -170,22 +170,22 @@ def decide(taper: BranchwiseState, scheduler: Scheduler, running: ScheduleBatch)
     return chunk, due
 
 
-def around_get_new_batch_prefill_raw(orig: Callable[..., Any], self: Scheduler, *args: Any,
+def around_get_new_batch_prefill_raw(orig: Callable[..., Any], scheduler: Scheduler, *args: Any,
                                      **kwargs: Any) -> Any:
     """SGLang's prefill batch under the rule's chunk for this call only (its own chunk restored after)."""
-    bw = getattr(self, "branchwise", None)
-    taper = bw.taper if bw is not None else None
-    if taper is None or taper.prefill is None or not (self.waiting_queue or self.chunked_req is not None):
-        return orig(self, *args, **kwargs)
-    stock = self.chunked_prefill_size
-    running = kwargs["running_batch"] if "running_batch" in kwargs else args[-1] if args else self.running_batch
-    chunk, due = decide(taper, self, running)
-    self.chunked_prefill_size = chunk
+    bw = getattr(scheduler, "branchwise", None)
+    state = bw.state if bw is not None else None
+    if state is None or state.prefill is None or not (scheduler.waiting_queue or scheduler.chunked_req is not None):
+        return orig(scheduler, *args, **kwargs)
+    stock = scheduler.chunked_prefill_size
+    running = kwargs["running_batch"] if "running_batch" in kwargs else args[-1] if args else scheduler.running_batch
+    chunk, due = decide(state, scheduler, running)
+    scheduler.chunked_prefill_size = chunk
     try:
-        out = orig(self, *args, **kwargs)
+        out = orig(scheduler, *args, **kwargs)
     finally:
-        self.chunked_prefill_size = stock
+        scheduler.chunked_prefill_size = stock
     batch = out[0] if isinstance(out, tuple) else None
     if batch is not None:
-        taper.prefill.record(chunk, due, int(getattr(batch, "extend_num_tokens", 0) or 0))
+        state.prefill.record(chunk, due, int(getattr(batch, "extend_num_tokens", 0) or 0))
     return out

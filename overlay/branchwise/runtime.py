@@ -34,7 +34,7 @@ class Branchwise:
     """Everything Branchwise keeps for one scheduler; a None field is a component that is off."""
 
     config: BranchwiseConfig
-    taper: BranchwiseState | None = None  # per-step branch admission (scheduler_hook)
+    state: BranchwiseState | None = None  # per-step branch admission (scheduler_hook)
     fork: ForkManager | None = None
     dp: SchedulerDp | None = None
     async_output: AsyncOutput | None = None  # Albireo: result processing off the critical path
@@ -46,8 +46,8 @@ class Branchwise:
     def report(self) -> dict[str, Any]:
         """/server_info's internal_state entries, under the keys each component has always used."""
         rep: dict[str, Any] = {}
-        if self.taper is not None:
-            rep["branchwise"] = self.taper.report()
+        if self.state is not None:
+            rep["branchwise"] = self.state.report()
             if self.dp is not None:
                 rep["branchwise"].update(self.dp.report())
         for key, part in (("branchwise_fork", self.fork), ("branchwise_async_output", self.async_output),
@@ -70,7 +70,7 @@ def build(scheduler: Scheduler) -> Branchwise:
     bw.device = emulated_device.build(scheduler, bw.config)  # in every mode: the device under them all
     if mode not in ("stock", "albireo"):
         support.guard_scheduler(scheduler, bw.config)
-        bw.taper = scheduler_hook.build(scheduler, bw.config)
+        bw.state = scheduler_hook.build(scheduler, bw.config)
         bw.fork = fork.build(scheduler, bw.config)
         bw.dp = dp_dispatch.build(scheduler, bw.config)
     if mode != "stock":
@@ -99,9 +99,9 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
                                 *args: Any, **kwargs: Any) -> Req:
     """A new client request: taper parses `req.bw_meta` first; fork and dp then read it."""
     bw = of(scheduler)
-    if bw is None or bw.taper is None:
+    if bw is None or bw.state is None:
         return req
-    scheduler_hook.on_request_created(bw.taper, req)
+    scheduler_hook.on_request_created(bw.state, req)
     fork.after_create_generation_req(req, scheduler, recv_req, *args, **kwargs)
     if bw.dp is not None:
         bw.dp.on_request_created(req)
@@ -111,8 +111,8 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
 def after_add_request_to_queue(result: None, scheduler: Scheduler, req: Req, *args: Any, **kwargs: Any) -> None:
     """A request entered the waiting queue: the metrics count it and follow it to its SLO verdict."""
     bw = of(scheduler)
-    if bw is not None and bw.taper is not None and bw.taper.metrics is not None:
-        metrics.on_queued(bw.taper.metrics, req, bw.config)
+    if bw is not None and bw.state is not None and bw.state.metrics is not None:
+        metrics.on_queued(bw.state.metrics, req, bw.config)
     return result
 
 

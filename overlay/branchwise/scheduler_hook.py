@@ -128,7 +128,7 @@ class BranchwiseState:
 
 def state_of(scheduler: Scheduler) -> BranchwiseState | None:
     bw = getattr(scheduler, "branchwise", None)
-    return bw.taper if bw is not None else None
+    return bw.state if bw is not None else None
 
 
 def _build_controller(cfg: BranchwiseConfig) -> StepController:
@@ -149,32 +149,32 @@ def build(scheduler: Scheduler, cfg: BranchwiseConfig) -> BranchwiseState:
     from sglang.srt.runtime_context import get_parallel
 
     parallel = get_parallel()
-    taper = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
+    state = BranchwiseState(config=cfg, tp_rank=parallel.tp_rank, tp_size=parallel.tp_size)
     if cfg.step_controller:  # stock: no controller, SGLang's schedule (phases still counted)
-        taper.controller = _build_controller(cfg)
+        state.controller = _build_controller(cfg)
         bw = getattr(scheduler, "branchwise", None)  # runtime.build: the emulated device is built first
         device = getattr(bw, "device", None)
         source = device_time.source_of(scheduler, emulated=device is not None)
-        if source is not None and taper.controller.refit is not None and taper.tp_rank == 0:
-            taper.device_times = device_time.StepDeviceTimes(source)
-        model = taper.controller.policy.model
+        if source is not None and state.controller.refit is not None and state.tp_rank == 0:
+            state.device_times = device_time.StepDeviceTimes(source)
+        model = state.controller.policy.model
         if isinstance(model, LinearLatencyModel):  # T(S) pads decode rows as the device does (none on CPU)
             model.graph_batch_sizes = (device.preset.graph_batch_sizes if device is not None
                                        else device_time.captured_batch_sizes(scheduler) if source else ())
         if cfg.prefill_budget:
-            taper.prefill = prefill_hook.build(scheduler, cfg, taper.controller)
+            state.prefill = prefill_hook.build(scheduler, cfg, state.controller)
     # branch rows can sit out steps under every policy: pin their penalty tokens (deferral.py)
-    if taper.controller is not None and scheduler.enable_overlap:
+    if state.controller is not None and scheduler.enable_overlap:
         deferral.pin_penalty_tokens(scheduler)
-    if getattr(scheduler.server_args, "enable_metrics", False) and taper.tp_rank == 0:
-        taper.metrics = BranchwiseMetrics(slo_s=cfg.slo_s(None))
-    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), taper.proctitle)
-    return taper
+    if getattr(scheduler.server_args, "enable_metrics", False) and state.tp_rank == 0:
+        state.metrics = BranchwiseMetrics(slo_s=cfg.slo_s(None))
+    logger.info("%s (pid %d, %s)", cfg.log_line(), os.getpid(), state.proctitle)
+    return state
 
 
-def on_request_created(taper: BranchwiseState, req: Req) -> None:
+def on_request_created(state: BranchwiseState, req: Req) -> None:
     """Attach custom_params.branchwise as `req.bw_meta` before fork/dp read it; bad input: HTTP 400."""
-    taper.bump("requests_created")
+    state.bump("requests_created")
     try:
         req.bw_meta = request_meta.parse(getattr(req.sampling_params, "custom_params", None))
     except Exception as err:  # nothing a client sends may raise inside the scheduler loop
@@ -183,27 +183,27 @@ def on_request_created(taper: BranchwiseState, req: Req) -> None:
             msg = str(err)
         else:  # a parse bug: the request still ends with a 400, the server keeps serving
             msg = f"custom_params not understood ({type(err).__name__})"
-            if not taper.counters.get("meta_parse_bugs"):
+            if not state.counters.get("meta_parse_bugs"):
                 logger.exception("Branchwise: custom_params parsing raised; such requests get HTTP 400")
-            taper.bump("meta_parse_bugs")
+            state.bump("meta_parse_bugs")
         if req.to_finish is None:  # keep SGLang's own error if it already rejected the request
             req.set_finish_with_abort(f"Branchwise: {msg}")
-        taper.bump("bad_requests")
+        state.bump("bad_requests")
     if req.bw_meta.is_branch:
-        taper.bump("branch_requests")
-        taper.phases_seen = True
+        state.bump("branch_requests")
+        state.phases_seen = True
 
 
 def note_phase_requests(scheduler: Scheduler) -> None:
     """Server-side fork created branch requests (they bypass _create_generation_req)."""
-    taper = state_of(scheduler)
-    if taper is not None:
-        taper.phases_seen = True
+    state = state_of(scheduler)
+    if state is not None:
+        state.phases_seen = True
 
 
-def _has_phase_rows(taper: BranchwiseState, reqs: list[Req]) -> bool:
+def _has_phase_rows(state: BranchwiseState, reqs: list[Req]) -> bool:
     """Whether a row is in a parallel phase (only then can it be deferred); TP ranks agree."""
-    return taper.phases_seen and any(request_meta.of(req).phase is not None for req in reqs)
+    return state.phases_seen and any(request_meta.of(req).phase is not None for req in reqs)
 
 
 def _key(req: Req) -> str:
@@ -240,7 +240,7 @@ def _fields(req: Req, cfg: BranchwiseConfig) -> RowFields:
 def _row(req: Req, cfg: BranchwiseConfig) -> Row:
     fields = _fields(req, cfg)
     return Row(key=fields.key, order=fields.meta.branch, ctx=req.kv.kv_committed_len, slo_s=fields.slo_s,
-               weight=fields.weight, phase=fields.meta.is_branch, forced=req.to_finish is not None)
+               weight=fields.weight, in_phase=fields.meta.is_branch, forced=req.to_finish is not None)
 
 
 def _pipeline_bubble(scheduler: Scheduler) -> bool:
@@ -252,27 +252,27 @@ def _pipeline_bubble(scheduler: Scheduler) -> bool:
     return bool(mode.is_extend() and not mode.is_mixed())
 
 
-def _decide(taper: BranchwiseState, self: Scheduler, rows: list[Row]) -> list[int]:
+def _decide(state: BranchwiseState, scheduler: Scheduler, rows: list[Row]) -> list[int]:
     """Rank 0 plans; other TP ranks receive the same active set (never act on their own clocks)."""
     active: list[int] = []
-    if taper.tp_rank == 0:
+    if state.tp_rank == 0:
         try:
-            taper.controller.resume_serial_clocks(rows)
-            active = taper.controller.select(rows, time.monotonic(), _pipeline_bubble(self),
-                                             waiting=len(getattr(self, "waiting_queue", ())))
+            state.controller.resume_serial_clocks(rows)
+            active = state.controller.select(rows, time.monotonic(), _pipeline_bubble(scheduler),
+                                             waiting=len(getattr(scheduler, "waiting_queue", ())))
         except Exception:  # noqa: BLE001 - the other ranks wait in the broadcast below
-            taper.bump("decide_errors")
-            if taper.counters["decide_errors"] == 1:
+            state.bump("decide_errors")
+            if state.counters["decide_errors"] == 1:
                 logger.exception("Branchwise: branch admission failed; running every row (logged once)")
             active = list(range(len(rows)))
-    if taper.tp_size == 1:
+    if state.tp_size == 1:
         return active
     import torch
     import torch.distributed as dist
 
     mask = torch.zeros(len(rows), dtype=torch.uint8)
     mask[active] = 1
-    dist.broadcast(mask, src=self.tp_group.ranks[0], group=self.tp_cpu_group)
+    dist.broadcast(mask, src=scheduler.tp_group.ranks[0], group=scheduler.tp_cpu_group)
     return mask.nonzero().flatten().tolist()
 
 
@@ -287,31 +287,31 @@ class Exit(Enum):
     SUBSET = "subset"  # the chosen rows run; the rest wait in the running batch
 
 
-def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], self: Scheduler,
+def around_update_running_batch(orig: Callable[..., ScheduleBatch | None], scheduler: Scheduler,
                                 batch: ScheduleBatch) -> ScheduleBatch | None:
-    taper = state_of(self)
-    if taper is None or taper.controller is None or not taper.phases_seen or batch.is_empty():
-        return orig(self, batch)  # no phase request yet: nothing to defer
-    timer = self.branchwise.timer
+    state = state_of(scheduler)
+    if state is None or state.controller is None or not state.phases_seen or batch.is_empty():
+        return orig(scheduler, batch)  # no phase request yet: nothing to defer
+    timer = scheduler.branchwise.timer
     try:
-        how, sub = decode_step(taper, self, batch, timer)
+        how, sub = decode_step(state, scheduler, batch, timer)
     finally:
         step_timer.switch(timer, None)
     if how is Exit.SUBSET:
-        taper.bump("subset_steps")
+        state.bump("subset_steps")
         return sub
-    if taper.kept.batch is not None:  # the batch is prepared in full: a kept sub-batch no longer fits it
-        taper.kept.clear()
+    if state.kept.batch is not None:  # the batch is prepared in full: a kept sub-batch no longer fits it
+        state.kept.clear()
     if how is Exit.NO_FIT:
-        taper.bump("fallback_retract")
-    return orig(self, batch)
+        state.bump("fallback_retract")
+    return orig(scheduler, batch)
 
 
-def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch,
+def decode_step(state: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch,
                 timer: StepTimer | None = None) -> tuple[Exit, ScheduleBatch | None]:
     """The TAPER decode step up to the forward: rows, decision, the subset prepared (Exit.SUBSET)."""
     step_timer.switch(timer, "taper_rows")
-    if not _has_phase_rows(taper, batch.reqs):
+    if not _has_phase_rows(state, batch.reqs):
         return Exit.SERIAL, None
     step_timer.tag(timer, "phase_rows")
     if deferral.batch_needs_full_step(batch):
@@ -319,31 +319,31 @@ def decode_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
     finishing = scheduler._reqs_finishing_inflight(batch)
     excluded = set(finishing)
     live = [req for req in batch.reqs if req not in excluded and not req.finished()]
-    rows = [_row(req, taper.config) for req in live]
+    rows = [_row(req, state.config) for req in live]
     if len({row.key for row in rows}) == len(rows):  # a function of composition: every TP rank agrees
         return Exit.ONE_ROW_PER_KEY, None
 
     step_timer.switch(timer, "taper_plan")
-    planned_s = taper.controller.stats.planner_s
-    active = _decide(taper, scheduler, rows)
-    step_timer.carve(timer, "taper_planner", taper.controller.stats.planner_s - planned_s)
+    planned_s = state.controller.stats.planner_s
+    active = _decide(state, scheduler, rows)
+    step_timer.carve(timer, "taper_planner", state.controller.stats.planner_s - planned_s)
     if len(active) == len(live):
         return Exit.ALL_ADMITTED, None
 
     step_timer.switch(timer, "taper_subset")
-    sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, taper.kept)
+    sub = deferral.run_subset(scheduler, batch, {live[i] for i in active}, finishing, state.kept)
     if sub is None:
         return Exit.NO_FIT, None
     deferred = len(live) - len(active)
-    if taper.tp_rank == 0:  # only rank 0 reports steps; run_batch numbers this one forward_ct + 1
-        taper.planned[scheduler.forward_ct + 1] = PlannedStep(rows=len(sub.reqs), deferred=deferred)
+    if state.tp_rank == 0:  # only rank 0 reports steps; run_batch numbers this one forward_ct + 1
+        state.planned[scheduler.forward_ct + 1] = PlannedStep(rows=len(sub.reqs), deferred=deferred)
     step_timer.tag(timer, "deferred", deferred)
     return Exit.SUBSET, sub
 
 
-def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Delivery], int]:
+def _deliveries(state: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Delivery], int]:
     """Tokens delivered per key this step (one per row that ran), and the context sum."""
-    cfg = taper.config
+    cfg = state.config
     counts: dict[str, list[Any]] = {}  # key -> [rows, the key's first row's fields (its clock's SLO)]
     for req in reqs:
         fields = _fields(req, cfg)
@@ -357,9 +357,9 @@ def _deliveries(taper: BranchwiseState, reqs: list[Req]) -> tuple[dict[str, Deli
             for key, (rows, fields) in counts.items()}, ctx
 
 
-def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:
+def _release_finished(state: BranchwiseState, scheduler: Scheduler, reqs: list[Req]) -> None:
     """Keys whose last row finished leave the controller (a reused id must not inherit their clock)."""
-    ctl, cfg = taper.controller, taper.config
+    ctl, cfg = state.controller, state.config
     keys = {_fields(req, cfg).key for req in reqs if req.finished()}
     keys = {key for key in keys if key in ctl.trackers or key in ctl.fixed}
     if not keys:
@@ -370,34 +370,34 @@ def _release_finished(taper: BranchwiseState, scheduler: Scheduler, reqs: list[R
     ctl.on_finished(keys - left)
 
 
-def after_process_batch_result(result: object, self: Scheduler, batch: ScheduleBatch,
+def after_process_batch_result(result: object, scheduler: Scheduler, batch: ScheduleBatch,
                                *args: Any, **kwargs: Any) -> object:
-    taper = state_of(self)
-    if taper is None:
+    state = state_of(scheduler)
+    if state is None:
         return result
-    taper.bump("batch_results")
+    state.bump("batch_results")
     if batch.forward_mode.is_mixed():  # mixed chunked prefill: every decode row ran (no deferral)
-        taper.bump("mixed_steps")
-    if taper.controller is None or taper.tp_rank != 0 or not batch.forward_mode.is_decode():
-        if taper.last_step is not None and taper.last_step.deferred:
-            taper.bump("deferring_unmeasured")
-        taper.last_step = None
+        state.bump("mixed_steps")
+    if state.controller is None or state.tp_rank != 0 or not batch.forward_mode.is_decode():
+        if state.last_step is not None and state.last_step.deferred:
+            state.bump("deferring_unmeasured")
+        state.last_step = None
         return result
-    timer = self.branchwise.timer
+    timer = scheduler.branchwise.timer
     if timer is None:
-        report_step(taper, self, batch)
+        report_step(state, scheduler, batch)
         return result
     step_timer.switch(timer, "taper_deliver")
     try:
-        report_step(taper, self, batch)
+        report_step(state, scheduler, batch)
     finally:
         step_timer.switch(timer, None)
     return result
 
 
-def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: int) -> int:
+def _planned_deferred(state: BranchwiseState, forward_iter: int | None, rows: int) -> int:
     """Rows the step launched as `forward_iter` deferred (0 unless planned); older records leave."""
-    planned = taper.planned
+    planned = state.planned
     if not planned or forward_iter is None:
         return 0
     step = planned.pop(forward_iter, None)
@@ -405,32 +405,32 @@ def _planned_deferred(taper: BranchwiseState, forward_iter: int | None, rows: in
         del planned[old]
     if step is None:
         return 0
-    taper.bump("subset_results")
+    state.bump("subset_results")
     if step.rows != rows:  # not the batch decode_step planned: never credit a deferral to it
-        taper.bump("planned_mismatch")
+        state.bump("planned_mismatch")
         return 0
     return step.deferred
 
 
-def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
+def report_step(state: BranchwiseState, scheduler: Scheduler, batch: ScheduleBatch) -> None:
     """End of a TAPER decode step (rank 0): deliveries, finished keys leave, the refit books a latency."""
     now = time.monotonic()
-    ctl = taper.controller
+    ctl = state.controller
     reqs = batch.reqs
-    if _has_phase_rows(taper, reqs):
-        delivered, ctx = _deliveries(taper, reqs)
+    if _has_phase_rows(state, reqs):
+        delivered, ctx = _deliveries(state, reqs)
         ctl.on_phase_step(delivered, now, len(reqs))
-        _release_finished(taper, scheduler, reqs)
+        _release_finished(state, scheduler, reqs)
     else:  # serial rows only: their clocks matter only once a phase row joins (resume_serial_clocks)
         ctl.on_quiet_step(now, len(reqs))
         ctx = sum(map(_KV_LEN, reqs))
     forward_iter, launch_ts = getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)
-    if taper.device_times is not None:
-        _book_device_time(taper, forward_iter, len(reqs), ctx)
+    if state.device_times is not None:
+        _book_device_time(state, forward_iter, len(reqs), ctx)
     else:
-        _book_launch_gap(taper, forward_iter, launch_ts, len(reqs), ctx)
-    if now - taper.last_summary >= SUMMARY_EVERY_S:
-        taper.last_summary = now
+        _book_launch_gap(state, forward_iter, launch_ts, len(reqs), ctx)
+    if now - state.last_summary >= SUMMARY_EVERY_S:
+        state.last_summary = now
         stats = ctl.stats
         logger.info("Branchwise %s: steps=%d planned=%d deferred_rows=%d admission=%.1f%% "
                     "budget=%.1fms predicted=%.1fms planner=%.3fms", ctl.policy.name, stats.steps,
@@ -439,31 +439,31 @@ def report_step(taper: BranchwiseState, scheduler: Scheduler, batch: ScheduleBat
                     1e3 * stats.planner_s / max(stats.planned_steps, 1))
 
 
-def _book_device_time(taper: BranchwiseState, forward_iter: int | None, rows: int, ctx: int) -> None:
+def _book_device_time(state: BranchwiseState, forward_iter: int | None, rows: int, ctx: int) -> None:
     """This step's own device time (device_time.py), booked with its rows, context and deferred rows."""
-    deferred = _planned_deferred(taper, forward_iter, rows)
-    latency = taper.device_times.take(forward_iter)
+    deferred = _planned_deferred(state, forward_iter, rows)
+    latency = state.device_times.take(forward_iter)
     if latency is None:
-        taper.bump("device_time_missing")
+        state.bump("device_time_missing")
         return
-    ctl = taper.controller
+    ctl = state.controller
     ctl.on_latency(rows, ctx, latency, deferred)
-    if taper.metrics:
-        taper.metrics.observe_taper(ctl.stats)
+    if state.metrics:
+        state.metrics.observe_taper(ctl.stats)
 
 
-def _book_launch_gap(taper: BranchwiseState, forward_iter: int | None, launch_ts: float | None, rows: int,
+def _book_launch_gap(state: BranchwiseState, forward_iter: int | None, launch_ts: float | None, rows: int,
                      ctx: int) -> None:
     """CPU: the gap from the previous decode launch to this one is the previous step's latency."""
-    ctl = taper.controller
-    prev = taper.last_step
+    ctl = state.controller
+    prev = state.last_step
     if prev is not None and forward_iter is not None and forward_iter == prev.forward_iter + 1:
         latency = launch_ts - prev.launch_ts
         ctl.on_latency(prev.rows, prev.ctx, latency, prev.deferred)
-        if taper.metrics:
-            taper.metrics.observe_taper(ctl.stats)
+        if state.metrics:
+            state.metrics.observe_taper(ctl.stats)
     elif prev is not None and prev.deferred:
-        taper.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
-    deferred = _planned_deferred(taper, forward_iter, rows)
-    taper.last_step = (LastStep(forward_iter, launch_ts, rows, ctx, deferred)
+        state.bump("deferring_unmeasured")  # the next launch was no decode step: no latency to book
+    deferred = _planned_deferred(state, forward_iter, rows)
+    state.last_step = (LastStep(forward_iter, launch_ts, rows, ctx, deferred)
                        if forward_iter is not None and launch_ts is not None else None)

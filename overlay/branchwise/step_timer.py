@@ -261,12 +261,12 @@ def around_run_batch(orig: Callable[..., Any], scheduler: Scheduler, batch: Sche
         timer.launch = [getattr(batch, "forward_iter", None), getattr(batch, "launch_ts", None)]
 
 
-def around_forward(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
-    return _timed(getattr(self, ATTR, None), "forward", orig, self, *args, **kwargs)
+def around_forward(orig: Callable[..., Any], runner: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+    return _timed(getattr(runner, ATTR, None), "forward", orig, runner, *args, **kwargs)
 
 
-def around_sample(orig: Callable[..., Any], self: ModelRunner, *args: Any, **kwargs: Any) -> Any:
-    return _timed(getattr(self, ATTR, None), "sample", orig, self, *args, **kwargs)
+def around_sample(orig: Callable[..., Any], runner: ModelRunner, *args: Any, **kwargs: Any) -> Any:
+    return _timed(getattr(runner, ATTR, None), "sample", orig, runner, *args, **kwargs)
 
 
 def around_process_batch_result(orig: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch,
@@ -277,6 +277,6 @@ def around_process_batch_result(orig: Callable[..., Any], scheduler: Scheduler, 
     return _timed(timer, "result", orig, scheduler, batch, *args, **kwargs)
 
 
-def around_stream_output(orig: Callable[..., Any], self: SchedulerOutputStreamer,
+def around_stream_output(orig: Callable[..., Any], streamer: SchedulerOutputStreamer,
                          *args: Any, **kwargs: Any) -> Any:
-    return _timed(getattr(self.tree_cache, ATTR, None), "stream", orig, self, *args, **kwargs)
+    return _timed(getattr(streamer.tree_cache, ATTR, None), "stream", orig, streamer, *args, **kwargs)

@@ -49,7 +49,7 @@ def admission(kept: bool) -> dict[str, Any]:
         if waiting in s.running_batch.reqs or waiting.finished():
             out["after_finish"] = None if since is None else it - since
             break
-    out["deferred_steps"] = s.branchwise.taper.counters.get("subset_steps", 0)
+    out["deferred_steps"] = s.branchwise.state.counters.get("subset_steps", 0)
     out["siblings_left"] = sum(not b.finished() for b in branches[1:])
     return out
 
@@ -91,7 +91,7 @@ def kept_subset(kept: bool) -> dict[str, Any]:
     from branchwise.taper.policies import parse_policy
 
     s = scheduler(MODEL, 16384, "cap:2")
-    st = s.branchwise.taper
+    st = s.branchwise.state
     reqs = [add_request(s, f"a/b{b}", _prompt(b), RequestMeta(phase="a", branch=b, fanout=4),
                         max_new_tokens=[80, 12, 60, 60][b], frequency_penalty=0.7 if b == 2 else 0.0)
             for b in range(4)]

@@ -118,7 +118,7 @@ def test_runtime_parses_the_settings_once_and_builds_in_order(monkeypatch, timer
     else:
         monkeypatch.setenv(step_timer.ENV, timer)
     order: list[str] = []
-    fields = ("taper", "fork", "dp", "async_output", "forward", "sampler", "timer")
+    fields = ("state", "fork", "dp", "async_output", "forward", "sampler", "timer")
     for field, module in zip(fields, (scheduler_hook, fork, dp_dispatch, async_output, forward_thread,
                                       sp_sampler_hook, step_timer), strict=True):
         def fake(sched, cfg, field=field):

@@ -191,7 +191,7 @@ def test_internal_state_gains_rank_and_phase_rows() -> None:
     for phase in ["g1", "g1", None]:
         part.on_request_created(SimpleNamespace(bw_meta=SimpleNamespace(phase=phase)))
     cfg = BranchwiseConfig()
-    rep = runtime.Branchwise(config=cfg, taper=sh.BranchwiseState(config=cfg), dp=part).report()["branchwise"]
+    rep = runtime.Branchwise(config=cfg, state=sh.BranchwiseState(config=cfg), dp=part).report()["branchwise"]
     assert rep["dp_rank"] == 1
     assert rep["phase_rows"] == {"g1": 2}
     assert rep["config"] == cfg.as_dict()  # the taper report it joins

@@ -41,12 +41,12 @@ def scheduler(policy: str = "taper") -> SimpleNamespace:
     cfg = BranchwiseConfig(branch_policy=policy)
     policy_ = parse_policy(policy, model=MODEL)
     st = sh.BranchwiseState(config=cfg, controller=StepController(policy_, OnlineRefit(policy_.model)))
-    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st))
+    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, state=st))
 
 
 def test_serial_batches_skip_per_row_bookkeeping_but_count_rows():
     s = scheduler()
-    st, ctl = s.branchwise.taper, s.branchwise.taper.controller
+    st, ctl = s.branchwise.state, s.branchwise.state.controller
     for it in range(3):
         sh.after_process_batch_result(None, s, decode_batch([req("a"), req("b")], it))
     assert ctl.trackers == {}  # no per-request state for serial-only steps
@@ -64,13 +64,13 @@ def test_serial_batches_pass_update_running_batch_through_untouched():
 
     b = decode_batch([req("a"), req("b")], 0)
     assert sh.around_update_running_batch(orig, s, b) is b and calls == [b]
-    s.branchwise.taper.phases_seen = True  # a phase request exists elsewhere; this batch is still serial
+    s.branchwise.state.phases_seen = True  # a phase request exists elsewhere; this batch is still serial
     assert sh.around_update_running_batch(orig, s, b) is b and len(calls) == 2
 
 
 def test_phase_rows_restart_bookkeeping_and_serial_clocks_resume_at_the_last_quiet_step():
     s = scheduler()
-    st, ctl = s.branchwise.taper, s.branchwise.taper.controller
+    st, ctl = s.branchwise.state, s.branchwise.state.controller
     st.phases_seen = True
     mixed = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1)]
     sh.after_process_batch_result(None, s, decode_batch(mixed, 0))
@@ -140,7 +140,7 @@ def test_the_refit_sees_the_rows_taper_deferred_not_the_rows_that_left():
     overlap loop reports a copy of it); rows finishing in flight (in the running batch, not in the
     sub-batch) are not deferred rows."""
     s = scheduler()
-    st = s.branchwise.taper
+    st = s.branchwise.state
     st.phases_seen = True
     rows = [req("a"), req("p/0", "ph", 0), req("p/1", "ph", 1), req("p/2", "ph", 2), req("done")]
     s.running_batch = decode_batch(rows, 0)
@@ -157,8 +157,8 @@ def test_the_refit_sees_the_rows_taper_deferred_not_the_rows_that_left():
 def _one_phase() -> tuple[SimpleNamespace, sh.BranchwiseState, list[SimpleNamespace]]:
     """A taper scheduler that has seen phases, and the two rows of one phase."""
     s = scheduler()
-    s.branchwise.taper.phases_seen = True
-    return s, s.branchwise.taper, [req("p/0", "ph", 0), req("p/1", "ph", 1)]
+    s.branchwise.state.phases_seen = True
+    return s, s.branchwise.state, [req("p/0", "ph", 0), req("p/1", "ph", 1)]
 
 
 def test_a_deferring_step_without_a_decode_launch_after_it_is_counted_unmeasured():

@@ -45,7 +45,7 @@ def test_row_fields_follow_the_request_metadata_fork_and_config():
     assert sh._row(r, cfg).key == "rid:r"
     r.bw_meta = request_meta.RequestMeta(phase="ph", branch=2, fanout=4, slo_tpot_ms=80.0)
     row = sh._row(r, cfg)
-    assert (row.key, row.order, row.phase, row.slo_s) == ("phase:ph", 2, True, 0.08)
+    assert (row.key, row.order, row.in_phase, row.slo_s) == ("phase:ph", 2, True, 0.08)
     r.bw_fork = SimpleNamespace(branch=True)  # a server-side branch's phase
     assert sh._row(r, cfg).key == "fork:ph"
     other = BranchwiseConfig(branch_slo_tpot_ms=50.0, branch_min_slo_tpot_ms=100.0)

@@ -153,8 +153,8 @@ def test_the_head_is_due_once_its_wait_and_prefill_reach_the_ttft_slo():
 # ------------------------------------------------------------------------------------- the hook
 def scheduler(plan: ph.PrefillBudget | None, reqs: list) -> SimpleNamespace:
     ctl = StepController(parse_policy("taper", model=MODEL))
-    taper = SimpleNamespace(prefill=plan, controller=ctl, config=CFG, tp_rank=0, tp_size=1)
-    return SimpleNamespace(branchwise=SimpleNamespace(taper=taper), chunked_prefill_size=4096,
+    state = SimpleNamespace(prefill=plan, controller=ctl, config=CFG, tp_rank=0, tp_size=1)
+    return SimpleNamespace(branchwise=SimpleNamespace(state=state), chunked_prefill_size=4096,
                            waiting_queue=[req(0, 0.0)], chunked_req=None, running_batch=SimpleNamespace(reqs=reqs),
                            last_batch=None, enable_overlap=True)
 

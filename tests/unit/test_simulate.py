@@ -170,7 +170,7 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
     ctl = build_controller(policy, default_model())
     ctl.refit = None  # the hook learns a latency at the next launch, the simulator at the step's end
     st = sh.BranchwiseState(config=cfg, controller=ctl, phases_seen=True)
-    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st), enable_overlap=False)
+    sched = SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, state=st), enable_overlap=False)
     decode = SimpleNamespace(is_decode=lambda: True, is_mixed=lambda: False)
     # a row that never runs again finished (a parent parked during its phase resumes later)
     last_seen: dict[tuple[str, int], int] = {}
@@ -182,9 +182,9 @@ def _hook_replay(trace, policy: str, slo_s: float) -> list[list[int]]:
         sched.waiting_queue = [None] * waiting
         reqs = []
         for r in rows:
-            meta = (request_meta.RequestMeta(phase=r.key.removeprefix("phase:"), branch=r.order) if r.phase
+            meta = (request_meta.RequestMeta(phase=r.key.removeprefix("phase:"), branch=r.order) if r.in_phase
                     else request_meta.SERIAL)
-            rid = r.key.removeprefix("rid:") if not r.phase else f"{r.key}/{r.order}"
+            rid = r.key.removeprefix("rid:") if not r.in_phase else f"{r.key}/{r.order}"
             done = last_seen[(r.key, r.order)] == i
             reqs.append(SimpleNamespace(rid=rid, bw_meta=meta, kv=SimpleNamespace(kv_committed_len=r.ctx),
                                         to_finish=None, bw_fork=None, finished=lambda done=done: done))

@@ -73,13 +73,13 @@ class Booked:
 
 def scheduler(source: str, clock: Clock, device: DeviceStream | None = None) -> SimpleNamespace:
     model = LinearLatencyModel(c0=1e-3, c_seq=1e-4, c_ctx=0.0)
-    taper = sh.BranchwiseState(config=BranchwiseConfig(branch_policy="eager"),
+    state = sh.BranchwiseState(config=BranchwiseConfig(branch_policy="eager"),
                                controller=StepController(parse_policy("eager", model=model)))
-    taper.phases_seen = True
-    taper.device_times = dt.StepDeviceTimes(source)
+    state.phases_seen = True
+    state.device_times = dt.StepDeviceTimes(source)
     booked = Booked()
-    taper.controller.on_latency = booked.on_latency
-    bw = runtime.Branchwise(config=taper.config, taper=taper, device=device)
+    state.controller.on_latency = booked.on_latency
+    bw = runtime.Branchwise(config=state.config, state=state, device=device)
     return SimpleNamespace(branchwise=bw, forward_ct=0, waiting_queue=[], running_batch=None, booked=booked,
                            clock=clock, enable_overlap=True)
 
@@ -100,7 +100,7 @@ def overlap_loop(sched: SimpleNamespace, launch, steps=STEPS, prefill_after: int
         batch = batch_of(rows_of(step, rows, ctx), ctx)
         result, device_s = launch(sched, batch)
         if deferred:  # decode_step's record of a deferring sub-batch, under the iteration it runs as
-            sched.branchwise.taper.planned[batch.forward_iter] = sh.PlannedStep(rows=rows, deferred=deferred)
+            sched.branchwise.state.planned[batch.forward_iter] = sh.PlannedStep(rows=rows, deferred=deferred)
         queue.append((copy_of(batch), result))
         expected.append((rows, rows * ctx, device_s, deferred))
         if step == prefill_after:  # a non-decode forward in between: no time of it reaches the refit
@@ -148,9 +148,9 @@ def test_the_refit_gets_each_emulated_step_own_modeled_time_and_composition():
     # padded: 3 and 4 rows cost alike; 12 rows are past the largest graph (unpadded)
     assert got[0][2] == pytest.approx(0.05 + 4e-3 + 120e-6)
     assert got[4][2] == pytest.approx(0.05 + 12e-3 + 120e-6)
-    taper = sched.branchwise.taper
-    assert taper.device_times.pending == {} and taper.device_times.dropped == 0
-    assert taper.planned == {} and "device_time_missing" not in taper.counters
+    state = sched.branchwise.state
+    assert state.device_times.pending == {} and state.device_times.dropped == 0
+    assert state.planned == {} and "device_time_missing" not in state.counters
 
 
 def test_the_launch_gap_tracks_an_earlier_step():
@@ -256,7 +256,7 @@ def test_the_cpu_books_the_launch_gap_to_the_previous_step():
     """No device times (CPU): report_step keeps today's measure."""
     clock = Clock()
     sched = scheduler(dt.EMULATED, clock)
-    sched.branchwise.taper.device_times = None
+    sched.branchwise.state.device_times = None
     for it, rows in ((1, 3), (2, 5), (3, 2)):
         batch = SimpleNamespace(reqs=rows_of(it, rows, 10), forward_mode=decode_mode(), forward_iter=it,
                                 launch_ts=0.1 * it)

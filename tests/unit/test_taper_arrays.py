@@ -42,7 +42,7 @@ class Spy:
 
 def rows_of(reqs: list[tuple]) -> list[Row]:
     """Request i has key "k{i}"; several rows make a phase. Listed in reverse, as a batch may be."""
-    rows = [Row(key=f"k{i}", order=b, ctx=c, slo_s=SLO, weight=w, phase=len(lens) > 1) for i, (lens, _, _, w) in enumerate(reqs)
+    rows = [Row(key=f"k{i}", order=b, ctx=c, slo_s=SLO, weight=w, in_phase=len(lens) > 1) for i, (lens, _, _, w) in enumerate(reqs)
             for b, c in enumerate(lens)]
     return rows[::-1]
 

@@ -23,12 +23,12 @@ def trapped(ctl: StepController, serial: int = 24, phases: int = 8, fanout: int 
     per step, every phase ran one branch per step (what taper-paper does once protected rows fill
     its budget). Returns the live rows and the time of the next plan (one more step later)."""
     rows = [Row(key=f"s{i}", ctx=300, slo_s=SLO) for i in range(serial)]
-    rows += [Row(key=f"p{p}", order=b, ctx=300, slo_s=SLO, phase=True) for p in range(phases) for b in range(fanout)]
+    rows += [Row(key=f"p{p}", order=b, ctx=300, slo_s=SLO, in_phase=True) for p in range(phases) for b in range(fanout)]
     t = 0.0
-    ctl.on_step_done({r.key: Delivery(0, SLO, r.phase) for r in rows}, t, 0)  # clocks start (first tokens)
+    ctl.on_step_done({r.key: Delivery(0, SLO, r.in_phase) for r in rows}, t, 0)  # clocks start (first tokens)
     for _ in range(steps):
         t += step_s
-        ctl.on_step_done({r.key: Delivery(1, SLO, r.phase) for r in rows if r.order == 0}, t, serial + phases)
+        ctl.on_step_done({r.key: Delivery(1, SLO, r.in_phase) for r in rows if r.order == 0}, t, serial + phases)
     return rows, t + step_s
 
 
@@ -178,12 +178,12 @@ def test_keys_leave_with_their_last_row(policy):
     t = 0.0
     for p in range(10_000):
         key = f"ph{p % 97}"  # phase ids are reused: a reused id must start a fresh clock
-        rows = [Row(key=key, ctx=50, slo_s=SLO, phase=True), Row(key=key, order=1, ctx=50, slo_s=SLO, phase=True),
+        rows = [Row(key=key, ctx=50, slo_s=SLO, in_phase=True), Row(key=key, order=1, ctx=50, slo_s=SLO, in_phase=True),
                 Row(key=f"r{p}", ctx=50, slo_s=SLO)]
         for _ in range(2):
             active = ctl.select(rows, t)
             t += 0.005
-            ctl.on_step_done({rows[i].key: Delivery(1, SLO, rows[i].phase) for i in active}, t, len(active))
+            ctl.on_step_done({rows[i].key: Delivery(1, SLO, rows[i].in_phase) for i in active}, t, len(active))
         if p == 0:
             assert set(ctl.trackers) == {key, "r0"}
         ctl.on_finished([key, f"r{p}"])
@@ -201,7 +201,7 @@ class BrokenModel:
 
 def test_planner_error_runs_every_row_and_logs_once(caplog):
     ctl = StepController(Policy("broken", BrokenModel(), rho=0.8))  # type: ignore[arg-type]
-    rows = [Row(key="p", order=b, ctx=10, slo_s=SLO, phase=True) for b in range(3)] + [Row(key="s", ctx=10, slo_s=SLO)]
+    rows = [Row(key="p", order=b, ctx=10, slo_s=SLO, in_phase=True) for b in range(3)] + [Row(key="s", ctx=10, slo_s=SLO)]
     with caplog.at_level("ERROR", logger="branchwise"):
         for i in range(3):
             assert ctl.select(rows, 0.01 * i) == [0, 1, 2, 3]

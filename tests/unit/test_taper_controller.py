@@ -10,7 +10,7 @@ MODEL = LinearLatencyModel(c0=2e-3, c_seq=1e-3, c_ctx=0.0)
 
 
 def rows(phases: int = 2, fanout: int = 4, serial: int = 2, slo_s: float = 0.05) -> list[Row]:
-    out = [Row(key=f"ph{p}", order=b, ctx=100, slo_s=slo_s, phase=True) for p in range(phases) for b in range(fanout)]
+    out = [Row(key=f"ph{p}", order=b, ctx=100, slo_s=slo_s, in_phase=True) for p in range(phases) for b in range(fanout)]
     return out + [Row(key=f"r{i}", ctx=100, slo_s=slo_s) for i in range(serial)]
 
 
@@ -25,13 +25,13 @@ def test_serial_runs_one_row_per_request_and_eager_runs_all():
     rs = rows()
     serial = StepController(parse_policy("serial", model=MODEL)).select(rs, 0.0)
     assert keys(rs, serial) == {"ph0": 1, "ph1": 1, "r0": 1, "r1": 1}
-    assert [rs[i].order for i in serial if rs[i].phase] == [0, 0]  # lowest branch index first
+    assert [rs[i].order for i in serial if rs[i].in_phase] == [0, 0]  # lowest branch index first
     assert StepController(parse_policy("eager", model=MODEL)).select(rs, 0.0) == list(range(len(rs)))
 
 
 def test_forced_rows_always_run():
     rs = rows(phases=1, serial=0)
-    rs[3] = Row(key="ph0", order=3, ctx=100, slo_s=0.05, phase=True, forced=True)  # abort pending
+    rs[3] = Row(key="ph0", order=3, ctx=100, slo_s=0.05, in_phase=True, forced=True)  # abort pending
     active = StepController(parse_policy("serial", model=MODEL)).select(rs, 0.0)
     assert active == [0, 3]
 

@@ -30,20 +30,20 @@ def scheduler(policy: str = "eager") -> SimpleNamespace:
     st = sh.BranchwiseState(config=BranchwiseConfig(branch_policy=policy),
                             controller=StepController(parse_policy(policy, model=MODEL)))
     st.phases_seen = True
-    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, taper=st), waiting_queue=[], running_batch=None)
+    return SimpleNamespace(branchwise=runtime.Branchwise(config=st.config, state=st), waiting_queue=[], running_batch=None)
 
 
 def test_keys_leave_the_controller_with_their_last_row():
     """Under eager nothing is ever deferred; 2,000 short phases (one id reused) and serial requests
     leave no tracker behind. A branch that finishes while its sibling still runs keeps the key."""
     s = scheduler()
-    ctl = s.branchwise.taper.controller
+    ctl = s.branchwise.state.controller
     it = 0
     for p in range(2_000):
         rows = [req(f"p{p}/0", f"ph{p % 7}", 0), req(f"p{p}/1", f"ph{p % 7}", 1), req(f"r{p}")]
         s.running_batch = SimpleNamespace(reqs=rows)
         for _ in range(2):
-            assert sh._decide(s.branchwise.taper, s, [sh._row(r, s.branchwise.taper.config) for r in rows]) == [0, 1, 2]
+            assert sh._decide(s.branchwise.state, s, [sh._row(r, s.branchwise.state.config) for r in rows]) == [0, 1, 2]
             sh.after_process_batch_result(None, s, decode_batch(rows, it))
             it += 1
         first_done = [req(f"p{p}/0", f"ph{p % 7}", 0, done=True), rows[1], rows[2]]
@@ -61,22 +61,22 @@ def test_keys_leave_the_controller_with_their_last_row():
 def test_queue_length_reaches_the_controller():
     s = scheduler("taper")
     seen = []
-    select = s.branchwise.taper.controller.select
+    select = s.branchwise.state.controller.select
 
     def spy(rows, now, bubble=False, *, waiting=0):
         seen.append(waiting)
         return select(rows, now, bubble, waiting=waiting)
 
-    s.branchwise.taper.controller.select = spy
+    s.branchwise.state.controller.select = spy
     s.waiting_queue = [object()] * 3
     rows = [req("a/0", "ph", 0), req("a/1", "ph", 1), req("s")]
-    sh._decide(s.branchwise.taper, s, [sh._row(r, s.branchwise.taper.config) for r in rows])
+    sh._decide(s.branchwise.state, s, [sh._row(r, s.branchwise.state.config) for r in rows])
     assert seen == [3]
 
 
 def test_a_failure_on_rank0_runs_every_row_and_counts_it(caplog):
     s = scheduler("taper")
-    st = s.branchwise.taper
+    st = s.branchwise.state
     st.controller.quiet_ts = 1.0
 
     def broken(*args, **kwargs):

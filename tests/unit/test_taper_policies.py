@@ -158,7 +158,7 @@ def test_no_replan_pins_width_at_phase_start_and_holds_it():
 def test_pin_rule_pins_only_phases_and_only_once():
     """The controller keeps the pins: a phase's width at its first plan, never a serial request's;
     a pinned phase keeps its pin while its budget collapses. Replanning policies pin nothing."""
-    rows = [Row(key="par", order=b, ctx=2000, slo_s=0.05, phase=True) for b in range(6)] + [Row(key="ser", ctx=3000, slo_s=0.05)]
+    rows = [Row(key="par", order=b, ctx=2000, slo_s=0.05, in_phase=True) for b in range(6)] + [Row(key="ser", ctx=3000, slo_s=0.05)]
     ctl = StepController(parse_policy("taper-no-replan", model=MODEL, rho=1.0))
     assert len(ctl.select(rows, 0.0)) == 7
     assert ctl.fixed == {"par": 6}
@@ -315,7 +315,7 @@ def _clocked_rows(rng: np.random.Generator, slo: float) -> tuple[list[Row], dict
     rows, clock = [], {}
     for k in range(int(rng.integers(1, 7))):
         key, fan = f"k{k}", int(rng.integers(1, 9))
-        rows += [Row(key=key, order=j, ctx=int(rng.integers(1, 4000)), slo_s=slo, phase=fan > 1)
+        rows += [Row(key=key, order=j, ctx=int(rng.integers(1, 4000)), slo_s=slo, in_phase=fan > 1)
                  for j in range(fan)]
         clock[key] = (float(rng.uniform(0.0, 0.4)), int(rng.integers(0, 40)))
     return rows, clock
@@ -334,7 +334,7 @@ def test_an_unpriced_step_runs_what_the_plan_would(seed, per_step, per_row, wait
     full = StepController(_as(PricedEachStep, parse_policy("taper", model=model)))
     for ctl in (fast, full):
         for key, (age, tokens) in clock.items():
-            in_phase = any(r.phase for r in rows if r.key == key)
+            in_phase = any(r.in_phase for r in rows if r.key == key)
             ctl.on_step_done({key: Delivery(0, slo, in_phase)}, 1.0 - age, 0)
             ctl.on_step_done({key: Delivery(tokens, slo, in_phase)}, 1.0 - age / 2, 0)
     assert fast.select(rows, 1.0, waiting=waiting) == full.select(rows, 1.0, waiting=waiting)
@@ -346,7 +346,7 @@ def test_an_unpriced_step_runs_what_the_plan_would(seed, per_step, per_row, wait
 def test_a_step_no_deferral_can_pay_is_not_planned():
     """Seven opportunistic rows of 0.2 ms each save 1.4 ms at most. A price of 1.5 ms per deferring
     step skips the plan and runs every row; at 0.2 ms the step is planned, and it defers."""
-    rows = [Row(key="p", order=j, ctx=0, slo_s=0.005, phase=True) for j in range(8)]
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.005, in_phase=True) for j in range(8)]
     rows.append(Row(key="s", ctx=0, slo_s=0.00625))  # a fresh serial clock: a 5 ms budget
     for per_step, planned, run in ((1.5e-3, 0, 9), (0.2e-3, 1, 3)):
         model = LinearLatencyModel(4e-3, 2e-4, 0.0, c_defer=per_step)
@@ -364,7 +364,7 @@ BUDGET_RULES = ["taper", "taper-no-mean", "taper-no-overload", "taper-no-backlog
 
 def _clocked(ctl: StepController, rows: list[Row], clock: dict[str, tuple[float, int]], slo: float) -> None:
     for key, (age, tokens) in clock.items():
-        in_phase = any(r.phase for r in rows if r.key == key)
+        in_phase = any(r.in_phase for r in rows if r.key == key)
         ctl.on_step_done({key: Delivery(0, slo, in_phase)}, 1.0 - age, 0)
         ctl.on_step_done({key: Delivery(tokens, slo, in_phase)}, 1.0 - age / 2, 0)
 
@@ -404,7 +404,7 @@ def test_a_step_whose_deferral_cannot_pay_its_held_price_is_not_planned():
     steps (their 1.4 ms over the 0.4 ms of room), at 3.5 ms, so the plan runs every row, and so
     does the controller, without planning."""
     model = LinearLatencyModel(4e-3, 2e-4, 0.0, c_defer=1e-3)
-    rows = [Row(key="p", order=j, ctx=0, slo_s=0.05, phase=True) for j in range(8)]
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.05, in_phase=True) for j in range(8)]
     rows.append(Row(key="s", ctx=0, slo_s=0.02))
     for skip, planned in ((False, 0), (True, 1)):
         policy = parse_policy("taper", model=model)
@@ -419,7 +419,7 @@ def test_a_step_that_fits_is_not_planned():
     run unplanned; at a 5 ms SLO (a 4 ms budget) they do not fit, and the plan decides."""
     model = LinearLatencyModel(4e-3, 2e-4, 0.0)
     for slo, planned, fit in ((0.020, 0, 1), (0.005, 1, 0)):
-        rows = [Row(key="p", order=j, ctx=0, slo_s=slo, phase=True) for j in range(8)]
+        rows = [Row(key="p", order=j, ctx=0, slo_s=slo, in_phase=True) for j in range(8)]
         rows.append(Row(key="s", ctx=0, slo_s=slo))
         ctl = StepController(parse_policy("taper", model=model))
         active = ctl.select(rows, 0.0)
@@ -430,7 +430,7 @@ def test_a_step_that_fits_is_not_planned():
 def test_a_broken_clock_is_never_read_as_room():
     """A NaN clock gives the plan a budget of -inf: only the protected rows run, shortcut or not."""
     model = LinearLatencyModel(4e-3, 2e-4, 0.0)
-    rows = [Row(key="p", order=j, ctx=0, slo_s=0.02, phase=True) for j in range(4)] + [Row(key="s", ctx=0, slo_s=0.02)]
+    rows = [Row(key="p", order=j, ctx=0, slo_s=0.02, in_phase=True) for j in range(4)] + [Row(key="s", ctx=0, slo_s=0.02)]
     for name in ("taper", "taper-paper"):
         ctl = StepController(parse_policy(name, model=model))
         ctl.on_step_done({"s": Delivery(1, 0.02, False)}, float("nan"), 1)

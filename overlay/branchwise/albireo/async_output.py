@@ -398,16 +398,16 @@ def fast_decode_result(state: AsyncOutput, proc: SchedulerBatchResultProcessor, 
     state.stats["fast"] += 1
 
 
-def around_process_batch_result_decode(orig: Callable[..., Any], self: SchedulerBatchResultProcessor,
+def around_process_batch_result_decode(orig: Callable[..., Any], processor: SchedulerBatchResultProcessor,
                                        batch: ScheduleBatch, result: GenerationBatchResult) -> Any:
-    state = getattr(self.tree_cache, ATTR, None)
+    state = getattr(processor.tree_cache, ATTR, None)
     if result.copy_done is not None:  # the forward thread fills the result in: qualify what it produced
         result.copy_done.synchronize()
     if state is None or not state.enabled or not _qualifies(state, batch, result):
         if state is not None:
             state.stats["stock"] += 1
-        return orig(self, batch, result)
-    return fast_decode_result(state, self, batch, result)
+        return orig(processor, batch, result)
+    return fast_decode_result(state, processor, batch, result)
 
 
 # ---------------------------------------------------------------- hook bodies (targets in plugin.py)

@@ -458,17 +458,17 @@ def around_resolve_forward_inputs(orig: Hook, batch: ScheduleBatch, future_map: 
     return orig(batch, future_map, *args, **kwargs)
 
 
-def around_forward_batch_generation(orig: Hook, self: TpModelWorker, batch: ScheduleBatch | None = None,
+def around_forward_batch_generation(orig: Hook, worker: TpModelWorker, batch: ScheduleBatch | None = None,
                                     *args: Any, **kwargs: Any) -> GenerationBatchResult:
-    executor = getattr(self, ATTR, None)
+    executor = getattr(worker, ATTR, None)
     if executor is None or batch is None or batch is not executor.launching or args or kwargs:
-        return orig(self, batch, *args, **kwargs)
+        return orig(worker, batch, *args, **kwargs)
     from sglang.srt.managers.utils import GenerationBatchResult
 
     placeholder = GenerationBatchResult()
     placeholder._branchwise_job = True  # _relay_forward_payload / _copy_result_to_cpu: the worker does them
-    delayed = samples_later(self, batch)
-    job = ForwardJob(snapshot=snapshot(batch), placeholder=placeholder, run=lambda snap: orig(self, snap),
+    delayed = samples_later(worker, batch)
+    job = ForwardJob(snapshot=snapshot(batch), placeholder=placeholder, run=lambda snap: orig(worker, snap),
                      done=HostEvent(), rows=len(batch.seq_lens), forwarded=HostEvent() if delayed else None)
     # the worker consumes the snapshot's prefill staging: clear the live batch's as stock would
     batch.prefill_input_ids_cpu = None
@@ -496,11 +496,11 @@ def _launch_sampling(executor: ForwardExecutor, job: ForwardJob) -> GenerationBa
     return job.placeholder
 
 
-def around_update_regex_vocab_mask(orig: Hook, self: SamplingBatchInfo, *args: Any, **kwargs: Any) -> None:
+def around_update_regex_vocab_mask(orig: Hook, info: SamplingBatchInfo, *args: Any, **kwargs: Any) -> None:
     """Keep the mask _launch_sampling built: the worker must not read the advancing grammars."""
-    if self.__dict__.pop("_branchwise_mask_ready", False):
+    if info.__dict__.pop("_branchwise_mask_ready", False):
         return None
-    return orig(self, *args, **kwargs)
+    return orig(info, *args, **kwargs)
 
 
 def _count_job(stats: ForwardStats, batch: ScheduleBatch) -> None:
@@ -548,16 +548,16 @@ def _guarded_checkpoint(scheduler: Scheduler | None) -> bool:
     return type(tree_cache).checkpoint in (RadixCache.checkpoint, UnifiedRadixCache.checkpoint)
 
 
-def around_checkpoint(orig: Hook, self: RadixCache, req: Req, *args: Any, **kwargs: Any) -> None:
+def around_checkpoint(orig: Hook, cache: RadixCache, req: Req, *args: Any, **kwargs: Any) -> None:
     """(Unified)RadixCache.checkpoint: drain the worker before a write that changes a queued row."""
-    executor = getattr(self, ATTR, None)
+    executor = getattr(cache, ATTR, None)
     if executor is None or not executor.busy():
-        return orig(self, req, *args, **kwargs)
-    pool = self.req_to_token_pool
+        return orig(cache, req, *args, **kwargs)
+    pool = cache.req_to_token_pool
     # instance attribute for this call only
     pool.write = _CheckedWrite(executor, type(pool).write.__get__(pool))
     try:
-        return orig(self, req, *args, **kwargs)
+        return orig(cache, req, *args, **kwargs)
     finally:
         del pool.write
 

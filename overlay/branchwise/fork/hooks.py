@@ -50,7 +50,7 @@ def build(scheduler: Scheduler, config: BranchwiseConfig) -> ForkManager | None:
         logger.info("Branchwise server-side fork/join off: %s", why)
         return None
     mgr = ForkManager(scheduler, config)
-    state = getattr(getattr(scheduler, "branchwise", None), "taper", None)  # built before fork (runtime.py)
+    state = getattr(getattr(scheduler, "branchwise", None), "state", None)  # built before fork (runtime.py)
     mgr.metrics = getattr(state, "metrics", None)  # one set of Prometheus series per scheduler
     scheduler.tree_cache._branchwise_fork = mgr  # the output streamer's handle (it is a slots dataclass)
     return mgr
@@ -70,8 +70,8 @@ def after_create_generation_req(req: Req, scheduler: Scheduler, recv_req: Tokeni
         why = bw.config.client_grammar_error(asked)
         if why is not None:  # --branch-grammar-clients deny: HTTP 400, as for any malformed stamp
             req.set_finish_with_abort(f"Branchwise: {why}")
-            if bw.taper is not None:
-                bw.taper.bump("bad_requests")
+            if bw.state is not None:
+                bw.state.bump("bad_requests")
             return req
     mgr = bw.fork
     grammar = grammar_for(mgr.cfg.branch_grammar, req, recv_req, mgr.stats) if mgr is not None else None

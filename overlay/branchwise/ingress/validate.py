@@ -90,18 +90,18 @@ def as_bad_request(err: Exception, where: str) -> ValueError:
     return ValueError(msg if len(msg) <= MAX_MESSAGE else msg[: MAX_MESSAGE - 3] + "...")
 
 
-def around_normalize_batch_and_arguments(orig: Callable[..., None], self: ReqInput,
+def around_normalize_batch_and_arguments(orig: Callable[..., None], obj: ReqInput,
                                          *args: Any, **kwargs: Any) -> None:
     try:
-        check_sampling_params(getattr(self, "sampling_params", None))
-        out = orig(self, *args, **kwargs)
-        check_rids(self)
+        check_sampling_params(getattr(obj, "sampling_params", None))
+        out = orig(obj, *args, **kwargs)
+        check_rids(obj)
         return out
     except ValueError:
-        _nothing_dispatched(self)
+        _nothing_dispatched(obj)
         raise
     except Exception as err:  # noqa: BLE001 - only the client's request is being read here
-        _nothing_dispatched(self)
+        _nothing_dispatched(obj)
         raise as_bad_request(err, "GenerateReqInput.normalize_batch_and_arguments") from err
 
 
@@ -128,24 +128,24 @@ def check_prompt_not_empty(input_ids: object, input_embeds: object, mm_inputs: o
         raise ValueError("the prompt is empty: text tokenizes to no tokens")
 
 
-def around_create_tokenized_object(orig: Callable[..., Any], self: TokenizerManager, obj: ReqInput,
+def around_create_tokenized_object(orig: Callable[..., Any], manager: TokenizerManager, obj: ReqInput,
                                    *args: Any, **kwargs: Any) -> Any:
-    check_vocab_bounds(obj, getattr(getattr(self, "model_config", None), "vocab_size", None))
+    check_vocab_bounds(obj, getattr(getattr(manager, "model_config", None), "vocab_size", None))
     # SGLang's signature: (obj, input_text, input_ids, input_embeds=None, mm_inputs=None, ...)
     given = dict(zip(("input_text", "input_ids", "input_embeds", "mm_inputs"), args, strict=False)) | kwargs
     check_prompt_not_empty(given.get("input_ids"), given.get("input_embeds"), given.get("mm_inputs"))
     try:
-        return orig(self, obj, *args, **kwargs)
+        return orig(manager, obj, *args, **kwargs)
     except ValueError:
         raise
     except Exception as err:  # noqa: BLE001 - only the client's request is being read here
         raise as_bad_request(err, "TokenizerManager._create_tokenized_object") from err
 
 
-def after_validate_one_request(result: None, self: TokenizerManager, obj: ReqInput,
+def after_validate_one_request(result: None, manager: TokenizerManager, obj: ReqInput,
                                input_ids: list[int] | None = None, *args: Any, **kwargs: Any) -> None:
     if input_ids:  # text prompts come from the tokenizer: in range
-        vocab = self.model_config.vocab_size
+        vocab = manager.model_config.vocab_size
         lo, hi = min(input_ids), max(input_ids)
         if lo < 0 or hi >= vocab:
             raise ValueError(f"input_ids contains token id {lo if lo < 0 else hi}, outside the "
@@ -153,9 +153,9 @@ def after_validate_one_request(result: None, self: TokenizerManager, obj: ReqInp
     return result
 
 
-def around_create_abort_task(orig: Callable[..., BackgroundTasks], self: TokenizerManager,
+def around_create_abort_task(orig: Callable[..., BackgroundTasks], manager: TokenizerManager,
                              obj: GenerateReqInput, *args: Any, **kwargs: Any) -> BackgroundTasks:
-    tasks = orig(self, obj, *args, **kwargs)
+    tasks = orig(manager, obj, *args, **kwargs)
     for task in getattr(tasks, "tasks", ()):
         task.func = _unless_unnormalized(task.func, obj)
     return tasks

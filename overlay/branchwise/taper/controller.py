@@ -30,7 +30,7 @@ class Row:
     ctx: int  # KV length of the row
     slo_s: float
     weight: float = 1.0
-    phase: bool = False
+    in_phase: bool = False
     forced: bool = False  # must run this step (abort pending)
 
 
@@ -168,7 +168,7 @@ class StepController:
         widths = plan.widths.tolist()
         if not self.policy.replan:  # the pin rule: a phase keeps the width of its first plan
             for key, width, head in zip(groups, widths, heads, strict=True):
-                if head.phase and key not in self.fixed:
+                if head.in_phase and key not in self.fixed:
                     self.fixed[key] = width
         admitted = sum(widths)
         self._account(plan, batch, admitted, time.perf_counter() - started)
@@ -188,13 +188,13 @@ class StepController:
             reserve = model.predict(len(step.heads), sum(head.ctx for head in step.heads))
             self.stats.bubble_steps += 1
         for head, indices in zip(step.heads, step.groups.values(), strict=True):
-            tracker = self._tracker(head.key, head.slo_s, head.phase, now)
+            tracker = self._tracker(head.key, head.slo_s, head.in_phase, now)
             own = tracker.slack(now)
             gap = tracker.gap_slack(now) if mean else None
             if reserve is not None:
                 own -= reserve
                 gap = None if gap is None else gap - reserve
-            step.clocks.append(KeyClock(own, gap, head.slo_s, len(indices) - 1, head.phase))
+            step.clocks.append(KeyClock(own, gap, head.slo_s, len(indices) - 1, head.in_phase))
 
     def _view(self, step: _Step) -> StepView:
         """The budget rule's input straight from the rows and clocks, without the snapshot's arrays."""
@@ -254,7 +254,7 @@ class StepController:
                             np.int64, len(rows)),
             slack_s=np.array([clock.slack_s for clock in step.clocks], dtype=np.float64),
             weight=np.array([head.weight for head in heads], dtype=np.float64),
-            phase=np.array([head.phase for head in heads], dtype=bool), fixed_width=fixed,
+            phase=np.array([head.in_phase for head in heads], dtype=bool), fixed_width=fixed,
             slo_s=np.array([head.slo_s for head in heads], dtype=np.float64), waiting=step.waiting,
             gap_slack_s=gap)
 
@@ -300,7 +300,7 @@ class StepController:
         if self.quiet_ts is None:
             return
         fresh = {row.key: Delivery(0, row.slo_s, False) for row in rows
-                 if not row.phase and row.key not in self.trackers}
+                 if not row.in_phase and row.key not in self.trackers}
         self.on_step_done(fresh, self.quiet_ts, 0)
         self.quiet_ts = None
 
