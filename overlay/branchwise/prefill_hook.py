@@ -9,7 +9,7 @@ import math
 import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from branchwise import request_meta
 from branchwise.config import PREFILL_ENV, BranchwiseConfig
@@ -28,9 +28,17 @@ if TYPE_CHECKING:
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
 
-    from branchwise.scheduler_hook import BranchwiseState
-
 logger = logging.getLogger("branchwise")
+
+
+class HookState(Protocol):
+    """What the hook reads of scheduler_hook.BranchwiseState (named here: that module imports this one)."""
+
+    prefill: PrefillBudget | None
+    controller: StepController
+    config: BranchwiseConfig
+    tp_rank: int
+    tp_size: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,7 +152,7 @@ def _overlap_lag(scheduler: Scheduler) -> int:
                and last.forward_mode.is_decode())
 
 
-def decide(state: BranchwiseState, scheduler: Scheduler, running: ScheduleBatch) -> tuple[int, bool]:
+def decide(state: HookState, scheduler: Scheduler, running: ScheduleBatch) -> tuple[int, bool]:
     """(chunk, head due) on rank 0, broadcast to the other TP ranks; a failure gives SGLang's chunk."""
     budget = state.prefill
     chunk, due = budget.chunk_max, False
