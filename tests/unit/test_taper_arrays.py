@@ -70,7 +70,7 @@ def by_hand(ctl: StepController, reqs: list[tuple], now: float, waiting: int) ->
 
 def assert_same_batch(a: ArrayBatch, b: ArrayBatch) -> None:
     assert list(a.rids) == list(b.rids) and (a.extra_tokens, a.waiting) == (b.extra_tokens, b.waiting)
-    for f in ("ready", "ctx", "slack_s", "weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
+    for f in ("ready", "ctx", "slack_s", "weight", "in_phase", "fixed_width", "slo_s", "gap_slack_s"):
         x, y = getattr(a, f), getattr(b, f)
         assert (x is None) == (y is None) and (x is None or (x.dtype == y.dtype and np.array_equal(x, y))), f
 
@@ -116,7 +116,7 @@ def test_the_batch_carries_every_field():
     a = spy.seen[-1]
     assert list(a.rids) == ["k0", "k1"] and a.ready.tolist() == [3, 1] and a.ctx.tolist() == [5, 6, 7, 9]
     assert a.slack_s.tolist() == pytest.approx([3 * SLO - 0.011, SLO - 0.006])  # phase: 2 tokens in; serial: per gap
-    assert a.weight.tolist() == [2.0, 1.0] and a.phase.tolist() == [True, False]
+    assert a.weight.tolist() == [2.0, 1.0] and a.in_phase.tolist() == [True, False]
     assert a.fixed_width.tolist() == [3, 0] and a.slo_s.tolist() == [SLO, SLO] and a.waiting == 4
     assert a.gap_slack_s is None and a.extra_tokens == 0
 

@@ -125,7 +125,7 @@ def test_backlog_term_keeps_the_budget_at_the_slo_pace():
     n_ser, fan = 4, 8
     a = dict(rids=[f"s{i}" for i in range(n_ser)] + ["p"], ready=np.array([1] * n_ser + [fan], np.int64),
              ctx=np.full(n_ser + fan, 100, np.int64), slack_s=np.array([0.006] * n_ser + [0.1]),
-             phase=np.array([False] * n_ser + [True]), slo_s=np.full(n_ser + 1, 0.016))
+             in_phase=np.array([False] * n_ser + [True]), slo_s=np.full(n_ser + 1, 0.016))
     model = LinearLatencyModel(c0=1e-3, c_seq=5e-4, c_ctx=0.0)  # protected: 3.5 ms
     idle = parse_policy("taper", model=model).plan(ArrayBatch(**a, waiting=0))
     assert width(idle)["p"] == 3 and not idle.notes.keys() & {"backlog", "overload"}
@@ -150,7 +150,7 @@ def test_late_phase_is_widened_not_deferred():
 
 def test_taper_is_the_paper_rule_with_plentiful_slack_or_without_slo():
     a = dict(rids=["s", "p"], ready=np.array([1, 4], np.int64), ctx=np.full(5, 100, np.int64),
-             slack_s=np.array([0.05, 0.05]), phase=np.array([False, True]))
+             slack_s=np.array([0.05, 0.05]), in_phase=np.array([False, True]))
     model = LinearLatencyModel(c0=2e-3, c_seq=5e-4, c_ctx=0.0)
     for extra in ({}, {"slo_s": np.full(2, 0.05)}):
         got = parse_policy("taper", model=model).plan(ArrayBatch(**a, **extra))

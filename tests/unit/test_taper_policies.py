@@ -205,7 +205,7 @@ def test_a_policy_is_frozen_data():
 def _phase_batch(rows: int, slack: float) -> ArrayBatch:
     """One serial request and one phase of `rows` ready branches, short contexts."""
     return ArrayBatch(["s", "p"], np.array([1, rows]), np.full(rows + 1, 100), np.full(2, slack),
-                      phase=np.array([False, True]), slo_s=np.full(2, 0.05))
+                      in_phase=np.array([False, True]), slo_s=np.full(2, 0.05))
 
 
 def test_a_priced_deferral_runs_only_where_it_shortens_the_step():

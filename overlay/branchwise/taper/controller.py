@@ -254,16 +254,16 @@ class StepController:
                             np.int64, len(rows)),
             slack_s=np.array([clock.slack_s for clock in step.clocks], dtype=np.float64),
             weight=np.array([head.weight for head in heads], dtype=np.float64),
-            phase=np.array([head.in_phase for head in heads], dtype=bool), fixed_width=fixed,
+            in_phase=np.array([head.in_phase for head in heads], dtype=bool), fixed_width=fixed,
             slo_s=np.array([head.slo_s for head in heads], dtype=np.float64), waiting=step.waiting,
             gap_slack_s=gap)
 
-    def _tracker(self, key: str, slo_s: float, phase: bool, now: float) -> SlackTracker:
+    def _tracker(self, key: str, slo_s: float, in_phase: bool, now: float) -> SlackTracker:
         """The key's clock; a key seen for the first time starts one now (in a phase for phases)."""
         tracker = self.trackers.get(key)
         if tracker is None:
             tracker = self.trackers[key] = SlackTracker(slo_s, now, mean=self.policy.terms.mean)
-            if phase:
+            if in_phase:
                 tracker.start_phase(now)
         return tracker
 

@@ -37,7 +37,7 @@ class ArrayBatch:
     ctx: np.ndarray  # int64[sum(ready)], row context lengths, request-major, protected row first
     slack_s: np.ndarray  # float64[n], residual TPOT slack in seconds (may be negative)
     weight: np.ndarray | None = None  # float64[n], the "priority" utility's weights; None: all 1.0
-    phase: np.ndarray | None = None  # bool[n], in a parallel phase; None: none is
+    in_phase: np.ndarray | None = None  # bool[n], in a parallel phase; None: none is
     fixed_width: np.ndarray | None = None  # int64[n], 0 = not pinned (taper-no-replan)
     extra_tokens: int = 0  # tokens in the same forward that are not decode rows (mixed prefill)
     slo_s: np.ndarray | None = None  # float64[n], each request's TPOT target; None: unknown (paper rule)
@@ -55,7 +55,7 @@ class ArrayBatch:
         starts = self.ready.cumsum()
         if self.ctx.shape != (int(starts[-1]) if count else 0,):
             raise ValueError("ArrayBatch: ctx needs one entry per ready row (sum of ready)")
-        for name in ("weight", "phase", "fixed_width", "slo_s", "gap_slack_s"):
+        for name in ("weight", "in_phase", "fixed_width", "slo_s", "gap_slack_s"):
             column = getattr(self, name)
             if column is not None and column.shape != (count,):
                 raise ValueError(f"ArrayBatch: {name} needs one entry per request ({count})")

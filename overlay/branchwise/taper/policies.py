@@ -220,9 +220,9 @@ class Policy:
         if not (self.terms.any() and self.replan and batch.slo_s is not None):
             return self.rho * float(batch.slack_s.min()), None, {}
         model = self.model
-        phase = batch.phase.tolist() if batch.phase is not None else [False] * len(batch.rids)
+        in_phase = batch.in_phase.tolist() if batch.in_phase is not None else [False] * len(batch.rids)
         gap = [None] * len(batch.rids) if batch.gap_slack_s is None else batch.gap_slack_s.tolist()
-        columns = (batch.slack_s.tolist(), gap, batch.slo_s.tolist(), (batch.ready - 1).tolist(), phase)
+        columns = (batch.slack_s.tolist(), gap, batch.slo_s.tolist(), (batch.ready - 1).tolist(), in_phase)
         keys = [KeyClock(*clock) for clock in zip(*columns, strict=True)]
         view = StepView(t_all=model.predict(len(batch.ctx), int(batch.ctx.sum()), batch.extra_tokens),
                         t_protected=floor_cost(batch, model, None), extra_ctx=0, keys=keys,
